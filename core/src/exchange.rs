@@ -1,0 +1,570 @@
+//! The exchange: which prefill block feeds which decode block.
+//!
+//! Both legs describe each group of a request as a position-indexed block list. The exchange runs
+//! four steps, each a pure function of the prompt length, the layout and the lists:
+//!
+//! 1. **Trim** every group to the prompt's blocks, `cdiv(N, B_eff)`, so a lookahead tail on either
+//!    leg (speculative slots, first decode steps) can never move anything.
+//! 2. **Clip** window groups to the positions the last prompt token's window needs:
+//!    `floor(max(0, N - W) / B) .. cdiv(N, B)`.
+//! 3. **Anchor**: every [`ExchangeList`] says which position its first entry holds, and
+//!    [`pair`] joins entries by absolute position. A position one side needs and the other lacks
+//!    (or holds as the null block) is an error naming the group and position, never a shift.
+//! 4. **Mamba** groups exchange their running state (entry 0): the prefill leg stores the state
+//!    after `N - 1` tokens and the decode leg recomputes the last prompt token.
+//!
+//! Prefix hits on the decode leg are leading positions it already holds; [`need`] leaves them out
+//! so only the rest is read.
+//!
+//! [`legacy_pair`] reproduces vLLM MoRIIO's pairing before the fix (clip from the end with no
+//! trim, align from the head) so that the old failure can be shown and diagnosed. It is never the
+//! default.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::{BlockId, NULL_BLOCK};
+use crate::layout::{GroupKind, GroupSpec, KvLayout};
+
+/// The positions of one group that a decode leg needs to recompute the last prompt token of an
+/// `num_prompt_tokens`-token prompt and decode after it.
+///
+/// Full groups need every prompt block; window groups need the blocks holding tokens
+/// `N - W .. N - 1`; mamba groups need their state (position 0).
+pub fn needed_positions(group: &GroupSpec, num_prompt_tokens: u64) -> Range<u64> {
+    match group.kind() {
+        GroupKind::Mamba => 0..1,
+        GroupKind::Full => 0..group.blocks_for_tokens(num_prompt_tokens),
+        GroupKind::SlidingWindow { window } => {
+            let first_token = num_prompt_tokens.saturating_sub(u64::from(window));
+            first_token / group.effective_block_size()..group.blocks_for_tokens(num_prompt_tokens)
+        }
+    }
+}
+
+/// What one leg offers or needs of one group for one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExchangeList {
+    /// The group's spec as the sending leg sees it, so a mismatch is caught before pairing.
+    pub spec: GroupSpec,
+    /// Absolute block position held by `blocks[0]`.
+    pub first_position: u64,
+    /// Block ids for positions `first_position ..`.
+    pub blocks: Vec<BlockId>,
+}
+
+impl ExchangeList {
+    /// The absolute positions this list covers.
+    pub fn positions(&self) -> Range<u64> {
+        self.first_position..self.first_position + self.blocks.len() as u64
+    }
+
+    /// The block at absolute position `position`, if the list covers it.
+    pub fn block_at(&self, position: u64) -> Option<BlockId> {
+        let index = position.checked_sub(self.first_position)?;
+        self.blocks.get(usize::try_from(index).ok()?).copied()
+    }
+}
+
+/// A prefill leg's offer for one request: per group, the blocks a decode leg may read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Offer {
+    /// Prompt length the offer was computed for.
+    pub num_prompt_tokens: u64,
+    /// One list per group, in layout order.
+    pub groups: Vec<ExchangeList>,
+}
+
+/// A decode leg's need for one request: per group, where each needed position lands locally.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Need {
+    /// Prompt length the need was computed for.
+    pub num_prompt_tokens: u64,
+    /// One list per group, in layout order; a group with nothing to read has an empty list.
+    pub groups: Vec<ExchangeList>,
+}
+
+/// One READ unit: the prefill block at `remote_position` lands in the decode block at
+/// `local_position`. Anchored pairing always has equal positions; legacy pairing may not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockPair {
+    /// Position of the block on the prefill leg.
+    pub remote_position: u64,
+    /// Position of the block on the decode leg.
+    pub local_position: u64,
+    /// Prefill leg's block id (the READ source).
+    pub remote: BlockId,
+    /// Decode leg's block id (the READ destination).
+    pub local: BlockId,
+}
+
+/// The pairs of every group of one request, in layout order.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Pairing {
+    /// `groups[g]` holds group `g`'s pairs in ascending position order.
+    pub groups: Vec<Vec<BlockPair>>,
+}
+
+impl Pairing {
+    /// Total number of block pairs over all groups.
+    pub fn num_pairs(&self) -> usize {
+        self.groups.iter().map(Vec::len).sum()
+    }
+}
+
+/// Which pairing algorithm to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PairingMode {
+    /// Trim, clip, anchor: the correct pairing, and the default.
+    #[default]
+    Anchored,
+    /// vLLM MoRIIO before the fix: clip from the end without a trim, align from the head. Only to
+    /// reproduce and diagnose the old behaviour.
+    Legacy,
+}
+
+impl std::str::FromStr for PairingMode {
+    type Err = ExchangeError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text {
+            "anchored" => Ok(PairingMode::Anchored),
+            "legacy" => Ok(PairingMode::Legacy),
+            other => Err(ExchangeError::UnknownPairingMode(other.to_string())),
+        }
+    }
+}
+
+/// Which leg a list or error belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Leg {
+    /// The producer: computes the prompt's KV and grants READs of it.
+    Prefill,
+    /// The consumer: READs the KV and decodes.
+    Decode,
+}
+
+impl std::fmt::Display for Leg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Leg::Prefill => "prefill",
+            Leg::Decode => "decode",
+        })
+    }
+}
+
+/// Builds the prefill leg's offer: trim every group to the prompt's blocks, clip window groups to
+/// the last token's window, anchor each list at its first position.
+///
+/// `prefill_blocks[g]` is group `g`'s full position-indexed list, lookahead tail included.
+pub fn offer(
+    layout: &KvLayout,
+    num_prompt_tokens: u64,
+    prefill_blocks: &[Vec<BlockId>],
+) -> Result<Offer, ExchangeError> {
+    check_request(layout, num_prompt_tokens, Leg::Prefill, prefill_blocks.len())?;
+    let groups = layout
+        .groups()
+        .iter()
+        .zip(prefill_blocks)
+        .enumerate()
+        .map(|(group, (spec, blocks))| {
+            let range = needed_positions(spec, num_prompt_tokens);
+            anchored_list(Leg::Prefill, group, spec, blocks, range)
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Offer {
+        num_prompt_tokens,
+        groups,
+    })
+}
+
+/// Builds the decode leg's need: the same positions as [`offer`], minus the leading
+/// `cached_blocks[g]` positions of each group that the decode leg holds already (prefix hits).
+///
+/// `cached_blocks` may be empty (no hits); otherwise it has one count per group.
+pub fn need(
+    layout: &KvLayout,
+    num_prompt_tokens: u64,
+    decode_blocks: &[Vec<BlockId>],
+    cached_blocks: &[u64],
+) -> Result<Need, ExchangeError> {
+    check_request(layout, num_prompt_tokens, Leg::Decode, decode_blocks.len())?;
+    if !cached_blocks.is_empty() && cached_blocks.len() != layout.groups().len() {
+        return Err(ExchangeError::CachedCountMismatch {
+            given: cached_blocks.len(),
+            groups: layout.groups().len(),
+        });
+    }
+    let groups = layout
+        .groups()
+        .iter()
+        .zip(decode_blocks)
+        .enumerate()
+        .map(|(group, (spec, blocks))| {
+            let cached = cached_blocks.get(group).copied().unwrap_or(0);
+            if cached > blocks.len() as u64 {
+                return Err(ExchangeError::CachedBeyondList {
+                    group,
+                    cached,
+                    len: blocks.len(),
+                });
+            }
+            if cached > 0 && spec.kind() == GroupKind::Mamba {
+                return Err(ExchangeError::CachedMamba { group, cached });
+            }
+            let range = needed_positions(spec, num_prompt_tokens);
+            let start = range.start.max(cached).min(range.end);
+            anchored_list(Leg::Decode, group, spec, blocks, start..range.end)
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Need {
+        num_prompt_tokens,
+        groups,
+    })
+}
+
+/// Joins a need with an offer by absolute position, group by group.
+///
+/// Fails closed: a needed position the offer does not cover, or covers with the null block, is an
+/// error; so is any disagreement about the prompt length or a group's spec.
+pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, ExchangeError> {
+    if offer.num_prompt_tokens != need.num_prompt_tokens {
+        return Err(ExchangeError::PromptLengthMismatch {
+            prefill: offer.num_prompt_tokens,
+            decode: need.num_prompt_tokens,
+        });
+    }
+    let groups = layout.groups().len();
+    for (leg, count) in [
+        (Leg::Prefill, offer.groups.len()),
+        (Leg::Decode, need.groups.len()),
+    ] {
+        if count != groups {
+            return Err(ExchangeError::GroupCountMismatch {
+                leg,
+                given: count,
+                groups,
+            });
+        }
+    }
+    let mut pairing = Pairing {
+        groups: Vec::with_capacity(groups),
+    };
+    for (group, ((spec, remote), local)) in layout
+        .groups()
+        .iter()
+        .zip(&offer.groups)
+        .zip(&need.groups)
+        .enumerate()
+    {
+        for (leg, list) in [(Leg::Prefill, remote), (Leg::Decode, local)] {
+            if list.spec != *spec {
+                return Err(ExchangeError::GroupSpecMismatch {
+                    group,
+                    leg,
+                    detail: describe_spec_difference(spec, &list.spec),
+                });
+            }
+        }
+        let mut pairs = Vec::with_capacity(local.blocks.len());
+        for (position, &local_block) in local.positions().zip(&local.blocks) {
+            let remote_block = match remote.block_at(position) {
+                Some(NULL_BLOCK) => {
+                    return Err(ExchangeError::NullAtNeededPosition {
+                        group,
+                        kind: spec.kind().name(),
+                        leg: Leg::Prefill,
+                        position,
+                    });
+                }
+                Some(id) => id,
+                None => {
+                    return Err(ExchangeError::MissingPosition {
+                        group,
+                        kind: spec.kind().name(),
+                        position,
+                        offered: remote.positions(),
+                    });
+                }
+            };
+            pairs.push(BlockPair {
+                remote_position: position,
+                local_position: position,
+                remote: remote_block,
+                local: local_block,
+            });
+        }
+        pairing.groups.push(pairs);
+    }
+    Ok(pairing)
+}
+
+/// vLLM MoRIIO's READ pairing before the fix, kept only to reproduce and diagnose it.
+///
+/// Window groups are clipped to their last `cdiv(W, B) + 1` entries on both legs with no trim;
+/// then each group is aligned from the head as `_align_read_blocks` did: a longer decode list may
+/// drop up to `max_decode_tail_blocks` entries from its end (more is an error), a shorter decode
+/// list pairs with the prefill list's suffix. Prefix hits are ignored (vLLM read full lists).
+pub fn legacy_pair(
+    layout: &KvLayout,
+    prefill_blocks: &[Vec<BlockId>],
+    decode_blocks: &[Vec<BlockId>],
+    max_decode_tail_blocks: u64,
+) -> Result<Pairing, ExchangeError> {
+    let groups = layout.groups().len();
+    for (leg, count) in [
+        (Leg::Prefill, prefill_blocks.len()),
+        (Leg::Decode, decode_blocks.len()),
+    ] {
+        if count != groups {
+            return Err(ExchangeError::GroupCountMismatch {
+                leg,
+                given: count,
+                groups,
+            });
+        }
+    }
+    let mut pairing = Pairing::default();
+    for (group, ((spec, remote), local)) in layout
+        .groups()
+        .iter()
+        .zip(prefill_blocks)
+        .zip(decode_blocks)
+        .enumerate()
+    {
+        let (remote_start, local_start, remote, local) = match spec.kind() {
+            GroupKind::Mamba => (0, 0, &remote[..remote.len().min(1)], &local[..local.len().min(1)]),
+            GroupKind::Full => (0, 0, &remote[..], &local[..]),
+            GroupKind::SlidingWindow { window } => {
+                let keep = u64::from(window).div_ceil(u64::from(spec.block_size())) + 1;
+                let keep = usize::try_from(keep).unwrap_or(usize::MAX);
+                let remote_start = remote.len().saturating_sub(keep);
+                let local_start = local.len().saturating_sub(keep);
+                (
+                    remote_start,
+                    local_start,
+                    &remote[remote_start..],
+                    &local[local_start..],
+                )
+            }
+        };
+        let (remote_start, remote, local) = if local.len() > remote.len() {
+            let extra = (local.len() - remote.len()) as u64;
+            if extra > max_decode_tail_blocks {
+                return Err(ExchangeError::LegacyTailTooLong {
+                    group,
+                    extra,
+                    allowed: max_decode_tail_blocks,
+                });
+            }
+            (remote_start, remote, &local[..remote.len()])
+        } else {
+            let skip = remote.len() - local.len();
+            (remote_start + skip, &remote[skip..], local)
+        };
+        let pairs = remote
+            .iter()
+            .zip(local)
+            .enumerate()
+            .map(|(index, (&remote_block, &local_block))| BlockPair {
+                remote_position: (remote_start + index) as u64,
+                local_position: (local_start + index) as u64,
+                remote: remote_block,
+                local: local_block,
+            })
+            .collect();
+        pairing.groups.push(pairs);
+    }
+    Ok(pairing)
+}
+
+fn check_request(
+    layout: &KvLayout,
+    num_prompt_tokens: u64,
+    leg: Leg,
+    lists: usize,
+) -> Result<(), ExchangeError> {
+    if num_prompt_tokens == 0 {
+        return Err(ExchangeError::EmptyPrompt);
+    }
+    if lists != layout.groups().len() {
+        return Err(ExchangeError::GroupCountMismatch {
+            leg,
+            given: lists,
+            groups: layout.groups().len(),
+        });
+    }
+    Ok(())
+}
+
+/// Cuts `range` out of a position-indexed list, refusing a short list or a null in the range.
+fn anchored_list(
+    leg: Leg,
+    group: usize,
+    spec: &GroupSpec,
+    blocks: &[BlockId],
+    range: Range<u64>,
+) -> Result<ExchangeList, ExchangeError> {
+    if (blocks.len() as u64) < range.end {
+        return Err(ExchangeError::ListTooShort {
+            group,
+            kind: spec.kind().name(),
+            leg,
+            len: blocks.len(),
+            needed: range.end,
+        });
+    }
+    // Both bounds are at most `blocks.len()`, so they fit in usize.
+    let slice = &blocks[range.start as usize..range.end as usize];
+    if let Some(offset) = slice.iter().position(|&id| id == NULL_BLOCK) {
+        return Err(ExchangeError::NullAtNeededPosition {
+            group,
+            kind: spec.kind().name(),
+            leg,
+            position: range.start + offset as u64,
+        });
+    }
+    Ok(ExchangeList {
+        spec: *spec,
+        first_position: range.start,
+        blocks: slice.to_vec(),
+    })
+}
+
+fn describe_spec_difference(ours: &GroupSpec, theirs: &GroupSpec) -> String {
+    if ours.kind().name() != theirs.kind().name() {
+        format!("kind {} vs {}", ours.kind().name(), theirs.kind().name())
+    } else if ours.kind().window() != theirs.kind().window() {
+        format!(
+            "window {} vs {}",
+            ours.kind().window().unwrap_or(0),
+            theirs.kind().window().unwrap_or(0)
+        )
+    } else if ours.block_size() != theirs.block_size() {
+        format!("block_size {} vs {}", ours.block_size(), theirs.block_size())
+    } else {
+        format!("dcp {} vs {}", ours.dcp(), theirs.dcp())
+    }
+}
+
+/// Why an exchange was refused. Every variant names the group, leg and position at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExchangeError {
+    /// A request needs at least one prompt token (the decode leg recomputes the last one).
+    #[error("num_prompt_tokens must be at least 1, got 0")]
+    EmptyPrompt,
+    /// A leg sent a different number of group lists than the layout has.
+    #[error("{leg} leg gave {given} group lists, the layout has {groups}")]
+    GroupCountMismatch {
+        /// Leg at fault.
+        leg: Leg,
+        /// Lists given.
+        given: usize,
+        /// Groups in the layout.
+        groups: usize,
+    },
+    /// A leg's list is shorter than the prompt's blocks.
+    #[error("group {group} ({kind}): {leg} leg holds {len} blocks, the prompt needs {needed}")]
+    ListTooShort {
+        /// Group index.
+        group: usize,
+        /// Group kind.
+        kind: &'static str,
+        /// Leg at fault.
+        leg: Leg,
+        /// Blocks held.
+        len: usize,
+        /// Blocks the prompt needs.
+        needed: u64,
+    },
+    /// A leg holds the null block where a real one is needed.
+    #[error("group {group} ({kind}): {leg} leg holds the null block at needed position {position}")]
+    NullAtNeededPosition {
+        /// Group index.
+        group: usize,
+        /// Group kind.
+        kind: &'static str,
+        /// Leg at fault.
+        leg: Leg,
+        /// Block position.
+        position: u64,
+    },
+    /// The decode leg needs a position the offer does not cover.
+    #[error(
+        "group {group} ({kind}): decode needs position {position}, offer covers {}..{}",
+        offered.start, offered.end
+    )]
+    MissingPosition {
+        /// Group index.
+        group: usize,
+        /// Group kind.
+        kind: &'static str,
+        /// Block position needed.
+        position: u64,
+        /// Positions the offer covers.
+        offered: Range<u64>,
+    },
+    /// Offer and need were computed for different prompts.
+    #[error("prefill offer is for {prefill} prompt tokens, decode need for {decode}")]
+    PromptLengthMismatch {
+        /// Prefill leg's prompt length.
+        prefill: u64,
+        /// Decode leg's prompt length.
+        decode: u64,
+    },
+    /// The legs disagree on a group's kind, window, block size or DCP factor.
+    #[error("group {group}: {leg} leg's spec differs from the layout: {detail}")]
+    GroupSpecMismatch {
+        /// Group index.
+        group: usize,
+        /// Leg whose spec differs.
+        leg: Leg,
+        /// What differs (ours vs theirs).
+        detail: String,
+    },
+    /// Prefix-hit counts must come one per group.
+    #[error("cached_blocks has {given} entries, the layout has {groups} groups")]
+    CachedCountMismatch {
+        /// Entries given.
+        given: usize,
+        /// Groups in the layout.
+        groups: usize,
+    },
+    /// A prefix hit cannot cover more blocks than the decode leg holds.
+    #[error("group {group}: cached_blocks {cached} exceeds the decode list's {len} blocks")]
+    CachedBeyondList {
+        /// Group index.
+        group: usize,
+        /// Cached count given.
+        cached: u64,
+        /// Decode list length.
+        len: usize,
+    },
+    /// A recurrent state cannot be a prefix hit.
+    #[error("group {group} (mamba): cached_blocks must be 0, got {cached}")]
+    CachedMamba {
+        /// Group index.
+        group: usize,
+        /// Cached count given.
+        cached: u64,
+    },
+    /// Legacy alignment refuses a decode tail longer than allowed, as vLLM did.
+    #[error(
+        "group {group}: legacy pairing found a decode tail of {extra} blocks, allowed local tail is {allowed}"
+    )]
+    LegacyTailTooLong {
+        /// Group index.
+        group: usize,
+        /// Extra decode blocks.
+        extra: u64,
+        /// `max_decode_tail_blocks`.
+        allowed: u64,
+    },
+    /// `pairing` must be `anchored` or `legacy`.
+    #[error("unknown pairing mode {0:?}, expected \"anchored\" or \"legacy\"")]
+    UnknownPairingMode(String),
+}

@@ -1,0 +1,399 @@
+//! KV-cache layout: the groups a model's layers fall into, and what each group's block means.
+//!
+//! A *group* is a set of layers sharing one block table and one kind: full attention, sliding
+//! window attention (window `W` tokens) or a mamba-style recurrent state. Each attention group has
+//! its own block size `B` (tokens per block) and a decode-context-parallel factor `d`; a scheduler
+//! block of a DCP-sharded group holds `B * d` tokens, the *effective* block size every block count
+//! in the exchange must use.
+//!
+//! A [`KvLayout`] is validated once when built (parse, don't validate): everything downstream may
+//! rely on non-zero block sizes, non-zero windows and layers that name existing groups.
+//! [`KvLayout::compat_hash`] condenses everything two legs must agree on into 64 bits so that a
+//! handshake can refuse a peer with a different layout before any block is paired.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The kind of one KV-cache group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum GroupKind {
+    /// Full attention: every prompt position is needed by the last token.
+    Full,
+    /// Sliding-window attention: a token attends to itself and the `window - 1` tokens before it.
+    SlidingWindow {
+        /// Window length in tokens, including the attending token itself.
+        window: u32,
+    },
+    /// A fixed-size recurrent state (one state block per request, plus scratch slots).
+    Mamba,
+}
+
+impl GroupKind {
+    /// Short name used in error messages and tables.
+    pub fn name(&self) -> &'static str {
+        match self {
+            GroupKind::Full => "full",
+            GroupKind::SlidingWindow { .. } => "sliding_window",
+            GroupKind::Mamba => "mamba",
+        }
+    }
+
+    /// The window in tokens, for sliding-window groups.
+    pub fn window(&self) -> Option<u32> {
+        match self {
+            GroupKind::SlidingWindow { window } => Some(*window),
+            _ => None,
+        }
+    }
+}
+
+/// One validated KV-cache group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GroupSpec {
+    kind: GroupKind,
+    /// Tokens per block on one DCP rank; `1` for mamba groups, whose block is a state, not tokens.
+    block_size: u32,
+    /// Decode-context-parallel factor; the scheduler block covers `block_size * dcp` tokens.
+    dcp: u32,
+}
+
+impl GroupSpec {
+    /// A full-attention group.
+    pub fn full(block_size: u32, dcp: u32) -> Result<Self, LayoutError> {
+        Self::new(GroupKind::Full, Some(block_size), dcp)
+    }
+
+    /// A sliding-window group with a window of `window` tokens.
+    pub fn sliding_window(block_size: u32, window: u32, dcp: u32) -> Result<Self, LayoutError> {
+        Self::new(GroupKind::SlidingWindow { window }, Some(block_size), dcp)
+    }
+
+    /// A mamba (recurrent state) group.
+    pub fn mamba() -> Self {
+        GroupSpec {
+            kind: GroupKind::Mamba,
+            block_size: 1,
+            dcp: 1,
+        }
+    }
+
+    /// Checks one group's parameters; attention groups need a block size, mamba groups take none.
+    pub fn new(kind: GroupKind, block_size: Option<u32>, dcp: u32) -> Result<Self, LayoutError> {
+        if dcp == 0 {
+            return Err(LayoutError::ZeroDcp);
+        }
+        match kind {
+            GroupKind::Mamba => {
+                if dcp != 1 {
+                    return Err(LayoutError::DcpNotSupported { kind: "mamba", dcp });
+                }
+                Ok(Self::mamba())
+            }
+            GroupKind::Full | GroupKind::SlidingWindow { .. } => {
+                let block_size = block_size.ok_or(LayoutError::MissingBlockSize { kind: kind.name() })?;
+                if block_size == 0 {
+                    return Err(LayoutError::ZeroBlockSize);
+                }
+                if let GroupKind::SlidingWindow { window } = kind {
+                    if window == 0 {
+                        return Err(LayoutError::ZeroWindow);
+                    }
+                    // vLLM's sliding-window manager asserts dcp == 1; so do we, because the
+                    // window clip is defined on unsharded token positions.
+                    if dcp != 1 {
+                        return Err(LayoutError::DcpNotSupported {
+                            kind: "sliding_window",
+                            dcp,
+                        });
+                    }
+                }
+                block_size
+                    .checked_mul(dcp)
+                    .ok_or(LayoutError::EffectiveBlockSizeOverflow { block_size, dcp })?;
+                Ok(GroupSpec {
+                    kind,
+                    block_size,
+                    dcp,
+                })
+            }
+        }
+    }
+
+    /// The group's kind.
+    pub fn kind(&self) -> GroupKind {
+        self.kind
+    }
+
+    /// Tokens per block on one DCP rank (1 for mamba groups).
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// The decode-context-parallel factor.
+    pub fn dcp(&self) -> u32 {
+        self.dcp
+    }
+
+    /// Tokens per scheduler block: `block_size * dcp`. The exchange counts blocks with this.
+    pub fn effective_block_size(&self) -> u64 {
+        u64::from(self.block_size) * u64::from(self.dcp)
+    }
+
+    /// Blocks a leg holds for `tokens` tokens in this group (`cdiv(tokens, B_eff)`); mamba: 1.
+    pub fn blocks_for_tokens(&self, tokens: u64) -> u64 {
+        match self.kind {
+            GroupKind::Mamba => 1,
+            _ => tokens.div_ceil(self.effective_block_size()),
+        }
+    }
+}
+
+/// A validated model KV layout: groups, and which group each layer belongs to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    groups: Vec<GroupSpec>,
+    /// `layer_groups[l]` is the group index of layer `l`.
+    layer_groups: Vec<usize>,
+}
+
+impl KvLayout {
+    /// Builds a layout; every layer must name an existing group and every group needs a layer.
+    pub fn new(groups: Vec<GroupSpec>, layer_groups: Vec<usize>) -> Result<Self, LayoutError> {
+        if groups.is_empty() {
+            return Err(LayoutError::NoGroups);
+        }
+        for (layer, &group) in layer_groups.iter().enumerate() {
+            if group >= groups.len() {
+                return Err(LayoutError::LayerGroupOutOfRange {
+                    layer,
+                    group,
+                    groups: groups.len(),
+                });
+            }
+        }
+        if !layer_groups.is_empty() {
+            for group in 0..groups.len() {
+                if !layer_groups.contains(&group) {
+                    return Err(LayoutError::GroupWithoutLayers { group });
+                }
+            }
+        }
+        Ok(KvLayout { groups, layer_groups })
+    }
+
+    /// A layout with one layer per group, for callers that only pair block lists.
+    pub fn one_layer_per_group(groups: Vec<GroupSpec>) -> Result<Self, LayoutError> {
+        let layers = (0..groups.len()).collect();
+        Self::new(groups, layers)
+    }
+
+    /// The groups, in exchange order.
+    pub fn groups(&self) -> &[GroupSpec] {
+        &self.groups
+    }
+
+    /// One group.
+    pub fn group(&self, index: usize) -> Option<&GroupSpec> {
+        self.groups.get(index)
+    }
+
+    /// Group index per layer.
+    pub fn layer_groups(&self) -> &[usize] {
+        &self.layer_groups
+    }
+
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layer_groups.len()
+    }
+
+    /// A 64-bit digest of everything two legs must agree on (kinds, block sizes, windows, DCP
+    /// factors, layer-to-group map). Stable across runs and platforms.
+    pub fn compat_hash(&self) -> u64 {
+        let mut hasher = Sha256::new();
+        hasher.update(b"pdkv-layout-v1");
+        hasher.update((self.groups.len() as u64).to_le_bytes());
+        for group in &self.groups {
+            let (tag, window) = match group.kind {
+                GroupKind::Full => (0u8, 0u32),
+                GroupKind::SlidingWindow { window } => (1, window),
+                GroupKind::Mamba => (2, 0),
+            };
+            hasher.update([tag]);
+            hasher.update(window.to_le_bytes());
+            hasher.update(group.block_size.to_le_bytes());
+            hasher.update(group.dcp.to_le_bytes());
+        }
+        hasher.update((self.layer_groups.len() as u64).to_le_bytes());
+        for &group in &self.layer_groups {
+            hasher.update((group as u64).to_le_bytes());
+        }
+        let digest = hasher.finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(first)
+    }
+}
+
+/// Why a layout was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// A layout needs at least one group.
+    #[error("layout has no groups: at least one group is required")]
+    NoGroups,
+    /// Attention groups must say how many tokens a block holds.
+    #[error("{kind} group needs a block_size")]
+    MissingBlockSize {
+        /// Kind of the offending group.
+        kind: &'static str,
+    },
+    /// A block must hold at least one token.
+    #[error("block_size must be at least 1, got 0")]
+    ZeroBlockSize,
+    /// A window must cover at least the attending token.
+    #[error("sliding_window window must be at least 1 token, got 0")]
+    ZeroWindow,
+    /// DCP factor 0 is meaningless.
+    #[error("dcp must be at least 1, got 0")]
+    ZeroDcp,
+    /// Window and mamba groups are never DCP-sharded (vLLM asserts the same).
+    #[error("{kind} groups do not support dcp > 1, got dcp {dcp}")]
+    DcpNotSupported {
+        /// Kind of the offending group.
+        kind: &'static str,
+        /// The DCP factor given.
+        dcp: u32,
+    },
+    /// `block_size * dcp` must fit in 32 bits.
+    #[error("block_size {block_size} * dcp {dcp} overflows")]
+    EffectiveBlockSizeOverflow {
+        /// Block size given.
+        block_size: u32,
+        /// DCP factor given.
+        dcp: u32,
+    },
+    /// A layer names a group that does not exist.
+    #[error("layer {layer} names group {group}, but the layout has {groups} groups")]
+    LayerGroupOutOfRange {
+        /// Layer index.
+        layer: usize,
+        /// Group index it named.
+        group: usize,
+        /// Number of groups.
+        groups: usize,
+    },
+    /// Every group must hold at least one layer, or its blocks would carry nothing.
+    #[error("group {group} has no layers")]
+    GroupWithoutLayers {
+        /// Group index.
+        group: usize,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn effective_block_size_multiplies_dcp() {
+        let group = GroupSpec::full(64, 4).unwrap();
+        assert_eq!(group.effective_block_size(), 256);
+        assert_eq!(group.blocks_for_tokens(257), 2);
+        assert_eq!(group.blocks_for_tokens(256), 1);
+        assert_eq!(GroupSpec::mamba().blocks_for_tokens(10_000), 1);
+    }
+
+    #[test]
+    fn invalid_groups_name_what_is_wrong() {
+        let cases: Vec<(Result<GroupSpec, LayoutError>, &str)> = vec![
+            (GroupSpec::full(0, 1), "block_size must be at least 1"),
+            (GroupSpec::full(64, 0), "dcp must be at least 1"),
+            (GroupSpec::sliding_window(64, 0, 1), "window must be at least 1"),
+            (
+                GroupSpec::sliding_window(64, 128, 2),
+                "sliding_window groups do not support dcp > 1",
+            ),
+            (
+                GroupSpec::new(GroupKind::Full, None, 1),
+                "full group needs a block_size",
+            ),
+            (
+                GroupSpec::new(GroupKind::Mamba, None, 2),
+                "mamba groups do not support dcp > 1",
+            ),
+            (GroupSpec::full(u32::MAX, 2), "overflows"),
+        ];
+        for (result, expected) in cases {
+            let message = result.unwrap_err().to_string();
+            assert!(
+                message.contains(expected),
+                "{message:?} should contain {expected:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn layouts_check_layer_to_group_map() {
+        let full = GroupSpec::full(64, 1).unwrap();
+        assert_eq!(KvLayout::new(vec![], vec![]), Err(LayoutError::NoGroups));
+        assert!(matches!(
+            KvLayout::new(vec![full], vec![0, 1]),
+            Err(LayoutError::LayerGroupOutOfRange {
+                layer: 1,
+                group: 1,
+                groups: 1
+            })
+        ));
+        assert!(matches!(
+            KvLayout::new(vec![full, full], vec![0, 0]),
+            Err(LayoutError::GroupWithoutLayers { group: 1 })
+        ));
+    }
+
+    #[test]
+    fn compat_hash_differs_when_any_parameter_differs() {
+        let base = KvLayout::new(
+            vec![
+                GroupSpec::full(64, 1).unwrap(),
+                GroupSpec::sliding_window(64, 128, 1).unwrap(),
+            ],
+            vec![0, 1, 0],
+        )
+        .unwrap();
+        let variants = [
+            KvLayout::new(
+                vec![
+                    GroupSpec::full(32, 1).unwrap(),
+                    GroupSpec::sliding_window(64, 128, 1).unwrap(),
+                ],
+                vec![0, 1, 0],
+            ),
+            KvLayout::new(
+                vec![
+                    GroupSpec::full(64, 2).unwrap(),
+                    GroupSpec::sliding_window(64, 128, 1).unwrap(),
+                ],
+                vec![0, 1, 0],
+            ),
+            KvLayout::new(
+                vec![
+                    GroupSpec::full(64, 1).unwrap(),
+                    GroupSpec::sliding_window(64, 256, 1).unwrap(),
+                ],
+                vec![0, 1, 0],
+            ),
+            KvLayout::new(
+                vec![
+                    GroupSpec::full(64, 1).unwrap(),
+                    GroupSpec::sliding_window(64, 128, 1).unwrap(),
+                ],
+                vec![0, 1, 1],
+            ),
+        ];
+        for variant in variants {
+            assert_ne!(base.compat_hash(), variant.unwrap().compat_hash());
+        }
+        assert_eq!(base.compat_hash(), base.clone().compat_hash());
+    }
+}

@@ -1,0 +1,22 @@
+//! pdkv-core: the sans-IO heart of pdkv.
+//!
+//! Everything here is a pure function of its inputs: no sockets, clocks, threads, actors or
+//! unseeded randomness. The actors and transports of the other crates are thin shells that own
+//! state and call into this crate.
+//!
+//! - [`layout`]: KV-cache groups (full, sliding window, mamba), block sizes, DCP, compat hash.
+//! - [`block`]: block ids and the null block.
+//! - [`exchange`]: trim, clip, anchor and pair per-group block lists; the legacy pairing.
+//! - [`plan`]: block pairs to coalesced per-layer byte ranges.
+//! - [`wire`]: the serde types that cross the network.
+//! - [`scenario`]: the input format of `pdkv plan`.
+//!
+//! Non-goals: encoding (the transport's codec owns it), scheduling, memory.
+#![warn(missing_docs)]
+
+pub mod block;
+pub mod exchange;
+pub mod layout;
+pub mod plan;
+pub mod scenario;
+pub mod wire;

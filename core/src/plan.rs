@@ -1,0 +1,380 @@
+//! Transfer plans: block pairs turned into per-layer byte ranges for a READ engine.
+//!
+//! Each leg registers its KV memory as regions. A [`RegionLayout`] says, per layer, which region
+//! holds the layer's blocks, where they start and how many bytes one block takes. [`plan`] maps
+//! every [`BlockPair`] of a [`Pairing`] to a `(local offset, remote offset, length)` run per layer
+//! of the pair's group, and merges pairs whose remote and local ids both run on into one run, so a
+//! READ engine posts as few descriptors as the allocation allows (descriptor count, not bytes, is
+//! what limits real P/D transfers).
+//!
+//! Pairs whose prefill block is the null block carry no data and are left out.
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::{BlockId, NULL_BLOCK};
+use crate::exchange::{BlockPair, Pairing};
+use crate::layout::KvLayout;
+
+/// Where one layer's blocks live inside a leg's registered memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerRegion {
+    /// Index of the registered memory region holding the layer.
+    pub region: u32,
+    /// Byte offset of block 0 of this layer within the region.
+    pub base_offset: u64,
+    /// Bytes one block of this layer takes.
+    pub bytes_per_block: u64,
+    /// Blocks the layer holds; a pair naming a higher id is refused.
+    pub num_blocks: u32,
+}
+
+/// Per-layer placement of a leg's KV blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionLayout {
+    /// `layers[l]` places layer `l`.
+    pub layers: Vec<LayerRegion>,
+}
+
+impl RegionLayout {
+    /// Every layer in its own region, `num_blocks` blocks of `bytes_per_block[l]` bytes at 0.
+    pub fn region_per_layer(bytes_per_block: &[u64], num_blocks: u32) -> Self {
+        RegionLayout {
+            layers: bytes_per_block
+                .iter()
+                .enumerate()
+                .map(|(layer, &bytes)| LayerRegion {
+                    region: layer as u32,
+                    base_offset: 0,
+                    bytes_per_block: bytes,
+                    num_blocks,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One contiguous READ: `len_bytes` from the remote region at `remote_offset` into the local
+/// region at `local_offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadRun {
+    /// Destination offset within the local (decode) region.
+    pub local_offset: u64,
+    /// Source offset within the remote (prefill) region.
+    pub remote_offset: u64,
+    /// Bytes to copy.
+    pub len_bytes: u64,
+}
+
+/// The runs of one layer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerPlan {
+    /// Layer index.
+    pub layer: u32,
+    /// Local (decode) region the runs write into.
+    pub local_region: u32,
+    /// Remote (prefill) region the runs read from.
+    pub remote_region: u32,
+    /// Coalesced runs in ascending position order.
+    pub runs: Vec<ReadRun>,
+}
+
+/// Every READ of one request.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TransferPlan {
+    /// One entry per layer that has something to read.
+    pub layers: Vec<LayerPlan>,
+}
+
+impl TransferPlan {
+    /// Number of contiguous ranges (READ descriptors) the plan holds.
+    pub fn num_ranges(&self) -> usize {
+        self.layers.iter().map(|layer| layer.runs.len()).sum()
+    }
+
+    /// Bytes the plan moves.
+    pub fn total_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|layer| &layer.runs)
+            .map(|run| run.len_bytes)
+            .sum()
+    }
+}
+
+/// A run of consecutive block pairs, in block units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BlockRun {
+    remote: BlockId,
+    local: BlockId,
+    count: u32,
+}
+
+/// Merges pairs whose remote and local ids both run on into runs; null-sourced pairs are dropped.
+fn coalesce(pairs: &[BlockPair]) -> Vec<BlockRun> {
+    let mut runs: Vec<BlockRun> = Vec::new();
+    for pair in pairs.iter().filter(|pair| pair.remote != NULL_BLOCK) {
+        if let Some(last) = runs.last_mut() {
+            let next_remote = last.remote.checked_add(last.count);
+            let next_local = last.local.checked_add(last.count);
+            if next_remote == Some(pair.remote) && next_local == Some(pair.local) {
+                last.count += 1;
+                continue;
+            }
+        }
+        runs.push(BlockRun {
+            remote: pair.remote,
+            local: pair.local,
+            count: 1,
+        });
+    }
+    runs
+}
+
+/// Turns a pairing into per-layer byte ranges.
+///
+/// Both legs must place the same number of layers with the same bytes per block; every block id
+/// must lie inside its layer's region.
+pub fn plan(
+    layout: &KvLayout,
+    pairing: &Pairing,
+    local: &RegionLayout,
+    remote: &RegionLayout,
+) -> Result<TransferPlan, PlanError> {
+    let layers = layout.num_layers();
+    if pairing.groups.len() != layout.groups().len() {
+        return Err(PlanError::GroupCountMismatch {
+            given: pairing.groups.len(),
+            groups: layout.groups().len(),
+        });
+    }
+    for (side, regions) in [("decode", local), ("prefill", remote)] {
+        if regions.layers.len() != layers {
+            return Err(PlanError::LayerCountMismatch {
+                side,
+                given: regions.layers.len(),
+                layers,
+            });
+        }
+    }
+    let group_runs: Vec<Vec<BlockRun>> = pairing.groups.iter().map(|pairs| coalesce(pairs)).collect();
+    let mut plan = TransferPlan {
+        layers: Vec::with_capacity(layers),
+    };
+    for (layer, &group) in layout.layer_groups().iter().enumerate() {
+        let runs = &group_runs[group];
+        if runs.is_empty() {
+            continue;
+        }
+        let (local_layer, remote_layer) = (local.layers[layer], remote.layers[layer]);
+        if local_layer.bytes_per_block != remote_layer.bytes_per_block {
+            return Err(PlanError::BlockBytesMismatch {
+                layer,
+                local: local_layer.bytes_per_block,
+                remote: remote_layer.bytes_per_block,
+            });
+        }
+        let bytes = local_layer.bytes_per_block;
+        let mut layer_runs = Vec::with_capacity(runs.len());
+        for run in runs {
+            let local_offset = byte_offset("decode", layer, &local_layer, run.local, run.count)?;
+            let remote_offset = byte_offset("prefill", layer, &remote_layer, run.remote, run.count)?;
+            layer_runs.push(ReadRun {
+                local_offset,
+                remote_offset,
+                // byte_offset proved `(id + count) * bytes` fits in u64.
+                len_bytes: u64::from(run.count) * bytes,
+            });
+        }
+        plan.layers.push(LayerPlan {
+            layer: layer as u32,
+            local_region: local_layer.region,
+            remote_region: remote_layer.region,
+            runs: layer_runs,
+        });
+    }
+    Ok(plan)
+}
+
+/// Offset of block `first` in `region`, checking that blocks `first .. first + count` fit.
+fn byte_offset(
+    side: &'static str,
+    layer: usize,
+    region: &LayerRegion,
+    first: BlockId,
+    count: u32,
+) -> Result<u64, PlanError> {
+    let end = u64::from(first) + u64::from(count);
+    if end > u64::from(region.num_blocks) {
+        return Err(PlanError::BlockOutOfRange {
+            side,
+            layer,
+            block: first + count - 1,
+            num_blocks: region.num_blocks,
+        });
+    }
+    end.checked_mul(region.bytes_per_block)
+        .and_then(|end_bytes| end_bytes.checked_add(region.base_offset))
+        .ok_or(PlanError::OffsetOverflow { side, layer })?;
+    Ok(region.base_offset + u64::from(first) * region.bytes_per_block)
+}
+
+/// Why a plan could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// The pairing has a different number of groups than the layout.
+    #[error("pairing has {given} groups, the layout has {groups}")]
+    GroupCountMismatch {
+        /// Groups in the pairing.
+        given: usize,
+        /// Groups in the layout.
+        groups: usize,
+    },
+    /// A leg's region layout places a different number of layers.
+    #[error("{side} region layout places {given} layers, the model has {layers}")]
+    LayerCountMismatch {
+        /// Leg at fault.
+        side: &'static str,
+        /// Layers placed.
+        given: usize,
+        /// Layers in the model.
+        layers: usize,
+    },
+    /// The legs disagree on the size of one layer's block.
+    #[error("layer {layer}: decode block is {local} bytes, prefill block is {remote} bytes")]
+    BlockBytesMismatch {
+        /// Layer index.
+        layer: usize,
+        /// Local bytes per block.
+        local: u64,
+        /// Remote bytes per block.
+        remote: u64,
+    },
+    /// A pair names a block beyond the layer's region.
+    #[error("layer {layer}: {side} block {block} is beyond the region's {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// Leg at fault.
+        side: &'static str,
+        /// Layer index.
+        layer: usize,
+        /// Block id.
+        block: BlockId,
+        /// Blocks in the region.
+        num_blocks: u32,
+    },
+    /// Offsets do not fit in 64 bits.
+    #[error("layer {layer}: {side} byte offset overflows")]
+    OffsetOverflow {
+        /// Leg at fault.
+        side: &'static str,
+        /// Layer index.
+        layer: usize,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::GroupSpec;
+
+    fn pairs(ids: &[(BlockId, BlockId)]) -> Vec<BlockPair> {
+        ids.iter()
+            .enumerate()
+            .map(|(position, &(remote, local))| BlockPair {
+                remote_position: position as u64,
+                local_position: position as u64,
+                remote,
+                local,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn runs_merge_only_when_both_sides_run_on() {
+        let runs = coalesce(&pairs(&[
+            (10, 100),
+            (11, 101),
+            (12, 103),
+            (13, 104),
+            (20, 105),
+            (0, 106),
+        ]));
+        assert_eq!(
+            runs,
+            vec![
+                BlockRun {
+                    remote: 10,
+                    local: 100,
+                    count: 2
+                },
+                BlockRun {
+                    remote: 12,
+                    local: 103,
+                    count: 2
+                },
+                BlockRun {
+                    remote: 20,
+                    local: 105,
+                    count: 1
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn plan_places_each_layer_of_each_group() {
+        let layout = KvLayout::new(
+            vec![
+                GroupSpec::full(4, 1).unwrap(),
+                GroupSpec::sliding_window(4, 8, 1).unwrap(),
+            ],
+            vec![0, 1, 0],
+        )
+        .unwrap();
+        let pairing = Pairing {
+            groups: vec![pairs(&[(1, 5), (2, 6)]), pairs(&[(3, 9)])],
+        };
+        let local = RegionLayout::region_per_layer(&[16, 32, 16], 10);
+        let remote = RegionLayout::region_per_layer(&[16, 32, 16], 10);
+        let plan = plan(&layout, &pairing, &local, &remote).unwrap();
+        assert_eq!(plan.num_ranges(), 3);
+        assert_eq!(
+            plan.layers[0].runs,
+            vec![ReadRun {
+                local_offset: 80,
+                remote_offset: 16,
+                len_bytes: 32
+            }]
+        );
+        assert_eq!(
+            plan.layers[1].runs,
+            vec![ReadRun {
+                local_offset: 288,
+                remote_offset: 96,
+                len_bytes: 32
+            }]
+        );
+        assert_eq!(plan.layers[2].layer, 2);
+        assert_eq!(plan.total_bytes(), 32 + 32 + 32);
+    }
+
+    #[test]
+    fn plan_refuses_blocks_beyond_the_region_and_mismatched_block_bytes() {
+        let layout = KvLayout::one_layer_per_group(vec![GroupSpec::full(4, 1).unwrap()]).unwrap();
+        let pairing = Pairing {
+            groups: vec![pairs(&[(1, 9), (2, 10)])],
+        };
+        let small = RegionLayout::region_per_layer(&[16], 10);
+        let error = plan(&layout, &pairing, &small, &small).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "layer 0: decode block 10 is beyond the region's 10 blocks"
+        );
+        let other = RegionLayout::region_per_layer(&[8], 20);
+        let big = RegionLayout::region_per_layer(&[16], 20);
+        let error = plan(&layout, &pairing, &big, &other).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "layer 0: decode block is 16 bytes, prefill block is 8 bytes"
+        );
+    }
+}

@@ -1,0 +1,211 @@
+//! Pairing scenarios: the input of `pdkv plan`.
+//!
+//! A scenario gives a layout, a prompt length and both legs' full position-indexed block lists;
+//! [`Scenario::run`] pairs them with the chosen [`PairingMode`]. The serde types mirror the JSON a
+//! user writes; [`ScenarioFile::validate`] turns them into checked values with errors that name
+//! the field at fault.
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::BlockId;
+use crate::exchange::{self, ExchangeError, Pairing, PairingMode};
+use crate::layout::{GroupKind, GroupSpec, KvLayout, LayoutError};
+
+/// One group as written in a scenario (or in `cluster.toml`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupEntry {
+    /// `full`, `sliding_window` or `mamba`.
+    pub kind: String,
+    /// Tokens per block; required for attention groups, refused for mamba.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Window in tokens; required for `sliding_window`, refused elsewhere.
+    #[serde(default)]
+    pub window: Option<u32>,
+    /// DCP factor, default 1.
+    #[serde(default)]
+    pub dcp: Option<u32>,
+}
+
+impl GroupEntry {
+    /// Checks the entry and builds its [`GroupSpec`]; `index` names it in errors.
+    pub fn to_spec(&self, index: usize) -> Result<GroupSpec, ScenarioError> {
+        let at = |source: LayoutError| ScenarioError::Group { index, source };
+        let kind = match self.kind.as_str() {
+            "full" => GroupKind::Full,
+            "mamba" => GroupKind::Mamba,
+            "sliding_window" => GroupKind::SlidingWindow {
+                window: self.window.ok_or(ScenarioError::MissingWindow { index })?,
+            },
+            other => {
+                return Err(ScenarioError::UnknownKind {
+                    index,
+                    kind: other.to_string(),
+                });
+            }
+        };
+        if self.window.is_some() && kind.window().is_none() {
+            return Err(ScenarioError::WindowOnNonWindowGroup {
+                index,
+                kind: kind.name(),
+            });
+        }
+        if kind == GroupKind::Mamba && self.block_size.is_some() {
+            return Err(ScenarioError::BlockSizeOnMamba { index });
+        }
+        GroupSpec::new(kind, self.block_size, self.dcp.unwrap_or(1)).map_err(at)
+    }
+}
+
+/// The prefill leg in a scenario.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefillEntry {
+    /// Full position-indexed list per group, lookahead tail included.
+    pub blocks: Vec<Vec<BlockId>>,
+}
+
+/// The decode leg in a scenario.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeEntry {
+    /// Full position-indexed list per group, lookahead tail included.
+    pub blocks: Vec<Vec<BlockId>>,
+    /// Leading blocks per group the decode leg holds already (prefix hits); default none.
+    #[serde(default)]
+    pub cached_blocks: Vec<u64>,
+}
+
+fn default_max_decode_tail_blocks() -> u64 {
+    1
+}
+
+/// A scenario as written by a user.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScenarioFile {
+    /// The layout's groups (one layer each).
+    pub groups: Vec<GroupEntry>,
+    /// Prompt length N.
+    pub num_prompt_tokens: u64,
+    /// Prefill leg's lists.
+    pub prefill: PrefillEntry,
+    /// Decode leg's lists and prefix hits.
+    pub decode: DecodeEntry,
+    /// `anchored` (default) or `legacy`.
+    #[serde(default)]
+    pub pairing: PairingMode,
+    /// Legacy only: decode tail blocks the head alignment may drop (default 1).
+    #[serde(default = "default_max_decode_tail_blocks")]
+    pub max_decode_tail_blocks: u64,
+}
+
+impl ScenarioFile {
+    /// Checks the scenario and builds its layout.
+    pub fn validate(self) -> Result<Scenario, ScenarioError> {
+        let groups = self
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(index, entry)| entry.to_spec(index))
+            .collect::<Result<Vec<_>, _>>()?;
+        let layout = KvLayout::one_layer_per_group(groups).map_err(ScenarioError::Layout)?;
+        Ok(Scenario {
+            layout,
+            num_prompt_tokens: self.num_prompt_tokens,
+            prefill_blocks: self.prefill.blocks,
+            decode_blocks: self.decode.blocks,
+            cached_blocks: self.decode.cached_blocks,
+            pairing: self.pairing,
+            max_decode_tail_blocks: self.max_decode_tail_blocks,
+        })
+    }
+}
+
+/// A checked scenario.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scenario {
+    /// The layout, one layer per group.
+    pub layout: KvLayout,
+    /// Prompt length N.
+    pub num_prompt_tokens: u64,
+    /// Prefill leg's lists.
+    pub prefill_blocks: Vec<Vec<BlockId>>,
+    /// Decode leg's lists.
+    pub decode_blocks: Vec<Vec<BlockId>>,
+    /// Decode leg's prefix hits per group (empty: none).
+    pub cached_blocks: Vec<u64>,
+    /// Pairing algorithm.
+    pub pairing: PairingMode,
+    /// Legacy decode-tail allowance.
+    pub max_decode_tail_blocks: u64,
+}
+
+impl Scenario {
+    /// Pairs the two legs' lists.
+    pub fn run(&self) -> Result<Pairing, ExchangeError> {
+        match self.pairing {
+            PairingMode::Anchored => {
+                let offer = exchange::offer(&self.layout, self.num_prompt_tokens, &self.prefill_blocks)?;
+                let need = exchange::need(
+                    &self.layout,
+                    self.num_prompt_tokens,
+                    &self.decode_blocks,
+                    &self.cached_blocks,
+                )?;
+                exchange::pair(&self.layout, &offer, &need)
+            }
+            PairingMode::Legacy => exchange::legacy_pair(
+                &self.layout,
+                &self.prefill_blocks,
+                &self.decode_blocks,
+                self.max_decode_tail_blocks,
+            ),
+        }
+    }
+}
+
+/// Why a scenario was refused before pairing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScenarioError {
+    /// `kind` is not one pdkv knows.
+    #[error("groups[{index}]: unknown kind {kind:?}, expected \"full\", \"sliding_window\" or \"mamba\"")]
+    UnknownKind {
+        /// Group index.
+        index: usize,
+        /// Kind given.
+        kind: String,
+    },
+    /// A sliding-window group without a window.
+    #[error("groups[{index}]: sliding_window group needs a window")]
+    MissingWindow {
+        /// Group index.
+        index: usize,
+    },
+    /// A window on a group that has none.
+    #[error("groups[{index}]: window only applies to sliding_window groups, not {kind}")]
+    WindowOnNonWindowGroup {
+        /// Group index.
+        index: usize,
+        /// The group's kind.
+        kind: &'static str,
+    },
+    /// A block size on a mamba group.
+    #[error("groups[{index}]: mamba groups take no block_size")]
+    BlockSizeOnMamba {
+        /// Group index.
+        index: usize,
+    },
+    /// A group's parameters are invalid.
+    #[error("groups[{index}]: {source}")]
+    Group {
+        /// Group index.
+        index: usize,
+        /// What is wrong.
+        source: LayoutError,
+    },
+    /// The layout as a whole is invalid.
+    #[error("{0}")]
+    Layout(LayoutError),
+}
