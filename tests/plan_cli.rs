@@ -1,0 +1,206 @@
+//! `pdkv plan` end to end: the shipped scenarios, and malformed scenarios refused with a clear
+//! error and a non-zero exit, never a panic.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+fn plan(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .arg("plan")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("pdkv runs");
+    let mut input = child.stdin.take().expect("stdin is piped");
+    input
+        .write_all(stdin.unwrap_or("").as_bytes())
+        .expect("stdin accepts the scenario");
+    drop(input);
+    let output = child.wait_with_output().expect("pdkv exits");
+    (
+        output
+            .status
+            .code()
+            .expect("pdkv exits with a code, not a signal"),
+        String::from_utf8(output.stdout).expect("utf-8 stdout"),
+        String::from_utf8(output.stderr).expect("utf-8 stderr"),
+    )
+}
+
+fn pairs_of(json: &Value, group: usize) -> Vec<(u64, u64)> {
+    json["groups"][group]["pairs"]
+        .as_array()
+        .expect("pairs array")
+        .iter()
+        .map(|pair| (pair[0].as_u64().unwrap(), pair[1].as_u64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn shipped_seed_scenario_pairs_the_window_by_position() {
+    let (code, stdout, _) = plan(&["--json", "scenarios/seed-decode-tail.json"], None);
+    assert_eq!(code, 0);
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        pairs_of(&json, 0),
+        (0..7).map(|p| (10 + p, 100 + p)).collect::<Vec<_>>()
+    );
+    assert_eq!(pairs_of(&json, 1), vec![(14, 104), (15, 105), (16, 106)]);
+    assert_eq!(pairs_of(&json, 2), vec![(7, 9)]);
+}
+
+#[test]
+fn shipped_legacy_scenario_shows_the_shift() {
+    let (code, stdout, _) = plan(&["--json", "scenarios/seed-decode-tail-legacy.json"], None);
+    assert_eq!(code, 0);
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(pairs_of(&json, 1), vec![(14, 105), (15, 106), (16, 107)]);
+    let (code, stdout, _) = plan(
+        &[
+            "--pairing",
+            "anchored",
+            "--json",
+            "scenarios/seed-decode-tail-legacy.json",
+        ],
+        None,
+    );
+    assert_eq!(code, 0);
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(pairs_of(&json, 1), vec![(14, 104), (15, 105), (16, 106)]);
+    let (code, table, _) = plan(&["scenarios/seed-decode-tail-legacy.json"], None);
+    assert_eq!(code, 0);
+    assert!(table.contains("<- shifted"), "{table}");
+}
+
+#[test]
+fn shipped_prefill_tail_and_prefix_hit_scenarios_pair() {
+    let (code, stdout, _) = plan(&["--json", "scenarios/seed-prefill-tail.json"], None);
+    assert_eq!(code, 0);
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        pairs_of(&json, 0),
+        (0..7).map(|p| (10 + p, 100 + p)).collect::<Vec<_>>()
+    );
+    assert_eq!(pairs_of(&json, 1), vec![(14, 104), (15, 105), (16, 106)]);
+    let (code, stdout, _) = plan(&["--json", "scenarios/prefix-hit-dcp.json"], None);
+    assert_eq!(code, 0);
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(pairs_of(&json, 0), vec![(4, 43), (5, 44)]);
+    assert_eq!(pairs_of(&json, 1).len(), 7);
+}
+
+#[test]
+fn scenario_from_stdin_matches_scenario_from_file() {
+    let text = std::fs::read_to_string("scenarios/seed-decode-tail.json").unwrap();
+    let (code, from_stdin, _) = plan(&["--json"], Some(&text));
+    assert_eq!(code, 0);
+    let (_, from_file, _) = plan(&["--json", "scenarios/seed-decode-tail.json"], None);
+    assert_eq!(from_stdin, from_file);
+}
+
+/// Each malformed scenario gives `{"error": ...}` naming what is wrong and exits 1.
+#[test]
+fn malformed_scenarios_are_refused_with_a_clear_error() {
+    let base = r#"{"groups": [{"kind": "full", "block_size": 4}, {"kind": "sliding_window", "block_size": 4, "window": 8}],
+                  "num_prompt_tokens": 10,
+                  "prefill": {"blocks": [[1,2,3], [7,2,3]]},
+                  "decode": {"blocks": [[4,5,6], [8,5,6]]}}"#;
+    let with = |from: &str, to: &str| {
+        assert!(base.contains(from), "{from}");
+        base.replacen(from, to, 1)
+    };
+    let cases = vec![
+        (
+            with(r#""blocks": [[1,2,3], [7,2,3]]"#, r#""blocks": [[1,2,3]]"#),
+            "prefill leg gave 1 group lists, the layout has 2",
+        ),
+        (
+            with(r#""kind": "full""#, r#""kind": "fuller""#),
+            r#"groups[0]: unknown kind "fuller""#,
+        ),
+        (
+            with(r#""block_size": 4}"#, r#""block_size": -4}"#),
+            "groups[0].block_size: invalid value: integer `-4`, expected u32",
+        ),
+        (
+            with(r#""block_size": 4}"#, r#""block_size": 0}"#),
+            "groups[0]: block_size must be at least 1, got 0",
+        ),
+        (
+            with(r#""window": 8"#, r#""window": 0"#),
+            "groups[1]: sliding_window window must be at least 1 token, got 0",
+        ),
+        (
+            with(r#", "window": 8"#, ""),
+            "groups[1]: sliding_window group needs a window",
+        ),
+        (
+            with(r#", "block_size": 4}"#, "}"),
+            "groups[0]: full group needs a block_size",
+        ),
+        (
+            with(r#""num_prompt_tokens": 10,"#, ""),
+            "missing field `num_prompt_tokens`",
+        ),
+        (
+            with(r#""num_prompt_tokens": 10"#, r#""num_prompt_tokens": 0"#),
+            "num_prompt_tokens must be at least 1, got 0",
+        ),
+        (
+            with(r#""num_prompt_tokens": 10"#, r#""num_prompt_tokens": 100"#),
+            "group 0 (full): prefill leg holds 3 blocks, the prompt needs 25",
+        ),
+        (
+            with(
+                r#"[[4,5,6], [8,5,6]]}"#,
+                r#"[[4,5,6], [8,5,6]], "cached_blocks": [4, 0]}"#,
+            ),
+            "group 0: cached_blocks 4 exceeds the decode list's 3 blocks",
+        ),
+        (
+            with(r#"[[1,2,3], [7,2,3]]"#, r#"[[1,2,3], [7,0,3]]"#),
+            "group 1 (sliding_window): prefill leg holds the null block at needed position 1",
+        ),
+        (
+            with(
+                r#""num_prompt_tokens""#,
+                r#""pairing": "sideways", "num_prompt_tokens""#,
+            ),
+            "pairing: unknown variant `sideways`",
+        ),
+        (
+            with(r#""num_prompt_tokens""#, r#""surprise": 1, "num_prompt_tokens""#),
+            "unknown field `surprise`",
+        ),
+        (
+            with(r#""block_size": 4}"#, r#""block_size": 4, "dcp": 0}"#),
+            "groups[0]: dcp must be at least 1, got 0",
+        ),
+        ("{not json".to_string(), "key must be a string"),
+        (String::new(), "EOF while parsing"),
+    ];
+    for (scenario, expected) in cases {
+        let (code, stdout, stderr) = plan(&["--json"], Some(&scenario));
+        assert_eq!(code, 1, "{scenario}\nstdout: {stdout}\nstderr: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        let json: Value =
+            serde_json::from_str(&stdout).unwrap_or_else(|_| panic!("JSON error for {scenario}: {stdout}"));
+        let error = json["error"].as_str().expect("error string");
+        assert!(error.contains(expected), "{error:?} should contain {expected:?}");
+    }
+}
+
+#[test]
+fn missing_file_is_a_clear_error_without_json() {
+    let (code, stdout, stderr) = plan(&["scenarios/does-not-exist.json"], None);
+    assert_eq!(code, 1);
+    assert!(stdout.is_empty());
+    assert!(
+        stderr.contains("cannot read scenario scenarios/does-not-exist.json"),
+        "{stderr}"
+    );
+}
