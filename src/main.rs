@@ -1,6 +1,8 @@
 //! `pdkv`: the command-line entry point.
 //!
 //! Subcommands:
+//! - `demo`: run the embedded cluster in one process over 102 prompt lengths, P/D against direct.
+//! - `sweep`: the same for any cluster.toml and any prompt lengths.
 //! - `plan`: pair two legs' block lists from a JSON scenario and print the READ pairs.
 
 use std::process::ExitCode;
@@ -8,6 +10,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod plan_cmd;
+mod sweep_cmd;
 
 /// pdkv: a runtime for prefill/decode disaggregated LLM serving.
 #[derive(Debug, Parser)]
@@ -19,6 +22,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the shipped cluster (1 prefill + 1 decode leg, in one process) over 102 prompt
+    /// lengths and compare P/D output with one-leg output.
+    Demo(sweep_cmd::SweepArgs),
+    /// Compare P/D with one-leg output for any cluster.toml and prompt lengths.
+    Sweep(sweep_cmd::SweepArgs),
     /// Pair a prefill leg's and a decode leg's block lists from a JSON scenario.
     Plan(plan_cmd::PlanArgs),
 }
@@ -28,6 +36,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(args),
+        Command::Demo(args) => sweep_cmd::run(args, Some(pdkv_actors::sweep::demo_lengths())),
+        Command::Sweep(args) => sweep_cmd::run(args, None),
     };
     match result {
         Ok(code) => code,

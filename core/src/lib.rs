@@ -7,6 +7,8 @@
 //! - [`layout`]: KV-cache groups (full, sliding window, mamba), block sizes, DCP, compat hash.
 //! - [`block`]: block ids and the null block.
 //! - [`exchange`]: trim, clip, anchor and pair per-group block lists; the legacy pairing.
+//! - [`allocator`]: one leg's block pools, prefix cache, pins and generations.
+//! - [`grant`]: READ grants with leases.
 //! - [`plan`]: block pairs to coalesced per-layer byte ranges.
 //! - [`wire`]: the serde types that cross the network.
 //! - [`scenario`]: the input format of `pdkv plan`.
@@ -14,8 +16,10 @@
 //! Non-goals: encoding (the transport's codec owns it), scheduling, memory.
 #![warn(missing_docs)]
 
+pub mod allocator;
 pub mod block;
 pub mod exchange;
+pub mod grant;
 pub mod layout;
 pub mod plan;
 pub mod scenario;

@@ -43,6 +43,9 @@ pub struct KvParams {
     pub prefill_node: NodeId,
     /// Per-group blocks the decode leg may read.
     pub offer: Offer,
+    /// Generation of every offered block when it was granted, parallel to `offer.groups[g].blocks`;
+    /// a READ that finds another generation afterwards raced a free and fails.
+    pub generations: Vec<Vec<u32>>,
     /// The grant covering those blocks.
     pub grant: GrantId,
     /// How long the grant lives unless renewed, in milliseconds.

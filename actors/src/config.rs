@@ -1,0 +1,355 @@
+//! `cluster.toml`: the model, the legs and the limits of a pdkv cluster.
+//!
+//! [`ClusterConfig::from_toml`] parses and checks a file in one go: unknown keys, missing keys,
+//! zero sizes, windows without block sizes and duplicate node names are refused with an error that
+//! names the key. Defaults live here and nowhere else. `docs/cluster-toml.md` documents every key.
+
+use std::collections::HashSet;
+
+use pdkv_core::exchange::PairingMode;
+use pdkv_core::layout::KvLayout;
+use pdkv_core::scenario::GroupEntry;
+use pdkv_core::wire::NodeId;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::ModelParams;
+
+/// The shipped default cluster, embedded so `pdkv demo` runs with no file.
+pub const DEFAULT_CLUSTER_TOML: &str = include_str!("../../cluster.toml");
+
+/// A node's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Computes prompts and grants READs of their KV.
+    Prefill,
+    /// READs KV and decodes.
+    Decode,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    model: ModelSection,
+    #[serde(default)]
+    exchange: ExchangeConfig,
+    #[serde(default)]
+    limits: Limits,
+    nodes: Vec<NodeSection>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelSection {
+    seed: u64,
+    d_model: u32,
+    vocab: u32,
+    layer_groups: Vec<usize>,
+    groups: Vec<GroupEntry>,
+}
+
+/// `[exchange]`: how legs pair block lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ExchangeConfig {
+    /// `anchored` (default) or `legacy` (diagnosis only).
+    pub pairing: PairingMode,
+    /// Legacy only: decode tail blocks the head alignment may drop.
+    pub max_decode_tail_blocks: u64,
+}
+
+impl Default for ExchangeConfig {
+    fn default() -> Self {
+        ExchangeConfig {
+            pairing: PairingMode::Anchored,
+            max_decode_tail_blocks: 1,
+        }
+    }
+}
+
+/// `[limits]`: every wait and queue bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Router bound on one whole request (prefill + decode). Default 30 000.
+    pub request_timeout_ms: u64,
+    /// How long a grant pins blocks without renewal. Default 10 000.
+    pub lease_ms: u64,
+    /// Longest wait for free blocks before a request fails. Default 5 000.
+    pub alloc_wait_ms: u64,
+    /// Requests that may wait for blocks per leg; more fail at once. Default 64.
+    pub wait_queue: usize,
+    /// Live grants per prefill leg (each pins blocks). Default 256.
+    pub max_grants: usize,
+    /// Actor mailbox capacity. Default 64.
+    pub mailbox: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            request_timeout_ms: 30_000,
+            lease_ms: 10_000,
+            alloc_wait_ms: 5_000,
+            wait_queue: 64,
+            max_grants: 256,
+            mailbox: 64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NodeSection {
+    name: String,
+    role: Role,
+    #[serde(default)]
+    lookahead_tokens: u64,
+    blocks_per_group: u32,
+    #[serde(default)]
+    prefix_caching: bool,
+}
+
+/// One node (one leg) of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// Unique name.
+    pub name: NodeId,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Slots reserved beyond the prompt (speculative decoding, first decode steps).
+    pub lookahead_tokens: u64,
+    /// Blocks per group in the leg's pools.
+    pub blocks_per_group: u32,
+    /// Whether full-attention groups reuse cached prompt blocks.
+    pub prefix_caching: bool,
+}
+
+/// A checked cluster description.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// The model's KV layout.
+    pub layout: KvLayout,
+    /// Model sizes and seed.
+    pub model: ModelParams,
+    /// Pairing mode.
+    pub exchange: ExchangeConfig,
+    /// Bounds.
+    pub limits: Limits,
+    /// Nodes in file order.
+    pub nodes: Vec<NodeConfig>,
+}
+
+impl ClusterConfig {
+    /// The embedded default cluster.
+    pub fn embedded_default() -> Self {
+        // The shipped file is checked by a test, so this cannot fail in a released build.
+        Self::from_toml(DEFAULT_CLUSTER_TOML).expect("the shipped cluster.toml is valid")
+    }
+
+    /// Parses and checks a `cluster.toml`.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let file: ClusterFile =
+            toml::from_str(text).map_err(|error| ConfigError::Parse(error.to_string()))?;
+        let groups = file
+            .model
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(index, entry)| {
+                entry
+                    .to_spec(index)
+                    .map_err(|error| ConfigError::Invalid(format!("model.{error}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if file.model.layer_groups.is_empty() {
+            return Err(ConfigError::Invalid(
+                "model.layer_groups: at least one layer is required".into(),
+            ));
+        }
+        let layout = KvLayout::new(groups, file.model.layer_groups.clone())
+            .map_err(|error| ConfigError::Invalid(format!("model.layer_groups: {error}")))?;
+        if file.model.d_model == 0 || file.model.d_model > 4096 {
+            return Err(ConfigError::Invalid(format!(
+                "model.d_model: must be 1..=4096, got {}",
+                file.model.d_model
+            )));
+        }
+        if file.model.vocab < 2 {
+            return Err(ConfigError::Invalid(format!(
+                "model.vocab: must be at least 2, got {}",
+                file.model.vocab
+            )));
+        }
+        let limits = file.limits;
+        for (key, value) in [
+            ("request_timeout_ms", limits.request_timeout_ms),
+            ("lease_ms", limits.lease_ms),
+            ("alloc_wait_ms", limits.alloc_wait_ms),
+            ("wait_queue", limits.wait_queue as u64),
+            ("max_grants", limits.max_grants as u64),
+            ("mailbox", limits.mailbox as u64),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid(format!("limits.{key}: must be at least 1")));
+            }
+        }
+        let mut names = HashSet::new();
+        let mut nodes = Vec::with_capacity(file.nodes.len());
+        for (index, node) in file.nodes.into_iter().enumerate() {
+            if node.name.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].name: must not be empty"
+                )));
+            }
+            if !names.insert(node.name.clone()) {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].name: duplicate node name {:?}",
+                    node.name
+                )));
+            }
+            if node.blocks_per_group == 0 {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].blocks_per_group: must be at least 1"
+                )));
+            }
+            nodes.push(NodeConfig {
+                name: NodeId(node.name),
+                role: node.role,
+                lookahead_tokens: node.lookahead_tokens,
+                blocks_per_group: node.blocks_per_group,
+                prefix_caching: node.prefix_caching,
+            });
+        }
+        for role in [Role::Prefill, Role::Decode] {
+            if !nodes.iter().any(|node| node.role == role) {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes: at least one {role} node is required"
+                )));
+            }
+        }
+        Ok(ClusterConfig {
+            layout,
+            model: ModelParams {
+                seed: file.model.seed,
+                d_model: file.model.d_model as usize,
+                vocab: file.model.vocab,
+            },
+            exchange: file.exchange,
+            limits,
+            nodes,
+        })
+    }
+
+    /// Reads and checks a `cluster.toml` file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|error| ConfigError::Read(format!("{}: {error}", path.display())))?;
+        Self::from_toml(&text)
+    }
+
+    /// Nodes of one role.
+    pub fn nodes_with_role(&self, role: Role) -> impl Iterator<Item = &NodeConfig> {
+        self.nodes.iter().filter(move |node| node.role == role)
+    }
+}
+
+/// Why a cluster description was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read cluster config {0}")]
+    Read(String),
+    /// TOML syntax, unknown keys, missing keys or wrong types.
+    #[error("cluster.toml: {0}")]
+    Parse(String),
+    /// A value is out of range or inconsistent.
+    #[error("cluster.toml: {0}")]
+    Invalid(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_cluster_toml_mirrors_the_seed() {
+        let config = ClusterConfig::embedded_default();
+        let window = config.layout.groups()[1];
+        assert_eq!((window.block_size(), window.kind().window()), (64, Some(128)));
+        let lookahead: Vec<_> = config
+            .nodes
+            .iter()
+            .map(|n| (n.role, n.lookahead_tokens))
+            .collect();
+        assert_eq!(lookahead, vec![(Role::Prefill, 0), (Role::Decode, 9)]);
+        assert_eq!(config.exchange.pairing, PairingMode::Anchored);
+    }
+
+    /// Each broken variant of the shipped file is refused with an error naming the key.
+    #[test]
+    fn bad_cluster_toml_names_the_key() {
+        let base = DEFAULT_CLUSTER_TOML;
+        let with = |from: &str, to: &str| {
+            assert!(base.contains(from), "{from}");
+            base.replacen(from, to, 1)
+        };
+        let cases = [
+            (
+                with("seed = 7", "seed = 7\nflavour = 1"),
+                "unknown field `flavour`",
+            ),
+            (
+                with("blocks_per_group = 64", "blocks_per_group = 0"),
+                "nodes[0].blocks_per_group: must be at least 1",
+            ),
+            (
+                with("block_size = 64\nwindow = 128", "window = 128"),
+                "model.groups[1]: sliding_window group needs a block_size",
+            ),
+            (
+                with("name = \"decode-0\"", "name = \"prefill-0\""),
+                "nodes[1].name: duplicate node name \"prefill-0\"",
+            ),
+            (
+                with("role = \"decode\"", "role = \"spectator\""),
+                "unknown variant `spectator`",
+            ),
+            (
+                with("role = \"decode\"", "role = \"prefill\""),
+                "nodes: at least one decode node is required",
+            ),
+            (
+                with("layer_groups = [0, 1, 0, 1]", "layer_groups = [0, 2]"),
+                "model.layer_groups: layer 1 names group 2",
+            ),
+            (
+                with("window = 128", "window = 0"),
+                "model.groups[1]: sliding_window window must be at least 1 token",
+            ),
+            (
+                with("lease_ms = 10000", "lease_ms = 0"),
+                "limits.lease_ms: must be at least 1",
+            ),
+            (with("d_model = 32", "d_model = -3"), "d_model"),
+            (with("seed = 7\n", ""), "missing field `seed`"),
+            (
+                with("pairing = \"anchored\"", "pairing = \"sideways\""),
+                "unknown variant `sideways`",
+            ),
+        ];
+        for (text, expected) in cases {
+            let error = ClusterConfig::from_toml(&text).unwrap_err().to_string();
+            assert!(error.contains(expected), "{error:?} should contain {expected:?}");
+        }
+    }
+}

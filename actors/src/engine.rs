@@ -1,0 +1,461 @@
+//! The reference engine: a small, real attention model whose KV lives in paged blocks.
+//!
+//! Every run can check P/D output against the output of one leg alone only if there is a model
+//! whose output depends on every byte of the exchanged KV. This one is tiny but real: token
+//! embeddings, layers that each belong to a KV-cache group (full attention, sliding-window
+//! attention with window W, or a mamba-style diagonal linear recurrence), f32 math and greedy
+//! decoding, with weights drawn from a seeded ChaCha stream so every leg builds the same model.
+//!
+//! K and V live in the leg's registered regions, one region per layer, `block id * bytes per
+//! block` apart; attention reads them through the request's block table exactly as a
+//! paged-attention kernel would. A mamba layer keeps its running state in the request's state
+//! block (entry 0 of its group's list).
+//!
+//! Tokens are computed one at a time in the same order on every leg, so the decode leg's
+//! recomputation of the last prompt token, fed with KV copied from the prefill leg, is bitwise
+//! equal to the one-leg computation; [`LogitsDigest`] condenses every generated step's logits.
+
+use std::sync::Arc;
+
+use pdkv_core::allocator::window_floor;
+use pdkv_core::block::{BlockId, NULL_BLOCK};
+use pdkv_core::layout::{GroupKind, KvLayout};
+use pdkv_core::plan::{LayerRegion, RegionLayout};
+use pdkv_transport::region::{Region, RegionError};
+use rand_chacha::ChaCha8Rng;
+use rand_core::{RngCore, SeedableRng};
+use sha2::{Digest, Sha256};
+
+/// Model sizes and seed (the `[model]` table of `cluster.toml`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelParams {
+    /// Seed of the weight stream.
+    pub seed: u64,
+    /// Hidden size (also the single attention head's size).
+    pub d_model: usize,
+    /// Vocabulary size.
+    pub vocab: u32,
+}
+
+#[derive(Debug)]
+enum LayerWeights {
+    Attention {
+        group: usize,
+        wq: Vec<f32>,
+        wk: Vec<f32>,
+        wv: Vec<f32>,
+        wo: Vec<f32>,
+    },
+    Mamba {
+        group: usize,
+        decay: Vec<f32>,
+        w_in: Vec<f32>,
+        w_out: Vec<f32>,
+    },
+}
+
+/// The reference model: weights plus the KV layout they are paged by.
+#[derive(Debug)]
+pub struct Model {
+    params: ModelParams,
+    layout: KvLayout,
+    embed: Vec<f32>,
+    layers: Vec<LayerWeights>,
+    head: Vec<f32>,
+}
+
+impl Model {
+    /// Builds the model for `layout` from `params.seed`.
+    pub fn new(params: ModelParams, layout: KvLayout) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
+        let d = params.d_model;
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut matrix = |rows: usize, cols: usize, scale: f32| -> Vec<f32> {
+            (0..rows * cols).map(|_| uniform(&mut rng) * scale).collect()
+        };
+        let embed = matrix(params.vocab as usize, d, 1.0);
+        let mut layers = Vec::with_capacity(layout.num_layers());
+        for &group in layout.layer_groups() {
+            let kind = layout.groups()[group].kind();
+            layers.push(match kind {
+                GroupKind::Mamba => LayerWeights::Mamba {
+                    group,
+                    // Decays in (0.5, 1): state remembers far back, so a wrong state shows.
+                    decay: matrix(1, d, 1.0).into_iter().map(|x| 0.75 + 0.24 * x).collect(),
+                    w_in: matrix(d, d, scale),
+                    w_out: matrix(d, d, scale),
+                },
+                GroupKind::Full | GroupKind::SlidingWindow { .. } => LayerWeights::Attention {
+                    group,
+                    // Sharper queries make attention depend visibly on every key.
+                    wq: matrix(d, d, 4.0 * scale),
+                    wk: matrix(d, d, scale),
+                    wv: matrix(d, d, scale),
+                    wo: matrix(d, d, scale),
+                },
+            });
+        }
+        let head = matrix(params.vocab as usize, d, scale);
+        Model {
+            params,
+            layout,
+            embed,
+            layers,
+            head,
+        }
+    }
+
+    /// The layout the model is paged by.
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Sizes and seed.
+    pub fn params(&self) -> ModelParams {
+        self.params
+    }
+
+    /// Bytes one block of `layer` takes: `B_eff` slots of K and V for attention layers, one
+    /// state vector for mamba layers.
+    pub fn bytes_per_block(&self, layer: usize) -> u64 {
+        let d = self.params.d_model as u64;
+        let group = &self.layout.groups()[self.layout.layer_groups()[layer]];
+        match group.kind() {
+            GroupKind::Mamba => d * 4,
+            _ => group.effective_block_size() * 2 * d * 4,
+        }
+    }
+
+    /// Computes token `token` at `position` for a request whose blocks are `lists`, writing its
+    /// K/V (and, with `commit_state`, its mamba state) into `memory`. Returns the logits.
+    ///
+    /// Attention reads every position its window covers; a null block there is an error, never
+    /// silently skipped.
+    pub fn step(
+        &self,
+        memory: &LegMemory,
+        lists: &[Vec<BlockId>],
+        position: u64,
+        token: u32,
+        commit_state: bool,
+    ) -> Result<Vec<f32>, EngineError> {
+        let d = self.params.d_model;
+        if token >= self.params.vocab {
+            return Err(EngineError::TokenOutOfRange {
+                token,
+                vocab: self.params.vocab,
+            });
+        }
+        let mut hidden = self.embed[token as usize * d..(token as usize + 1) * d].to_vec();
+        let mut scratch = Vec::new();
+        for (layer, weights) in self.layers.iter().enumerate() {
+            let region = &memory.layers[layer];
+            let bytes_per_block = self.bytes_per_block(layer);
+            match weights {
+                LayerWeights::Attention {
+                    group,
+                    wq,
+                    wk,
+                    wv,
+                    wo,
+                } => {
+                    let spec = &self.layout.groups()[*group];
+                    let block_tokens = spec.effective_block_size();
+                    let list = &lists[*group];
+                    let query = matvec(wq, &hidden);
+                    let key = matvec(wk, &hidden);
+                    let value = matvec(wv, &hidden);
+                    let slot_bytes = 2 * d as u64 * 4;
+                    let block = block_at(list, *group, position / block_tokens)?;
+                    let offset = u64::from(block) * bytes_per_block + (position % block_tokens) * slot_bytes;
+                    region.write_f32s(offset, &key)?;
+                    region.write_f32s(offset + d as u64 * 4, &value)?;
+                    let first = match spec.kind() {
+                        GroupKind::SlidingWindow { window } => window_floor(position, window),
+                        _ => 0,
+                    };
+                    let scale = 1.0 / (d as f32).sqrt();
+                    let mut scores = Vec::with_capacity((position - first + 1) as usize);
+                    let mut values = Vec::with_capacity(scores.capacity() * d);
+                    let mut source = first;
+                    while source <= position {
+                        let block_position = source / block_tokens;
+                        let last_in_block = ((block_position + 1) * block_tokens - 1).min(position);
+                        let slots = (last_in_block - source + 1) as usize;
+                        let block = block_at(list, *group, block_position)?;
+                        scratch.resize(slots * 2 * d, 0.0);
+                        let start = u64::from(block) * bytes_per_block + (source % block_tokens) * slot_bytes;
+                        region.read_f32s(start, &mut scratch)?;
+                        for slot in scratch.chunks_exact(2 * d) {
+                            scores.push(dot(&query, &slot[..d]) * scale);
+                            values.extend_from_slice(&slot[d..]);
+                        }
+                        source = last_in_block + 1;
+                    }
+                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut total = 0.0f32;
+                    for score in &mut scores {
+                        *score = (*score - max).exp();
+                        total += *score;
+                    }
+                    let mut attended = vec![0.0f32; d];
+                    for (weight, value) in scores.iter().zip(values.chunks_exact(d)) {
+                        for (out, v) in attended.iter_mut().zip(value) {
+                            *out += weight / total * v;
+                        }
+                    }
+                    add_assign(&mut hidden, &matvec(wo, &attended));
+                }
+                LayerWeights::Mamba {
+                    group,
+                    decay,
+                    w_in,
+                    w_out,
+                } => {
+                    let block = block_at(&lists[*group], *group, 0)?;
+                    let offset = u64::from(block) * bytes_per_block;
+                    let mut state = vec![0.0f32; d];
+                    if position > 0 {
+                        region.read_f32s(offset, &mut state)?;
+                    }
+                    let input = matvec(w_in, &hidden);
+                    for ((s, a), u) in state.iter_mut().zip(decay).zip(&input) {
+                        *s = a * *s + u;
+                    }
+                    if commit_state {
+                        region.write_f32s(offset, &state)?;
+                    }
+                    add_assign(&mut hidden, &matvec(w_out, &state));
+                }
+            }
+            rms_norm(&mut hidden);
+        }
+        Ok(matvec(&self.head, &hidden))
+    }
+}
+
+/// One leg's KV memory: a region per layer and a generation table per group.
+#[derive(Debug)]
+pub struct LegMemory {
+    /// `layers[l]` holds layer `l`'s blocks.
+    pub layers: Vec<Arc<Region>>,
+    /// `generations[g]` holds one `u32` per block id of group `g`.
+    pub generations: Vec<Arc<Region>>,
+    /// Placement of every layer (region id `l`, block stride, block count).
+    pub regions: RegionLayout,
+}
+
+impl LegMemory {
+    /// Heap memory for `capacity[g]` blocks per group (plus the null block, id 0).
+    pub fn heap(model: &Model, capacity: &[u32]) -> Self {
+        let layout = model.layout();
+        let mut layers = Vec::with_capacity(layout.num_layers());
+        let mut placements = Vec::with_capacity(layout.num_layers());
+        for (layer, &group) in layout.layer_groups().iter().enumerate() {
+            let num_blocks = capacity[group] + 1;
+            let bytes_per_block = model.bytes_per_block(layer);
+            layers.push(Arc::new(Region::heap(
+                (u64::from(num_blocks) * bytes_per_block) as usize,
+            )));
+            placements.push(LayerRegion {
+                region: layer as u32,
+                base_offset: 0,
+                bytes_per_block,
+                num_blocks,
+            });
+        }
+        let generations = capacity
+            .iter()
+            .map(|&blocks| Arc::new(Region::heap((blocks as usize + 1) * 4)))
+            .collect();
+        LegMemory {
+            layers,
+            generations,
+            regions: RegionLayout { layers: placements },
+        }
+    }
+
+    /// Region id of group `group`'s generation table (after the layer regions).
+    pub fn generation_region_id(&self, group: usize) -> u32 {
+        (self.layers.len() + group) as u32
+    }
+
+    /// Total bytes of KV memory.
+    pub fn kv_bytes(&self) -> u64 {
+        self.layers.iter().map(|region| region.len() as u64).sum()
+    }
+}
+
+/// A running digest over every generated step's logits.
+#[derive(Debug, Clone, Default)]
+pub struct LogitsDigest {
+    hasher: Sha256,
+}
+
+impl LogitsDigest {
+    /// Folds one step's logits in (their exact bits).
+    pub fn update(&mut self, logits: &[f32]) {
+        for value in logits {
+            self.hasher.update(value.to_bits().to_le_bytes());
+        }
+    }
+
+    /// The digest so far, as 64 bits.
+    pub fn finish(&self) -> u64 {
+        let digest = self.hasher.clone().finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(first)
+    }
+}
+
+/// The greedy choice: the highest logit, the lowest index on ties.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (index, &value) in logits.iter().enumerate() {
+        if value > logits[best] {
+            best = index;
+        }
+    }
+    best as u32
+}
+
+/// A deterministic prompt of `len` tokens for `seed` (demo and sweep inputs).
+pub fn prompt_tokens(seed: u64, len: usize, vocab: u32) -> Vec<u32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (len as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    (0..len).map(|_| rng.next_u32() % vocab).collect()
+}
+
+fn block_at(list: &[BlockId], group: usize, position: u64) -> Result<BlockId, EngineError> {
+    match list.get(position as usize) {
+        Some(&NULL_BLOCK) | None => Err(EngineError::MissingBlock { group, position }),
+        Some(&block) => Ok(block),
+    }
+}
+
+fn uniform(rng: &mut ChaCha8Rng) -> f32 {
+    // 24 random bits mapped to [-1, 1).
+    ((rng.next_u32() >> 8) as f32 / (1u32 << 23) as f32) - 1.0
+}
+
+fn matvec(matrix: &[f32], vector: &[f32]) -> Vec<f32> {
+    matrix
+        .chunks_exact(vector.len())
+        .map(|row| dot(row, vector))
+        .collect()
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn add_assign(target: &mut [f32], delta: &[f32]) {
+    for (t, d) in target.iter_mut().zip(delta) {
+        *t += d;
+    }
+}
+
+fn rms_norm(vector: &mut [f32]) {
+    let mean_square = vector.iter().map(|x| x * x).sum::<f32>() / vector.len() as f32;
+    let scale = 1.0 / (mean_square + 1e-6).sqrt();
+    for x in vector {
+        *x *= scale;
+    }
+}
+
+/// Why the engine could not compute a token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The block table lacks a position the computation needs.
+    #[error("group {group}: no block at position {position} (null or beyond the list)")]
+    MissingBlock {
+        /// Group index.
+        group: usize,
+        /// Block position.
+        position: u64,
+    },
+    /// A token id outside the vocabulary.
+    #[error("token {token} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange {
+        /// Token id.
+        token: u32,
+        /// Vocabulary size.
+        vocab: u32,
+    },
+    /// A block lies outside the leg's memory.
+    #[error("KV memory access out of bounds: {0}")]
+    Memory(#[from] RegionError),
+}
+
+#[cfg(test)]
+mod tests {
+    use pdkv_core::layout::GroupSpec;
+
+    use super::*;
+
+    fn model() -> Model {
+        let layout = KvLayout::new(
+            vec![
+                GroupSpec::full(4, 1).unwrap(),
+                GroupSpec::sliding_window(4, 6, 1).unwrap(),
+                GroupSpec::mamba(),
+            ],
+            vec![0, 1, 2, 0],
+        )
+        .unwrap();
+        Model::new(
+            ModelParams {
+                seed: 3,
+                d_model: 8,
+                vocab: 16,
+            },
+            layout,
+        )
+    }
+
+    fn run(model: &Model, memory: &LegMemory, lists: &[Vec<BlockId>], prompt: &[u32]) -> Vec<Vec<f32>> {
+        prompt
+            .iter()
+            .enumerate()
+            .map(|(position, &token)| model.step(memory, lists, position as u64, token, true).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn same_request_on_different_blocks_gives_identical_logits() {
+        let model = model();
+        let memory = LegMemory::heap(&model, &[8, 8, 2]);
+        let prompt = prompt_tokens(1, 11, 16);
+        let a = run(&model, &memory, &[vec![1, 2, 3], vec![1, 2, 3], vec![1]], &prompt);
+        let b = run(&model, &memory, &[vec![7, 5, 4], vec![8, 6, 4], vec![2]], &prompt);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn every_kv_byte_matters() {
+        let model = model();
+        let memory = LegMemory::heap(&model, &[8, 8, 2]);
+        let prompt = prompt_tokens(1, 11, 16);
+        let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
+        let clean = run(&model, &memory, &lists, &prompt);
+        // Corrupt one K value of position 0 in the full group: the last token must change.
+        memory.layers[0]
+            .write_f32s(4 * model.bytes_per_block(0), &[9.0])
+            .unwrap();
+        let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
+        assert_ne!(last, clean[10]);
+    }
+
+    #[test]
+    fn a_null_block_in_the_window_is_an_error() {
+        let model = model();
+        let memory = LegMemory::heap(&model, &[8, 8, 2]);
+        let error = model
+            .step(&memory, &[vec![1, 2], vec![0, 2], vec![1]], 5, 1, true)
+            .unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "group 1: no block at position 0 (null or beyond the list)"
+        );
+    }
+}

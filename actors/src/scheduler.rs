@@ -1,0 +1,481 @@
+//! The scheduler actor: drives one request at a time through its leg (many may be in flight).
+//!
+//! - Prefill leg: allocate `N + k_P` slots, compute every prompt token (the mamba state is kept
+//!   as it stood after `N - 1` tokens), free window blocks the decode leg will not read, offer,
+//!   pin and grant, and hand back the [`KvParams`].
+//! - Decode leg: allocate `N + k_D` slots (window groups null below the last token's window,
+//!   prefix hits reused), pair with the offer, READ, release the grant, recompute the last prompt
+//!   token and decode.
+//! - Direct: one leg does everything; the reference P/D output is checked against.
+//!
+//! The scheduler holds no mutable state: each handler runs a future over an immutable
+//! [`LegContext`], so requests interleave while the allocator actor serialises block changes.
+//! Every failure path releases what the request holds: its blocks, and the grant it read under.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use actix::{Actor, Addr, Context, Handler, Message, Recipient, ResponseFuture};
+use pdkv_core::allocator::{AllocError, Allocation};
+use pdkv_core::block::BlockId;
+use pdkv_core::layout::GroupKind;
+use pdkv_core::wire::{KvParams, NodeId, RequestId};
+use pdkv_transport::engine::EngineKey;
+use tokio::sync::Notify;
+
+use crate::allocator::{Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseGrant, ReleaseWindow};
+use crate::config::{Limits, Role};
+use crate::engine::{LegMemory, LogitsDigest, Model, argmax};
+use crate::error::{RequestError, ask};
+use crate::exchange::{ExchangeActor, MakeOffer, PairWithOffer};
+use crate::transfer::{Read, TransferActor};
+
+/// A finished request's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    /// The request.
+    pub request: RequestId,
+    /// Generated tokens.
+    pub tokens: Vec<u32>,
+    /// Digest of every generated step's logits (bitwise).
+    pub logits_digest: u64,
+    /// Bytes the decode leg read (0 for direct runs).
+    pub read_bytes: u64,
+    /// READ ranges posted.
+    pub read_runs: usize,
+    /// Prefix-hit blocks the decode leg reused.
+    pub cached_blocks: u64,
+}
+
+/// Everything a leg's request futures need; immutable once built.
+pub struct LegContext {
+    /// Leg name (also its READ engine key).
+    pub node: NodeId,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Slots reserved beyond the prompt.
+    pub lookahead_tokens: u64,
+    /// Bounds.
+    pub limits: Limits,
+    /// The reference model.
+    pub model: Arc<Model>,
+    /// The leg's KV memory.
+    pub memory: Arc<LegMemory>,
+    /// The allocator actor.
+    pub allocator: Addr<AllocatorActor>,
+    /// The exchange actor.
+    pub exchange: Addr<ExchangeActor>,
+    /// The transfer actor (decode legs).
+    pub transfer: Option<Addr<TransferActor>>,
+    /// Where to release grants, per prefill leg (decode legs).
+    pub grant_release: HashMap<NodeId, Recipient<ReleaseGrant>>,
+    /// Woken when the allocator frees blocks.
+    pub freed: Arc<Notify>,
+    /// Requests now waiting for blocks (bounded by `limits.wait_queue`).
+    pub waiting: AtomicUsize,
+}
+
+impl LegContext {
+    /// Allocates, waiting (bounded in count and time) while the leg is out of blocks.
+    async fn allocate(
+        &self,
+        request: RequestId,
+        prompt: &Arc<[u32]>,
+        slots: u64,
+        attending_token: Option<u64>,
+    ) -> Result<Allocation, RequestError> {
+        let started = Instant::now();
+        let deadline = started + Duration::from_millis(self.limits.alloc_wait_ms);
+        loop {
+            let notified = self.freed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let message = Allocate {
+                request,
+                prompt: prompt.clone(),
+                slots,
+                attending_token,
+            };
+            let last = match ask(&self.allocator, message, "allocator").await? {
+                Ok(allocation) => return Ok(allocation),
+                Err(error @ AllocError::OutOfBlocks { .. }) => error,
+                Err(error) => return Err(error.into()),
+            };
+            if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.limits.wait_queue {
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                return Err(RequestError::QueueFull {
+                    leg: self.node.to_string(),
+                    capacity: self.limits.wait_queue,
+                });
+            }
+            let woken = tokio::time::timeout_at(deadline.into(), notified).await;
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            if woken.is_err() {
+                return Err(RequestError::AllocTimeout {
+                    waited_ms: started.elapsed().as_millis() as u64,
+                    last,
+                });
+            }
+        }
+    }
+
+    async fn finish(&self, request: RequestId, cache_prompt: Option<Arc<[u32]>>) {
+        let message = Finish {
+            request,
+            cache_prompt,
+        };
+        match ask(&self.allocator, message, "allocator").await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::error!(node = %self.node, %request, %error, "finish failed"),
+            Err(error) => tracing::error!(node = %self.node, %request, %error, "finish not delivered"),
+        }
+    }
+
+    fn has_window_groups(&self) -> bool {
+        self.model
+            .layout()
+            .groups()
+            .iter()
+            .any(|group| matches!(group.kind(), GroupKind::SlidingWindow { .. }))
+    }
+
+    /// Prefill leg: compute the prompt, offer its KV and grant `peer` a READ of it.
+    async fn prefill(
+        &self,
+        request: RequestId,
+        prompt: Arc<[u32]>,
+        peer: NodeId,
+    ) -> Result<KvParams, RequestError> {
+        let num_tokens = prompt.len() as u64;
+        if num_tokens == 0 {
+            return Err(RequestError::EmptyPrompt);
+        }
+        let allocation = self
+            .allocate(request, &prompt, num_tokens + self.lookahead_tokens, None)
+            .await?;
+        let result = self.prefill_allocated(request, &prompt, peer, &allocation).await;
+        // The request's own hold ends here; granted blocks stay pinned until released or expired.
+        self.finish(request, None).await;
+        result
+    }
+
+    async fn prefill_allocated(
+        &self,
+        request: RequestId,
+        prompt: &Arc<[u32]>,
+        peer: NodeId,
+        allocation: &Allocation,
+    ) -> Result<KvParams, RequestError> {
+        let num_tokens = prompt.len() as u64;
+        for (position, &token) in prompt.iter().enumerate() {
+            // The mamba state stays as it was after N - 1 tokens: the decode leg recomputes N - 1.
+            let commit_state = (position as u64) + 1 < num_tokens;
+            self.model.step(
+                &self.memory,
+                &allocation.blocks,
+                position as u64,
+                token,
+                commit_state,
+            )?;
+        }
+        let release = ReleaseWindow {
+            request,
+            attending_token: num_tokens - 1,
+        };
+        let lists = ask(&self.allocator, release, "allocator").await??;
+        let offer = ask(
+            &self.exchange,
+            MakeOffer {
+                num_prompt_tokens: num_tokens,
+                lists,
+            },
+            "exchange",
+        )
+        .await??;
+        let offered: Vec<Vec<BlockId>> = offer.groups.iter().map(|list| list.blocks.clone()).collect();
+        let issued = ask(
+            &self.allocator,
+            GrantBlocks {
+                request,
+                peer,
+                lists: offered,
+            },
+            "allocator",
+        )
+        .await??;
+        Ok(KvParams {
+            request,
+            prefill_node: self.node.clone(),
+            offer,
+            generations: issued.generations,
+            grant: issued.grant,
+            lease_ms: issued.lease_ms,
+            prompt: prompt.to_vec(),
+        })
+    }
+
+    /// Decode leg: READ the offered KV, recompute the last prompt token and decode.
+    async fn decode(&self, params: KvParams, max_tokens: u32) -> Result<Output, RequestError> {
+        let params = Arc::new(params);
+        let request = params.request;
+        let result = self.decode_granted(&params, max_tokens).await;
+        if let Err(error) = &result {
+            tracing::warn!(node = %self.node, %request, %error, "decode failed");
+        }
+        result
+    }
+
+    async fn decode_granted(&self, params: &Arc<KvParams>, max_tokens: u32) -> Result<Output, RequestError> {
+        let request = params.request;
+        let prompt: Arc<[u32]> = params.prompt.clone().into();
+        let num_tokens = prompt.len() as u64;
+        let read = async {
+            if num_tokens == 0 {
+                return Err(RequestError::EmptyPrompt);
+            }
+            if params.offer.num_prompt_tokens != num_tokens {
+                return Err(RequestError::BadParams(format!(
+                    "offer is for {} tokens, prompt has {num_tokens}",
+                    params.offer.num_prompt_tokens
+                )));
+            }
+            let allocation = self
+                .allocate(
+                    request,
+                    &prompt,
+                    num_tokens + self.lookahead_tokens,
+                    Some(num_tokens - 1),
+                )
+                .await?;
+            let read = self.read(params, &allocation).await;
+            Ok((allocation, read))
+        }
+        .await;
+        // Whatever happened, the READ is over: let the prefill leg unpin now, not at lease end.
+        self.release_grant(params).await;
+        let (allocation, read) = read?;
+        let report = match read {
+            Ok(report) => report,
+            Err(error) => {
+                self.finish(request, None).await;
+                return Err(error);
+            }
+        };
+        let slots = num_tokens + self.lookahead_tokens;
+        let generated = self
+            .generate(request, &prompt, allocation.blocks.clone(), slots, max_tokens)
+            .await;
+        match generated {
+            Ok((tokens, digest)) => {
+                self.finish(request, Some(prompt)).await;
+                Ok(Output {
+                    request,
+                    tokens,
+                    logits_digest: digest,
+                    read_bytes: report.bytes,
+                    read_runs: report.runs,
+                    cached_blocks: allocation.cached_blocks.iter().sum(),
+                })
+            }
+            Err(error) => {
+                self.finish(request, None).await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn read(
+        &self,
+        params: &Arc<KvParams>,
+        allocation: &Allocation,
+    ) -> Result<pdkv_transport::engine::ReadReport, RequestError> {
+        let pair = PairWithOffer {
+            params: params.clone(),
+            lists: allocation.blocks.clone(),
+            cached_blocks: allocation.cached_blocks.clone(),
+        };
+        let spec = ask(&self.exchange, pair, "exchange").await??;
+        let transfer = self.transfer.as_ref().ok_or_else(|| {
+            RequestError::BadParams(format!("{} is a {} leg and cannot read", self.node, self.role))
+        })?;
+        let read = Read {
+            request: params.request,
+            remote: EngineKey(params.prefill_node.0.clone()),
+            plan: spec.plan,
+            checks: spec.checks,
+        };
+        ask(transfer, read, "transfer").await?
+    }
+
+    async fn release_grant(&self, params: &KvParams) {
+        let Some(recipient) = self.grant_release.get(&params.prefill_node) else {
+            tracing::error!(node = %self.node, prefill = %params.prefill_node, "no route to release a grant");
+            return;
+        };
+        let message = ReleaseGrant {
+            grant: params.grant,
+            peer: self.node.clone(),
+        };
+        match recipient.send(message).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(node = %self.node, request = %params.request, %error, "grant release refused")
+            }
+            Err(error) => {
+                tracing::warn!(node = %self.node, request = %params.request, %error, "grant release not delivered")
+            }
+        }
+    }
+
+    /// Computes the last prompt token and `max_tokens - 1` more, greedily. `lists` cover `slots`
+    /// slots; more blocks are taken as decoding passes them, window blocks freed as it moves.
+    async fn generate(
+        &self,
+        request: RequestId,
+        prompt: &Arc<[u32]>,
+        mut lists: Vec<Vec<BlockId>>,
+        mut slots: u64,
+        max_tokens: u32,
+    ) -> Result<(Vec<u32>, u64), RequestError> {
+        let first_position = prompt.len() as u64 - 1;
+        let mut token = prompt[prompt.len() - 1];
+        let mut digest = LogitsDigest::default();
+        let mut tokens = Vec::with_capacity(max_tokens as usize);
+        let windows = self.has_window_groups();
+        for position in first_position..first_position + u64::from(max_tokens.max(1)) {
+            if position >= slots {
+                slots = position + 1;
+                lists = ask(&self.allocator, Extend { request, slots }, "allocator").await??;
+            }
+            let logits = self.model.step(&self.memory, &lists, position, token, true)?;
+            digest.update(&logits);
+            token = argmax(&logits);
+            tokens.push(token);
+            if windows {
+                let release = ReleaseWindow {
+                    request,
+                    attending_token: position + 1,
+                };
+                lists = ask(&self.allocator, release, "allocator").await??;
+            }
+        }
+        Ok((tokens, digest.finish()))
+    }
+
+    /// One leg alone: compute the prompt and decode (the reference for P/D).
+    async fn direct(
+        &self,
+        request: RequestId,
+        prompt: Arc<[u32]>,
+        max_tokens: u32,
+    ) -> Result<Output, RequestError> {
+        let num_tokens = prompt.len() as u64;
+        if num_tokens == 0 {
+            return Err(RequestError::EmptyPrompt);
+        }
+        let slots = num_tokens + self.lookahead_tokens;
+        let allocation = self.allocate(request, &prompt, slots, None).await?;
+        let result = async {
+            for (position, &token) in prompt.iter().enumerate().take(prompt.len() - 1) {
+                self.model
+                    .step(&self.memory, &allocation.blocks, position as u64, token, true)?;
+            }
+            self.generate(request, &prompt, allocation.blocks.clone(), slots, max_tokens)
+                .await
+        }
+        .await;
+        self.finish(request, None).await;
+        let (tokens, logits_digest) = result?;
+        Ok(Output {
+            request,
+            tokens,
+            logits_digest,
+            read_bytes: 0,
+            read_runs: 0,
+            cached_blocks: 0,
+        })
+    }
+}
+
+/// The scheduler actor of one leg.
+pub struct Scheduler {
+    leg: Arc<LegContext>,
+}
+
+impl Scheduler {
+    /// A scheduler over `leg`.
+    pub fn new(leg: Arc<LegContext>) -> Self {
+        Scheduler { leg }
+    }
+}
+
+impl Actor for Scheduler {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(self.leg.limits.mailbox);
+    }
+}
+
+/// Prefill leg: compute a prompt and grant `peer` a READ of its KV.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<KvParams, RequestError>")]
+pub struct Prefill {
+    /// The request.
+    pub request: RequestId,
+    /// Its prompt.
+    pub prompt: Arc<[u32]>,
+    /// The decode leg that will read.
+    pub peer: NodeId,
+}
+
+impl Handler<Prefill> for Scheduler {
+    type Result = ResponseFuture<Result<KvParams, RequestError>>;
+
+    fn handle(&mut self, msg: Prefill, _ctx: &mut Self::Context) -> Self::Result {
+        let leg = self.leg.clone();
+        Box::pin(async move { leg.prefill(msg.request, msg.prompt, msg.peer).await })
+    }
+}
+
+/// Decode leg: READ a prefilled request's KV and decode `max_tokens` tokens.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Output, RequestError>")]
+pub struct Decode {
+    /// What the prefill leg handed back.
+    pub params: KvParams,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+}
+
+impl Handler<Decode> for Scheduler {
+    type Result = ResponseFuture<Result<Output, RequestError>>;
+
+    fn handle(&mut self, msg: Decode, _ctx: &mut Self::Context) -> Self::Result {
+        let leg = self.leg.clone();
+        Box::pin(async move { leg.decode(msg.params, msg.max_tokens).await })
+    }
+}
+
+/// Any leg: run a request alone, for reference.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Output, RequestError>")]
+pub struct Direct {
+    /// The request.
+    pub request: RequestId,
+    /// Its prompt.
+    pub prompt: Arc<[u32]>,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+}
+
+impl Handler<Direct> for Scheduler {
+    type Result = ResponseFuture<Result<Output, RequestError>>;
+
+    fn handle(&mut self, msg: Direct, _ctx: &mut Self::Context) -> Self::Result {
+        let leg = self.leg.clone();
+        Box::pin(async move { leg.direct(msg.request, msg.prompt, msg.max_tokens).await })
+    }
+}

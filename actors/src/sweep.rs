@@ -1,0 +1,170 @@
+//! Sweeps: run many prompt lengths P/D and direct, and compare their outputs bitwise.
+//!
+//! This reproduces the seed's validation (P/D against direct-to-prefill over many prompt
+//! lengths). A length *matches* when both runs succeed with equal tokens and equal logits
+//! digests; a P/D error is reported, never counted as a match.
+
+use std::ops::RangeInclusive;
+
+use crate::cluster::LocalCluster;
+use crate::engine::prompt_tokens;
+use crate::error::RequestError;
+
+/// The outcome of one prompt length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Comparison {
+    /// Prompt length.
+    pub prompt_tokens: u64,
+    /// Whether P/D output equals direct output bitwise.
+    pub matched: bool,
+    /// Why it did not match, if either run failed.
+    pub error: Option<String>,
+    /// Bytes the decode leg read.
+    pub read_bytes: u64,
+    /// READ ranges posted.
+    pub read_runs: usize,
+}
+
+/// The demo's prompt lengths: 102 lengths spread over 1..=1101 tokens.
+pub fn demo_lengths() -> Vec<u64> {
+    (0..102u64).map(|i| 1 + i * 1100 / 101).collect()
+}
+
+/// Parses `SPEC`: comma-separated lengths and inclusive-exclusive ranges `a..b` (or `a..=b`).
+pub fn parse_lengths(spec: &str) -> Result<Vec<u64>, String> {
+    let mut lengths = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|part| !part.is_empty()) {
+        let range: Option<RangeInclusive<u64>> = if let Some((a, b)) = part.split_once("..=") {
+            Some(parse_one(a)?..=parse_one(b)?)
+        } else if let Some((a, b)) = part.split_once("..") {
+            let (a, b) = (parse_one(a)?, parse_one(b)?);
+            if b <= a {
+                return Err(format!("range {part:?} is empty"));
+            }
+            Some(a..=b - 1)
+        } else {
+            None
+        };
+        match range {
+            Some(range) => {
+                if range.is_empty() {
+                    return Err(format!("range {part:?} is empty"));
+                }
+                if range.end() - range.start() >= 1_000_000 {
+                    return Err(format!("range {part:?} holds more than 1000000 lengths"));
+                }
+                lengths.extend(range);
+            }
+            None => lengths.push(parse_one(part)?),
+        }
+    }
+    if lengths.is_empty() {
+        return Err("no prompt lengths given".into());
+    }
+    if let Some(zero) = lengths.iter().position(|&n| n == 0) {
+        return Err(format!(
+            "prompt length 0 at entry {zero}: lengths must be at least 1"
+        ));
+    }
+    Ok(lengths)
+}
+
+fn parse_one(text: &str) -> Result<u64, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a prompt length (a whole number)"))
+}
+
+/// Runs one length P/D and direct on `cluster` and compares.
+pub async fn compare(cluster: &LocalCluster, prompt_len: u64, max_tokens: u32) -> Comparison {
+    let params = cluster.config().model;
+    let prompt = prompt_tokens(params.seed, prompt_len as usize, params.vocab);
+    let pd = cluster.generate(prompt.clone(), max_tokens).await;
+    let direct = cluster.direct(prompt, max_tokens, None).await;
+    judge(prompt_len, pd, direct)
+}
+
+fn judge(
+    prompt_tokens: u64,
+    pd: Result<crate::scheduler::Output, RequestError>,
+    direct: Result<crate::scheduler::Output, RequestError>,
+) -> Comparison {
+    match (pd, direct) {
+        (Ok(pd), Ok(direct)) => {
+            let matched = pd.tokens == direct.tokens && pd.logits_digest == direct.logits_digest;
+            Comparison {
+                prompt_tokens,
+                matched,
+                error: None,
+                read_bytes: pd.read_bytes,
+                read_runs: pd.read_runs,
+            }
+        }
+        (Err(error), _) => Comparison {
+            prompt_tokens,
+            matched: false,
+            error: Some(format!("p/d: {error}")),
+            read_bytes: 0,
+            read_runs: 0,
+        },
+        (Ok(pd), Err(error)) => Comparison {
+            prompt_tokens,
+            matched: false,
+            error: Some(format!("direct: {error}")),
+            read_bytes: pd.read_bytes,
+            read_runs: pd.read_runs,
+        },
+    }
+}
+
+/// Lengths where legacy pairing reads the wrong window on a single-window-group layout: only
+/// the decode leg holds a lookahead tail (`cdiv(N + k_D, B) > cdiv(N, B)`, none on the prefill
+/// leg) and the prompt is longer than the window, so the clipped lists shift by one block.
+pub fn legacy_predicted_failure(
+    prompt_tokens: u64,
+    block_size: u64,
+    window: u64,
+    decode_lookahead: u64,
+) -> bool {
+    let decode_tail =
+        (prompt_tokens + decode_lookahead).div_ceil(block_size) > prompt_tokens.div_ceil(block_size);
+    prompt_tokens > window && decode_tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn length_specs_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_lengths("251,377,440").unwrap(), vec![251, 377, 440]);
+        assert_eq!(parse_lengths("1..4").unwrap(), vec![1, 2, 3]);
+        assert_eq!(parse_lengths("1..=3, 9").unwrap(), vec![1, 2, 3, 9]);
+        assert_eq!(parse_lengths("5..5").unwrap_err(), "range \"5..5\" is empty");
+        assert_eq!(
+            parse_lengths("x").unwrap_err(),
+            "\"x\" is not a prompt length (a whole number)"
+        );
+        assert_eq!(
+            parse_lengths("0,1").unwrap_err(),
+            "prompt length 0 at entry 0: lengths must be at least 1"
+        );
+        assert_eq!(parse_lengths("").unwrap_err(), "no prompt lengths given");
+    }
+
+    #[test]
+    fn demo_lengths_are_102_up_past_1024() {
+        let lengths = demo_lengths();
+        assert_eq!(lengths.len(), 102);
+        assert_eq!(lengths[0], 1);
+        assert!(*lengths.last().unwrap() >= 1024);
+    }
+
+    #[test]
+    fn legacy_prediction_matches_the_seed_condition() {
+        for n in 1..2000 {
+            let seed_condition = n > 128 && (n - 1) % 64 >= 55;
+            assert_eq!(legacy_predicted_failure(n, 64, 128, 9), seed_condition, "N = {n}");
+        }
+    }
+}

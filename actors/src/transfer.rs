@@ -1,0 +1,110 @@
+//! The transfer actor: executes a decode leg's READ plan through a [`ReadEngine`].
+//!
+//! It runs on an arbiter of its own because a READ blocks until the engine completes it (or its
+//! bound passes); the bytes move between registered regions and never through a mailbox. After
+//! the copy it reads the prefill leg's generation words for every source block: a block freed and
+//! possibly reused during the copy fails the READ (fail closed), as does any partial transfer.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Actor, Context, Handler, Message};
+use pdkv_core::plan::TransferPlan;
+use pdkv_core::wire::RequestId;
+use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp, ReadReport};
+
+use crate::error::RequestError;
+use crate::exchange::GenerationCheck;
+
+/// The transfer actor of one decode leg.
+pub struct TransferActor {
+    engine: Arc<dyn ReadEngine>,
+    /// Region id of group 0's generation table on every leg (layers come first).
+    generation_region_base: u32,
+    read_timeout: Duration,
+    mailbox: usize,
+}
+
+impl TransferActor {
+    /// A transfer actor over `engine`; generation tables start at region `generation_region_base`.
+    pub fn new(
+        engine: Arc<dyn ReadEngine>,
+        generation_region_base: u32,
+        read_timeout: Duration,
+        mailbox: usize,
+    ) -> Self {
+        TransferActor {
+            engine,
+            generation_region_base,
+            read_timeout,
+            mailbox,
+        }
+    }
+}
+
+impl Actor for TransferActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        ctx.set_mailbox_capacity(self.mailbox);
+    }
+}
+
+/// READ a plan from a prefill leg's engine.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<ReadReport, RequestError>")]
+pub struct Read {
+    /// The request (for logs).
+    pub request: RequestId,
+    /// The prefill leg's engine.
+    pub remote: EngineKey,
+    /// Byte ranges per layer.
+    pub plan: TransferPlan,
+    /// Generations to verify after the copy.
+    pub checks: Vec<GenerationCheck>,
+}
+
+impl Handler<Read> for TransferActor {
+    type Result = Result<ReadReport, RequestError>;
+
+    fn handle(&mut self, msg: Read, _ctx: &mut Self::Context) -> Self::Result {
+        let ops: Vec<ReadOp> = msg
+            .plan
+            .layers
+            .iter()
+            .map(|layer| ReadOp {
+                local_region: layer.local_region,
+                remote_engine: msg.remote.clone(),
+                remote_region: layer.remote_region,
+                runs: layer.runs.clone(),
+            })
+            .collect();
+        let report = self.engine.batch_read(ops)?.wait(self.read_timeout)?;
+        let mut by_group: BTreeMap<usize, Vec<&GenerationCheck>> = BTreeMap::new();
+        for check in &msg.checks {
+            by_group.entry(check.group).or_default().push(check);
+        }
+        for (group, checks) in by_group {
+            let blocks: Vec<u32> = checks.iter().map(|check| check.block).collect();
+            let found = self.engine.read_remote_words(
+                &msg.remote,
+                self.generation_region_base + group as u32,
+                &blocks,
+            )?;
+            for (check, found) in checks.iter().zip(found) {
+                if found != check.generation {
+                    tracing::warn!(request = %msg.request, group, block = check.block, "stale block after read");
+                    return Err(RequestError::StaleBlock {
+                        group,
+                        block: check.block,
+                        expected: check.generation,
+                        found,
+                    });
+                }
+            }
+        }
+        tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
+        Ok(report)
+    }
+}

@@ -1,0 +1,312 @@
+//! Grants: a prefill leg's permission for one peer to READ one request's blocks, for a while.
+//!
+//! The prefill leg pins a finished request's blocks and issues a grant with a lease. The decode
+//! leg renews the lease while it waits and releases the grant when its READ is done; a lease that
+//! lapses revokes the grant and the shell unpins its blocks. Time comes in as `now_ms` (any
+//! monotonic millisecond clock the shell owns); [`GrantTable::poll_timeout`] says when the next
+//! lease lapses so the shell knows when to call [`GrantTable::expire`].
+//!
+//! A served READ asks [`GrantTable::check_read`] whether a block lies inside a live grant held by
+//! the asking peer; anything else is refused before a byte moves.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::{BlockId, NULL_BLOCK};
+use crate::wire::{GrantId, NodeId, RequestId};
+
+/// One live grant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// The grant's id.
+    pub id: GrantId,
+    /// The request whose blocks it covers.
+    pub request: RequestId,
+    /// The only peer allowed to read under it.
+    pub peer: NodeId,
+    /// Pinned blocks per group (the null block is never granted).
+    pub blocks: Vec<Vec<BlockId>>,
+    /// Lease length, re-applied on every renewal.
+    pub lease_ms: u64,
+    /// When the lease lapses unless renewed.
+    pub expires_at_ms: u64,
+}
+
+impl Grant {
+    fn covers(&self, group: usize, block: BlockId) -> bool {
+        block != NULL_BLOCK && self.blocks.get(group).is_some_and(|list| list.contains(&block))
+    }
+}
+
+/// The live grants of one prefill leg.
+#[derive(Debug, Clone)]
+pub struct GrantTable {
+    grants: HashMap<GrantId, Grant>,
+    /// Expiry index: (expires_at_ms, id).
+    deadlines: BTreeMap<(u64, GrantId), ()>,
+    next_id: u64,
+    max_grants: usize,
+}
+
+impl GrantTable {
+    /// A table that holds at most `max_grants` live grants (each pins blocks, so the bound is a
+    /// memory bound too).
+    pub fn new(max_grants: usize) -> Self {
+        GrantTable {
+            grants: HashMap::new(),
+            deadlines: BTreeMap::new(),
+            next_id: 1,
+            max_grants,
+        }
+    }
+
+    /// Issues a grant for `blocks` (already pinned by the caller) to `peer`.
+    pub fn issue(
+        &mut self,
+        request: RequestId,
+        peer: NodeId,
+        blocks: Vec<Vec<BlockId>>,
+        lease_ms: u64,
+        now_ms: u64,
+    ) -> Result<GrantId, GrantError> {
+        if self.grants.len() >= self.max_grants {
+            return Err(GrantError::TableFull {
+                max_grants: self.max_grants,
+            });
+        }
+        if lease_ms == 0 {
+            return Err(GrantError::ZeroLease);
+        }
+        let id = GrantId(self.next_id);
+        self.next_id += 1;
+        let expires_at_ms = now_ms.saturating_add(lease_ms);
+        self.deadlines.insert((expires_at_ms, id), ());
+        self.grants.insert(
+            id,
+            Grant {
+                id,
+                request,
+                peer,
+                blocks,
+                lease_ms,
+                expires_at_ms,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Extends a grant's lease to `now_ms + lease_ms`; only its peer may renew it.
+    pub fn renew(&mut self, id: GrantId, peer: &NodeId, now_ms: u64) -> Result<u64, GrantError> {
+        let grant = self.grants.get_mut(&id).ok_or(GrantError::Unknown(id))?;
+        if &grant.peer != peer {
+            return Err(GrantError::WrongPeer {
+                id,
+                peer: peer.clone(),
+            });
+        }
+        self.deadlines.remove(&(grant.expires_at_ms, id));
+        grant.expires_at_ms = now_ms.saturating_add(grant.lease_ms);
+        self.deadlines.insert((grant.expires_at_ms, id), ());
+        Ok(grant.expires_at_ms)
+    }
+
+    /// Ends a grant; the caller unpins the returned blocks. Only its peer may release it.
+    pub fn release(&mut self, id: GrantId, peer: &NodeId) -> Result<Grant, GrantError> {
+        match self.grants.get(&id) {
+            None => return Err(GrantError::Unknown(id)),
+            Some(grant) if &grant.peer != peer => {
+                return Err(GrantError::WrongPeer {
+                    id,
+                    peer: peer.clone(),
+                });
+            }
+            Some(_) => {}
+        }
+        self.remove(id).ok_or(GrantError::Unknown(id))
+    }
+
+    /// Ends a grant regardless of peer (local failure handling, shutdown).
+    pub fn revoke(&mut self, id: GrantId) -> Option<Grant> {
+        self.remove(id)
+    }
+
+    /// Removes and returns every grant whose lease lapsed at or before `now_ms`.
+    pub fn expire(&mut self, now_ms: u64) -> Vec<Grant> {
+        let due: Vec<GrantId> = self
+            .deadlines
+            .range(..=(now_ms, GrantId(u64::MAX)))
+            .map(|(&(_, id), _)| id)
+            .collect();
+        due.into_iter().filter_map(|id| self.remove(id)).collect()
+    }
+
+    /// The earliest lease expiry, if any grant lives.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.deadlines.keys().next().map(|&(at, _)| at)
+    }
+
+    /// Whether `peer` may read `block` of `group` under `id` at `now_ms`.
+    pub fn check_read(
+        &self,
+        id: GrantId,
+        peer: &NodeId,
+        group: usize,
+        block: BlockId,
+        now_ms: u64,
+    ) -> Result<(), GrantError> {
+        let grant = self.grants.get(&id).ok_or(GrantError::Unknown(id))?;
+        if &grant.peer != peer {
+            return Err(GrantError::WrongPeer {
+                id,
+                peer: peer.clone(),
+            });
+        }
+        if now_ms >= grant.expires_at_ms {
+            return Err(GrantError::Expired(id));
+        }
+        if !grant.covers(group, block) {
+            return Err(GrantError::OutsideGrant { id, group, block });
+        }
+        Ok(())
+    }
+
+    /// A live grant.
+    pub fn get(&self, id: GrantId) -> Option<&Grant> {
+        self.grants.get(&id)
+    }
+
+    /// Number of live grants.
+    pub fn len(&self) -> usize {
+        self.grants.len()
+    }
+
+    /// Whether no grant lives.
+    pub fn is_empty(&self) -> bool {
+        self.grants.is_empty()
+    }
+
+    fn remove(&mut self, id: GrantId) -> Option<Grant> {
+        let grant = self.grants.remove(&id)?;
+        self.deadlines.remove(&(grant.expires_at_ms, id));
+        Some(grant)
+    }
+}
+
+/// Why a grant operation was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum GrantError {
+    /// No live grant has this id (never issued, released or expired).
+    #[error("grant {} is not live (released, expired or never issued)", .0.0)]
+    Unknown(GrantId),
+    /// The grant belongs to another peer.
+    #[error("grant {} does not belong to peer {peer}", id.0)]
+    WrongPeer {
+        /// Grant id.
+        id: GrantId,
+        /// The asking peer.
+        peer: NodeId,
+    },
+    /// The lease lapsed.
+    #[error("grant {} expired", .0.0)]
+    Expired(GrantId),
+    /// The block is not part of the grant.
+    #[error("grant {} does not cover block {block} of group {group}", id.0)]
+    OutsideGrant {
+        /// Grant id.
+        id: GrantId,
+        /// Group index.
+        group: usize,
+        /// Block id.
+        block: BlockId,
+    },
+    /// Too many live grants.
+    #[error("grant table full ({max_grants} live grants)")]
+    TableFull {
+        /// The table's bound.
+        max_grants: usize,
+    },
+    /// A lease must last.
+    #[error("lease_ms must be at least 1")]
+    ZeroLease,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(name: &str) -> NodeId {
+        NodeId(name.to_string())
+    }
+
+    #[test]
+    fn reads_inside_a_live_grant_pass_and_everything_else_is_refused() {
+        let mut table = GrantTable::new(4);
+        let id = table
+            .issue(RequestId(1), peer("d0"), vec![vec![3, 4], vec![0, 7]], 100, 1_000)
+            .unwrap();
+        assert_eq!(table.check_read(id, &peer("d0"), 0, 4, 1_050), Ok(()));
+        assert_eq!(
+            table
+                .check_read(id, &peer("d0"), 0, 5, 1_050)
+                .unwrap_err()
+                .to_string(),
+            "grant 1 does not cover block 5 of group 0"
+        );
+        assert!(matches!(
+            table.check_read(id, &peer("d0"), 1, 0, 1_050),
+            Err(GrantError::OutsideGrant { .. })
+        ));
+        assert_eq!(
+            table
+                .check_read(id, &peer("d1"), 0, 4, 1_050)
+                .unwrap_err()
+                .to_string(),
+            "grant 1 does not belong to peer d1"
+        );
+        assert_eq!(
+            table.check_read(id, &peer("d0"), 0, 4, 1_100),
+            Err(GrantError::Expired(id))
+        );
+    }
+
+    #[test]
+    fn renewal_moves_the_deadline_and_expiry_revokes() {
+        let mut table = GrantTable::new(4);
+        let id = table
+            .issue(RequestId(1), peer("d0"), vec![vec![3]], 100, 0)
+            .unwrap();
+        assert_eq!(table.poll_timeout(), Some(100));
+        assert_eq!(table.renew(id, &peer("d0"), 90), Ok(190));
+        assert!(table.expire(150).is_empty());
+        let expired = table.expire(190);
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].blocks, vec![vec![3]]);
+        assert!(table.is_empty());
+        assert_eq!(
+            table.check_read(id, &peer("d0"), 0, 3, 0),
+            Err(GrantError::Unknown(id))
+        );
+    }
+
+    #[test]
+    fn release_is_the_peers_alone_and_the_table_is_bounded() {
+        let mut table = GrantTable::new(1);
+        let id = table
+            .issue(RequestId(1), peer("d0"), vec![vec![3]], 100, 0)
+            .unwrap();
+        assert!(matches!(
+            table.release(id, &peer("d1")),
+            Err(GrantError::WrongPeer { .. })
+        ));
+        assert_eq!(
+            table
+                .issue(RequestId(2), peer("d0"), vec![vec![4]], 100, 0)
+                .unwrap_err()
+                .to_string(),
+            "grant table full (1 live grants)"
+        );
+        assert_eq!(table.release(id, &peer("d0")).unwrap().request, RequestId(1));
+        assert!(table.release(id, &peer("d0")).is_err());
+    }
+}

@@ -1,0 +1,259 @@
+//! The READ engine trait, shaped like mori's IO engine.
+//!
+//! mori's flow (see `shared/reference/mori-rocm.md` §1): each side creates an engine; memory is
+//! registered and yields a serializable descriptor; peers exchange engine and memory descriptors
+//! out of band; the reader posts a batch of `(local offset, remote offset, length)` runs between a
+//! local and a remote region and polls or waits for completion. pdkv's engines (in-process,
+//! shared memory, network, mori) all fit this trait, so the transfer actor never knows which one
+//! moves the bytes.
+//!
+//! Generation words (one `u32` per block, bumped when the prefill leg frees a block) are read
+//! with [`ReadEngine::read_remote_words`] after the data, so a READ that raced a free-and-reuse is
+//! caught (seqlock style) rather than returned as good.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use pdkv_core::plan::ReadRun;
+use serde::{Deserialize, Serialize};
+
+use crate::region::{Region, RegionError};
+
+/// Names one engine (one per leg) within a cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EngineKey(pub String);
+
+impl std::fmt::Display for EngineKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Which engine implementation produced a descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// Both legs in one process.
+    Local,
+    /// Same host, shared memory.
+    Shm,
+    /// Over the network, served by the prefill leg's memory server.
+    Net,
+    /// AMD GPUs over RDMA through mori.
+    Mori,
+}
+
+/// What a peer needs to know about an engine before reading from it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineDescriptor {
+    /// The engine's key.
+    pub key: EngineKey,
+    /// Its implementation.
+    pub kind: EngineKind,
+    /// Process id of the owner (same-host engines check it).
+    pub pid: u32,
+    /// Engine-specific address (memory server address for `net`), empty otherwise.
+    pub address: String,
+}
+
+/// Engine-specific part of a memory descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegionHandle {
+    /// In-process: the region is found by (engine, region id).
+    Local,
+    /// Shared memory: a memfd of the owning process, opened read-only by the peer.
+    Shm {
+        /// Owning process.
+        pid: u32,
+        /// File descriptor number in the owner.
+        fd: i32,
+    },
+    /// Served by the owner's memory server.
+    Net,
+}
+
+/// A registered region, as a peer sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryDescriptor {
+    /// Owning engine.
+    pub engine: EngineKey,
+    /// Region id within the engine.
+    pub region: u32,
+    /// Length in bytes.
+    pub len_bytes: u64,
+    /// How to reach it.
+    pub handle: RegionHandle,
+}
+
+/// One batch of runs between one local and one remote region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadOp {
+    /// Local destination region id.
+    pub local_region: u32,
+    /// Remote engine.
+    pub remote_engine: EngineKey,
+    /// Remote source region id.
+    pub remote_region: u32,
+    /// Runs to copy.
+    pub runs: Vec<ReadRun>,
+}
+
+/// What a completed READ moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReadReport {
+    /// Bytes copied.
+    pub bytes: u64,
+    /// Runs (descriptors) posted.
+    pub runs: usize,
+}
+
+/// A posted batch: poll it or wait for it with a bound.
+#[derive(Debug)]
+pub struct ReadHandle {
+    state: HandleState,
+}
+
+#[derive(Debug)]
+enum HandleState {
+    Done(Option<Result<ReadReport, EngineError>>),
+    Pending(mpsc::Receiver<Result<ReadReport, EngineError>>),
+}
+
+impl ReadHandle {
+    /// A handle that completed when it was posted.
+    pub fn completed(result: Result<ReadReport, EngineError>) -> Self {
+        ReadHandle {
+            state: HandleState::Done(Some(result)),
+        }
+    }
+
+    /// A handle completed later through the returned sender.
+    pub fn pending() -> (mpsc::SyncSender<Result<ReadReport, EngineError>>, Self) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        (
+            tx,
+            ReadHandle {
+                state: HandleState::Pending(rx),
+            },
+        )
+    }
+
+    /// The result if the READ finished, without blocking.
+    pub fn poll(&mut self) -> Option<Result<ReadReport, EngineError>> {
+        match &mut self.state {
+            HandleState::Done(result) => result.take(),
+            HandleState::Pending(rx) => match rx.try_recv() {
+                Ok(result) => Some(result),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => Some(Err(EngineError::Abandoned)),
+            },
+        }
+    }
+
+    /// Waits at most `timeout` for the READ to finish.
+    pub fn wait(self, timeout: Duration) -> Result<ReadReport, EngineError> {
+        match self.state {
+            HandleState::Done(Some(result)) => result,
+            HandleState::Done(None) => Err(EngineError::Abandoned),
+            HandleState::Pending(rx) => match rx.recv_timeout(timeout) {
+                Ok(result) => result,
+                Err(mpsc::RecvTimeoutError::Timeout) => Err(EngineError::Timeout {
+                    after_ms: timeout.as_millis() as u64,
+                }),
+                Err(mpsc::RecvTimeoutError::Disconnected) => Err(EngineError::Abandoned),
+            },
+        }
+    }
+}
+
+/// A one-sided READ engine.
+pub trait ReadEngine: Send + Sync {
+    /// This engine's key.
+    fn key(&self) -> &EngineKey;
+
+    /// What a peer needs to reach this engine.
+    fn descriptor(&self) -> EngineDescriptor;
+
+    /// Registers local memory under `region_id` so peers may read it and this engine may write
+    /// into it.
+    fn register(&self, region_id: u32, region: Arc<Region>) -> Result<MemoryDescriptor, EngineError>;
+
+    /// Learns a remote engine and its regions (from the peer's handshake).
+    fn register_remote(
+        &self,
+        engine: &EngineDescriptor,
+        regions: &[MemoryDescriptor],
+    ) -> Result<(), EngineError>;
+
+    /// Posts READs of remote runs into local regions.
+    fn batch_read(&self, ops: Vec<ReadOp>) -> Result<ReadHandle, EngineError>;
+
+    /// Reads 32-bit words (generations) of a remote region, each with acquire ordering.
+    fn read_remote_words(
+        &self,
+        remote_engine: &EngineKey,
+        remote_region: u32,
+        indices: &[u32],
+    ) -> Result<Vec<u32>, EngineError>;
+}
+
+/// Why a READ engine refused or failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The local region id was never registered.
+    #[error("local region {0} is not registered")]
+    UnknownLocalRegion(u32),
+    /// The remote region is not known (no handshake yet, or wrong id).
+    #[error("region {region} of engine {engine} is not registered here")]
+    UnknownRemoteRegion {
+        /// Remote engine.
+        engine: EngineKey,
+        /// Region id.
+        region: u32,
+    },
+    /// A region id was registered twice.
+    #[error("region {0} is already registered")]
+    DuplicateRegion(u32),
+    /// The descriptor belongs to another kind of engine.
+    #[error("engine {engine} is {found:?}, this engine reads {expected:?}")]
+    WrongKind {
+        /// Remote engine.
+        engine: EngineKey,
+        /// Its kind.
+        found: EngineKind,
+        /// Ours.
+        expected: EngineKind,
+    },
+    /// A run lies outside a region.
+    #[error("{side} region {region}: {source}")]
+    Bounds {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// Region id.
+        region: u32,
+        /// The bounds error.
+        source: RegionError,
+    },
+    /// The READ did not finish in time.
+    #[error("read did not complete within {after_ms} ms")]
+    Timeout {
+        /// The bound that passed.
+        after_ms: u64,
+    },
+    /// The engine dropped the READ (shut down, or the worker died).
+    #[error("read abandoned by the engine")]
+    Abandoned,
+    /// A fault injected by a test or chaos run.
+    #[error("injected fault after {after_bytes} bytes")]
+    InjectedFault {
+        /// Bytes copied before the fault.
+        after_bytes: u64,
+    },
+    /// The remote side refused the READ.
+    #[error("remote refused the read: {0}")]
+    Refused(String),
+    /// An OS or network error.
+    #[error("{0}")]
+    Io(String),
+}

@@ -1,0 +1,235 @@
+//! Registered memory: byte regions that READ engines copy between.
+//!
+//! A [`Region`] is a fixed-size, 8-byte-aligned span of memory that several parties touch at once
+//! without locks, as registered GPU memory is: the leg's engine writes the blocks it owns while a
+//! remote reader copies blocks it was granted. Exclusivity is per block and enforced above this
+//! module (the allocator hands a block to one owner; a grant pins it; generations catch a block
+//! that was freed under a reader). This module only guarantees that every access is in bounds.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Memory that READ engines copy between.
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// Keeps the memory alive; never read directly.
+    _backing: Backing,
+}
+
+/// What owns a region's memory.
+pub enum Backing {
+    /// Process-private heap memory (u64 words for alignment).
+    Heap(Box<[u64]>),
+    /// An owner-provided mapping (shared memory, device memory); dropped with the region.
+    External(Box<dyn Send + Sync>),
+}
+
+// SAFETY: a Region is a raw span of memory. All access goes through bounds-checked copies;
+// concurrent access to the same bytes is excluded by block ownership above this module (see the
+// module docs), exactly as for memory registered with an RDMA NIC.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region").field("len", &self.len).finish()
+    }
+}
+
+impl Region {
+    /// A zeroed heap region of `len` bytes.
+    pub fn heap(len: usize) -> Self {
+        let mut words = vec![0u64; len.div_ceil(8)].into_boxed_slice();
+        let ptr = NonNull::new(words.as_mut_ptr().cast::<u8>()).unwrap_or(NonNull::dangling());
+        Region {
+            ptr,
+            len,
+            _backing: Backing::Heap(words),
+        }
+    }
+
+    /// A region over memory owned by `backing`.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + len` must be valid for reads and writes, 8-byte aligned, and stay mapped for
+    /// as long as `backing` lives.
+    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize, backing: Box<dyn Send + Sync>) -> Self {
+        Region {
+            ptr,
+            len,
+            _backing: Backing::External(backing),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Base address (for engines that register memory with hardware).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<usize, RegionError> {
+        let start = usize::try_from(offset).map_err(|_| RegionError::OutOfBounds {
+            offset,
+            len: len as u64,
+            region_len: self.len as u64,
+        })?;
+        match start.checked_add(len) {
+            Some(end) if end <= self.len => Ok(start),
+            _ => Err(RegionError::OutOfBounds {
+                offset,
+                len: len as u64,
+                region_len: self.len as u64,
+            }),
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the region.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), RegionError> {
+        let start = self.check(offset, dst.len())?;
+        // SAFETY: bounds checked; dst is a distinct Rust allocation.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(start), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), RegionError> {
+        let start = self.check(offset, src.len())?;
+        // SAFETY: bounds checked; src is a distinct Rust allocation.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(start), src.len()) };
+        Ok(())
+    }
+
+    /// Copies `dst.len()` f32 values at `offset` (native byte order) out of the region.
+    pub fn read_f32s(&self, offset: u64, dst: &mut [f32]) -> Result<(), RegionError> {
+        let bytes = std::mem::size_of_val(dst);
+        let start = self.check(offset, bytes)?;
+        // SAFETY: bounds checked; any bit pattern is a valid f32; byte-wise copy needs no alignment.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(start), dst.as_mut_ptr().cast::<u8>(), bytes)
+        };
+        Ok(())
+    }
+
+    /// Copies `src` f32 values into the region at `offset` (native byte order).
+    pub fn write_f32s(&self, offset: u64, src: &[f32]) -> Result<(), RegionError> {
+        let bytes = std::mem::size_of_val(src);
+        let start = self.check(offset, bytes)?;
+        // SAFETY: bounds checked; byte-wise copy needs no alignment.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), self.ptr.as_ptr().add(start), bytes)
+        };
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` into this region at `dst_offset`.
+    pub fn copy_from(
+        &self,
+        dst_offset: u64,
+        src: &Region,
+        src_offset: u64,
+        len: u64,
+    ) -> Result<(), RegionError> {
+        let len_usize = usize::try_from(len).map_err(|_| RegionError::OutOfBounds {
+            offset: dst_offset,
+            len,
+            region_len: self.len as u64,
+        })?;
+        let dst_start = self.check(dst_offset, len_usize)?;
+        let src_start = src.check(src_offset, len_usize)?;
+        if std::ptr::eq(self, src) {
+            let (a, b) = (dst_start, src_start);
+            if a < b + len_usize && b < a + len_usize {
+                return Err(RegionError::Overlap);
+            }
+        }
+        // SAFETY: both ranges bounds checked and, within one region, disjoint.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.ptr.as_ptr().add(src_start),
+                self.ptr.as_ptr().add(dst_start),
+                len_usize,
+            )
+        };
+        Ok(())
+    }
+
+    /// The `index`th 32-bit word as an atomic (generation tables live in regions).
+    pub fn atomic_u32(&self, index: usize) -> Result<&AtomicU32, RegionError> {
+        let offset = index.checked_mul(4).ok_or(RegionError::OutOfBounds {
+            offset: u64::MAX,
+            len: 4,
+            region_len: self.len as u64,
+        })?;
+        let start = self.check(offset as u64, 4)?;
+        // SAFETY: in bounds; the base is 8-aligned and `start` a multiple of 4, so the word is
+        // aligned; AtomicU32 has the size and alignment of u32 and lives as long as `self`.
+        Ok(unsafe { &*self.ptr.as_ptr().add(start).cast::<AtomicU32>() })
+    }
+
+    /// Loads the `index`th 32-bit word with acquire ordering.
+    pub fn load_u32(&self, index: usize) -> Result<u32, RegionError> {
+        Ok(self.atomic_u32(index)?.load(Ordering::Acquire))
+    }
+
+    /// Stores the `index`th 32-bit word with release ordering.
+    pub fn store_u32(&self, index: usize, value: u32) -> Result<(), RegionError> {
+        self.atomic_u32(index)?.store(value, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// A region access outside its bounds.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegionError {
+    /// The range does not lie inside the region.
+    #[error("range {offset}+{len} is outside the region of {region_len} bytes")]
+    OutOfBounds {
+        /// Start offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Region length.
+        region_len: u64,
+    },
+    /// A copy within one region whose source and destination overlap.
+    #[error("source and destination ranges overlap")]
+    Overlap,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_stay_in_bounds() {
+        let a = Region::heap(64);
+        let b = Region::heap(64);
+        a.write(8, &[1, 2, 3, 4]).unwrap();
+        b.copy_from(60, &a, 8, 4).unwrap();
+        let mut out = [0u8; 4];
+        b.read(60, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3, 4]);
+        assert!(b.copy_from(61, &a, 8, 4).is_err());
+        assert!(a.read(u64::MAX, &mut out).is_err());
+        assert_eq!(a.copy_from(0, &a, 2, 4), Err(RegionError::Overlap));
+    }
+
+    #[test]
+    fn words_are_atomic_and_aligned() {
+        let region = Region::heap(12);
+        region.store_u32(2, 7).unwrap();
+        assert_eq!(region.load_u32(2).unwrap(), 7);
+        assert!(region.load_u32(3).is_err());
+    }
+}
