@@ -1,7 +1,7 @@
 //! A whole P/D cluster of actors in one process, built from a [`ClusterConfig`].
 //!
-//! Each leg gets its own arbiter (one thread) for its scheduler, allocator and exchange actors,
-//! and decode legs a second arbiter for the transfer actor, whose READs block. Legs share one
+//! Each leg gets its own arbiter (one thread) for its scheduler, allocator, exchange and transfer
+//! actors (READs do not block it: engines copy large batches on their own workers). Legs share one
 //! read-only [`Model`] and reach each other's memory through an in-process READ engine, exactly
 //! as separate processes would through shared memory. Must be started inside an actix `System`.
 
@@ -70,7 +70,7 @@ impl LocalCluster {
         for node in &config.nodes {
             let capacity = vec![node.blocks_per_group; groups];
             let memory = Arc::new(LegMemory::heap(&model, &capacity));
-            let engine = Arc::new(LocalEngine::new(EngineKey(node.name.0.clone()), fabric.clone()));
+            let engine = Arc::new(LocalEngine::new(EngineKey(node.name.0.clone()), fabric.clone())?);
             let mut descriptors = Vec::new();
             for (id, region) in memory.layers.iter().chain(&memory.generations).enumerate() {
                 descriptors.push(engine.register(id as u32, region.clone())?);
@@ -196,6 +196,11 @@ impl LocalCluster {
     /// The shared model.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
+    }
+
+    /// The router (to send requests without waiting for each).
+    pub fn router(&self) -> &Addr<Router> {
+        &self.router
     }
 
     /// The running legs.

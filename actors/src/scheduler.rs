@@ -254,7 +254,8 @@ impl LegContext {
         }
         .await;
         // Whatever happened, the READ is over: let the prefill leg unpin now, not at lease end.
-        self.release_grant(params).await;
+        // The release travels on its own while this leg decodes.
+        self.release_grant(params);
         let (allocation, read) = read?;
         let report = match read {
             Ok(report) => report,
@@ -309,8 +310,10 @@ impl LegContext {
         ask(transfer, read, "transfer").await?
     }
 
-    async fn release_grant(&self, params: &KvParams) {
-        let Some(recipient) = self.grant_release.get(&params.prefill_node) else {
+    /// Sends the grant's release without waiting for it; the prefill leg's bounded mailbox
+    /// applies backpressure to the spawned send, and a lost release is covered by the lease.
+    fn release_grant(&self, params: &KvParams) {
+        let Some(recipient) = self.grant_release.get(&params.prefill_node).cloned() else {
             tracing::error!(node = %self.node, prefill = %params.prefill_node, "no route to release a grant");
             return;
         };
@@ -318,15 +321,14 @@ impl LegContext {
             grant: params.grant,
             peer: self.node.clone(),
         };
-        match recipient.send(message).await {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => {
-                tracing::warn!(node = %self.node, request = %params.request, %error, "grant release refused")
+        let (node, request) = (self.node.clone(), params.request);
+        actix::spawn(async move {
+            match recipient.send(message).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::warn!(%node, %request, %error, "grant release refused"),
+                Err(error) => tracing::warn!(%node, %request, %error, "grant release not delivered"),
             }
-            Err(error) => {
-                tracing::warn!(node = %self.node, request = %params.request, %error, "grant release not delivered")
-            }
-        }
+        });
     }
 
     /// Computes the last prompt token and `max_tokens - 1` more, greedily. `lists` cover `slots`

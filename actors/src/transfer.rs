@@ -1,7 +1,9 @@
 //! The transfer actor: executes a decode leg's READ plan through a [`ReadEngine`].
 //!
-//! It runs on an arbiter of its own because a READ blocks until the engine completes it (or its
-//! bound passes); the bytes move between registered regions and never through a mailbox. After
+//! It posts the plan and awaits the engine's handle (bounded by the read timeout) without
+//! blocking its arbiter: engines copy small batches inline and large ones on their own worker
+//! threads, as mori's backend threads do. The bytes move between registered regions and never
+//! through a mailbox. After
 //! the copy it reads the prefill leg's generation words for every source block: a block freed and
 //! possibly reused during the copy fails the READ (fail closed), as does any partial transfer.
 
@@ -9,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::{Actor, Context, Handler, Message};
+use actix::{Actor, Context, Handler, Message, ResponseFuture};
 use pdkv_core::plan::TransferPlan;
 use pdkv_core::wire::RequestId;
 use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp, ReadReport};
@@ -66,45 +68,57 @@ pub struct Read {
 }
 
 impl Handler<Read> for TransferActor {
-    type Result = Result<ReadReport, RequestError>;
+    type Result = ResponseFuture<Result<ReadReport, RequestError>>;
 
     fn handle(&mut self, msg: Read, _ctx: &mut Self::Context) -> Self::Result {
-        let ops: Vec<ReadOp> = msg
-            .plan
-            .layers
-            .iter()
-            .map(|layer| ReadOp {
-                local_region: layer.local_region,
-                remote_engine: msg.remote.clone(),
-                remote_region: layer.remote_region,
-                runs: layer.runs.clone(),
-            })
-            .collect();
-        let report = self.engine.batch_read(ops)?.wait(self.read_timeout)?;
-        let mut by_group: BTreeMap<usize, Vec<&GenerationCheck>> = BTreeMap::new();
-        for check in &msg.checks {
-            by_group.entry(check.group).or_default().push(check);
-        }
-        for (group, checks) in by_group {
-            let blocks: Vec<u32> = checks.iter().map(|check| check.block).collect();
-            let found = self.engine.read_remote_words(
-                &msg.remote,
-                self.generation_region_base + group as u32,
-                &blocks,
-            )?;
-            for (check, found) in checks.iter().zip(found) {
-                if found != check.generation {
-                    tracing::warn!(request = %msg.request, group, block = check.block, "stale block after read");
-                    return Err(RequestError::StaleBlock {
-                        group,
-                        block: check.block,
-                        expected: check.generation,
-                        found,
-                    });
-                }
+        let engine = self.engine.clone();
+        let generation_region_base = self.generation_region_base;
+        let read_timeout = self.read_timeout;
+        Box::pin(async move {
+            let ops: Vec<ReadOp> = msg
+                .plan
+                .layers
+                .iter()
+                .map(|layer| ReadOp {
+                    local_region: layer.local_region,
+                    remote_engine: msg.remote.clone(),
+                    remote_region: layer.remote_region,
+                    runs: layer.runs.clone(),
+                })
+                .collect();
+            let report = engine.batch_read(ops)?.wait(read_timeout).await?;
+            verify_generations(engine.as_ref(), &msg, generation_region_base)?;
+            tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
+            Ok(report)
+        })
+    }
+}
+
+/// Reads the prefill leg's generation words after the copy: any change means a source block was
+/// freed (and maybe reused) while it was being read.
+fn verify_generations(
+    engine: &dyn ReadEngine,
+    msg: &Read,
+    generation_region_base: u32,
+) -> Result<(), RequestError> {
+    let mut by_group: BTreeMap<usize, Vec<&GenerationCheck>> = BTreeMap::new();
+    for check in &msg.checks {
+        by_group.entry(check.group).or_default().push(check);
+    }
+    for (group, checks) in by_group {
+        let blocks: Vec<u32> = checks.iter().map(|check| check.block).collect();
+        let found = engine.read_remote_words(&msg.remote, generation_region_base + group as u32, &blocks)?;
+        for (check, found) in checks.iter().zip(found) {
+            if found != check.generation {
+                tracing::warn!(request = %msg.request, group, block = check.block, "stale block after read");
+                return Err(RequestError::StaleBlock {
+                    group,
+                    block: check.block,
+                    expected: check.generation,
+                    found,
+                });
             }
         }
-        tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
-        Ok(report)
     }
+    Ok(())
 }

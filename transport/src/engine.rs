@@ -12,11 +12,11 @@
 //! caught (seqlock style) rather than returned as good.
 
 use std::sync::Arc;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use pdkv_core::plan::ReadRun;
 use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
 
 use crate::region::{Region, RegionError};
 
@@ -117,7 +117,20 @@ pub struct ReadHandle {
 #[derive(Debug)]
 enum HandleState {
     Done(Option<Result<ReadReport, EngineError>>),
-    Pending(mpsc::Receiver<Result<ReadReport, EngineError>>),
+    Pending(oneshot::Receiver<Result<ReadReport, EngineError>>),
+}
+
+/// Completes a pending [`ReadHandle`]; dropping it unsent abandons the READ.
+#[derive(Debug)]
+pub struct ReadCompleter {
+    tx: oneshot::Sender<Result<ReadReport, EngineError>>,
+}
+
+impl ReadCompleter {
+    /// Reports the READ's outcome (ignored if the handle was dropped).
+    pub fn complete(self, result: Result<ReadReport, EngineError>) {
+        let _ = self.tx.send(result);
+    }
 }
 
 impl ReadHandle {
@@ -128,11 +141,11 @@ impl ReadHandle {
         }
     }
 
-    /// A handle completed later through the returned sender.
-    pub fn pending() -> (mpsc::SyncSender<Result<ReadReport, EngineError>>, Self) {
-        let (tx, rx) = mpsc::sync_channel(1);
+    /// A handle completed later through the returned completer.
+    pub fn pending() -> (ReadCompleter, Self) {
+        let (tx, rx) = oneshot::channel();
         (
-            tx,
+            ReadCompleter { tx },
             ReadHandle {
                 state: HandleState::Pending(rx),
             },
@@ -145,24 +158,40 @@ impl ReadHandle {
             HandleState::Done(result) => result.take(),
             HandleState::Pending(rx) => match rx.try_recv() {
                 Ok(result) => Some(result),
-                Err(mpsc::TryRecvError::Empty) => None,
-                Err(mpsc::TryRecvError::Disconnected) => Some(Err(EngineError::Abandoned)),
+                Err(oneshot::error::TryRecvError::Empty) => None,
+                Err(oneshot::error::TryRecvError::Closed) => Some(Err(EngineError::Abandoned)),
             },
         }
     }
 
-    /// Waits at most `timeout` for the READ to finish.
-    pub fn wait(self, timeout: Duration) -> Result<ReadReport, EngineError> {
+    /// Waits at most `timeout` for the READ to finish (async; needs a tokio timer).
+    pub async fn wait(self, timeout: Duration) -> Result<ReadReport, EngineError> {
         match self.state {
             HandleState::Done(Some(result)) => result,
             HandleState::Done(None) => Err(EngineError::Abandoned),
-            HandleState::Pending(rx) => match rx.recv_timeout(timeout) {
-                Ok(result) => result,
-                Err(mpsc::RecvTimeoutError::Timeout) => Err(EngineError::Timeout {
+            HandleState::Pending(rx) => match tokio::time::timeout(timeout, rx).await {
+                Ok(Ok(result)) => result,
+                Ok(Err(_)) => Err(EngineError::Abandoned),
+                Err(_) => Err(EngineError::Timeout {
                     after_ms: timeout.as_millis() as u64,
                 }),
-                Err(mpsc::RecvTimeoutError::Disconnected) => Err(EngineError::Abandoned),
             },
+        }
+    }
+
+    /// Blocks the calling thread at most `timeout` for the READ (for callers outside a runtime).
+    pub fn wait_blocking(mut self, timeout: Duration) -> Result<ReadReport, EngineError> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(result) = self.poll() {
+                return result;
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(EngineError::Timeout {
+                    after_ms: timeout.as_millis() as u64,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
 }

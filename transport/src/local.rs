@@ -9,6 +9,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use pdkv_core::plan::ReadRun;
+
+use crate::copy::{CopyJob, CopyWorker, INLINE_READ_BYTES};
 use crate::engine::{
     EngineDescriptor, EngineError, EngineKey, EngineKind, MemoryDescriptor, ReadEngine, ReadHandle, ReadOp,
     ReadReport, RegionHandle,
@@ -41,18 +44,22 @@ pub struct LocalEngine {
     local: Mutex<HashMap<u32, Arc<Region>>>,
     remote: Mutex<RegionMap>,
     fail_after_bytes: AtomicU64,
+    worker: CopyWorker,
 }
 
 impl LocalEngine {
     /// An engine named `key` on `fabric`.
-    pub fn new(key: EngineKey, fabric: LocalFabric) -> Self {
-        LocalEngine {
+    pub fn new(key: EngineKey, fabric: LocalFabric) -> Result<Self, EngineError> {
+        let worker = CopyWorker::new(&format!("pdkv-copy-{key}"), 64)
+            .map_err(|error| EngineError::Io(error.to_string()))?;
+        Ok(LocalEngine {
             key,
             fabric,
             local: Mutex::new(HashMap::new()),
             remote: Mutex::new(HashMap::new()),
             fail_after_bytes: AtomicU64::new(NO_FAULT),
-        }
+            worker,
+        })
     }
 
     /// Makes the next READ stop with an error after copying `bytes` bytes (chaos and tests).
@@ -134,7 +141,8 @@ impl ReadEngine for LocalEngine {
 
     fn batch_read(&self, ops: Vec<ReadOp>) -> Result<ReadHandle, EngineError> {
         let fail_after = self.fail_after_bytes.swap(NO_FAULT, Ordering::SeqCst);
-        let mut report = ReadReport::default();
+        let mut batches = Vec::with_capacity(ops.len());
+        let mut total = 0u64;
         for op in ops {
             let local = self
                 .local
@@ -144,29 +152,19 @@ impl ReadEngine for LocalEngine {
                 .cloned()
                 .ok_or(EngineError::UnknownLocalRegion(op.local_region))?;
             let remote = self.remote_region(&op.remote_engine, op.remote_region)?;
-            for run in &op.runs {
-                let len = if report.bytes.saturating_add(run.len_bytes) > fail_after {
-                    fail_after - report.bytes
-                } else {
-                    run.len_bytes
-                };
-                local
-                    .copy_from(run.local_offset, &remote, run.remote_offset, len)
-                    .map_err(|source| EngineError::Bounds {
-                        side: "local or remote",
-                        region: op.local_region,
-                        source,
-                    })?;
-                report.bytes += len;
-                if len < run.len_bytes {
-                    return Ok(ReadHandle::completed(Err(EngineError::InjectedFault {
-                        after_bytes: report.bytes,
-                    })));
-                }
-                report.runs += 1;
-            }
+            check_runs(&op, &local, &remote)?;
+            total += op.runs.iter().map(|run| run.len_bytes).sum::<u64>();
+            batches.push((local, remote, op.runs));
         }
-        Ok(ReadHandle::completed(Ok(report)))
+        if total <= INLINE_READ_BYTES {
+            return Ok(ReadHandle::completed(copy_batches(&batches, fail_after)));
+        }
+        let (completer, handle) = ReadHandle::pending();
+        let job: CopyJob = Box::new(move || completer.complete(copy_batches(&batches, fail_after)));
+        if let Err(job) = self.worker.submit(job) {
+            job();
+        }
+        Ok(handle)
     }
 
     fn read_remote_words(
@@ -191,18 +189,71 @@ impl ReadEngine for LocalEngine {
     }
 }
 
+type Batch = (Arc<Region>, Arc<Region>, Vec<ReadRun>);
+
+/// Refuses a batch with any run outside its regions before a byte moves.
+fn check_runs(op: &ReadOp, local: &Region, remote: &Region) -> Result<(), EngineError> {
+    for run in &op.runs {
+        let fits = |offset: u64, region: &Region| {
+            offset
+                .checked_add(run.len_bytes)
+                .is_some_and(|end| end <= region.len() as u64)
+        };
+        for (side, region_id, offset, region) in [
+            ("local", op.local_region, run.local_offset, local),
+            ("remote", op.remote_region, run.remote_offset, remote),
+        ] {
+            if !fits(offset, region) {
+                return Err(EngineError::Bounds {
+                    side,
+                    region: region_id,
+                    source: crate::region::RegionError::OutOfBounds {
+                        offset,
+                        len: run.len_bytes,
+                        region_len: region.len() as u64,
+                    },
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Copies every run; with a fault armed, stops after `fail_after` bytes with an error.
+fn copy_batches(batches: &[Batch], fail_after: u64) -> Result<ReadReport, EngineError> {
+    let mut report = ReadReport::default();
+    for (local, remote, runs) in batches {
+        for run in runs {
+            let len = run.len_bytes.min(fail_after.saturating_sub(report.bytes));
+            local
+                .copy_from(run.local_offset, remote, run.remote_offset, len)
+                .map_err(|source| EngineError::Bounds {
+                    side: "local",
+                    region: 0,
+                    source,
+                })?;
+            report.bytes += len;
+            if len < run.len_bytes {
+                return Err(EngineError::InjectedFault {
+                    after_bytes: report.bytes,
+                });
+            }
+            report.runs += 1;
+        }
+    }
+    Ok(report)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
-
-    use pdkv_core::plan::ReadRun;
 
     use super::*;
 
     fn pair() -> (LocalEngine, LocalEngine, Arc<Region>, Arc<Region>) {
         let fabric = LocalFabric::new();
-        let prefill = LocalEngine::new(EngineKey("p".into()), fabric.clone());
-        let decode = LocalEngine::new(EngineKey("d".into()), fabric);
+        let prefill = LocalEngine::new(EngineKey("p".into()), fabric.clone()).unwrap();
+        let decode = LocalEngine::new(EngineKey("d".into()), fabric).unwrap();
         let source = Arc::new(Region::heap(1024));
         let destination = Arc::new(Region::heap(1024));
         let descriptor = prefill.register(0, source.clone()).unwrap();
@@ -242,7 +293,7 @@ mod tests {
         let report = decode
             .batch_read(vec![op(runs)])
             .unwrap()
-            .wait(Duration::from_secs(1))
+            .wait_blocking(Duration::from_secs(1))
             .unwrap();
         assert_eq!(report, ReadReport { bytes: 48, runs: 2 });
         let mut out = [0u8; 80];
@@ -250,6 +301,37 @@ mod tests {
         assert_eq!(&out[..32], &[7; 32]);
         assert_eq!(&out[64..80], &[9; 16]);
         assert_eq!(&out[32..64], &[0; 32], "bytes between runs stay untouched");
+    }
+
+    #[test]
+    fn large_batches_complete_on_the_copy_worker() {
+        let fabric = LocalFabric::new();
+        let prefill = LocalEngine::new(EngineKey("p".into()), fabric.clone()).unwrap();
+        let decode = LocalEngine::new(EngineKey("d".into()), fabric).unwrap();
+        let size = 4 * INLINE_READ_BYTES as usize;
+        let source = Arc::new(Region::heap(size));
+        let destination = Arc::new(Region::heap(size));
+        let pattern: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        source.write(0, &pattern).unwrap();
+        let descriptor = prefill.register(0, source).unwrap();
+        decode.register(0, destination.clone()).unwrap();
+        decode
+            .register_remote(&prefill.descriptor(), &[descriptor])
+            .unwrap();
+        let runs = vec![ReadRun {
+            local_offset: 0,
+            remote_offset: 0,
+            len_bytes: size as u64,
+        }];
+        let report = decode
+            .batch_read(vec![op(runs)])
+            .unwrap()
+            .wait_blocking(Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(report.bytes, size as u64);
+        let mut copied = vec![0u8; size];
+        destination.read(0, &mut copied).unwrap();
+        assert!(copied == pattern);
     }
 
     #[test]
@@ -271,14 +353,14 @@ mod tests {
         let error = decode
             .batch_read(vec![op(runs.clone())])
             .unwrap()
-            .wait(Duration::from_secs(1))
+            .wait_blocking(Duration::from_secs(1))
             .unwrap_err();
         assert_eq!(error, EngineError::InjectedFault { after_bytes: 40 });
         assert!(
             decode
                 .batch_read(vec![op(runs)])
                 .unwrap()
-                .wait(Duration::from_secs(1))
+                .wait_blocking(Duration::from_secs(1))
                 .is_ok()
         );
     }

@@ -1,0 +1,316 @@
+//! A whole P/D cluster of real actors in one process: P/D output must equal one-leg output, or
+//! the request must fail with a clear error; and every leg's free-block count must come back to
+//! its capacity.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdkv_actors::allocator::{Allocate, Finish, Stats};
+use pdkv_actors::cluster::LocalCluster;
+use pdkv_actors::config::{ClusterConfig, DEFAULT_CLUSTER_TOML};
+use pdkv_actors::engine::prompt_tokens;
+use pdkv_actors::error::RequestError;
+use pdkv_actors::router::Generate;
+use pdkv_actors::scheduler::{Decode, Prefill};
+use pdkv_actors::sweep::{self, legacy_predicted_failure};
+use pdkv_core::wire::{NodeId, RequestId};
+
+/// The shipped cluster.toml with `(from, to)` replacements applied.
+fn config(edits: &[(&str, &str)]) -> ClusterConfig {
+    let mut text = DEFAULT_CLUSTER_TOML.to_string();
+    for (from, to) in edits {
+        assert!(text.contains(from), "cluster.toml has no {from:?}");
+        text = text.replacen(from, to, 1);
+    }
+    ClusterConfig::from_toml(&text).unwrap()
+}
+
+/// Lengths around every block and window boundary of B=64, W=128, plus the seed's failures.
+const BOUNDARY_LENGTHS: &[u64] = &[
+    1, 2, 55, 56, 63, 64, 65, 119, 120, 127, 128, 129, 130, 183, 184, 191, 192, 193, 251, 256, 257, 377, 384,
+    440, 447, 448, 449,
+];
+
+async fn assert_all_match(cluster: &LocalCluster, lengths: &[u64]) {
+    for &length in lengths {
+        let result = sweep::compare(cluster, length, 4).await;
+        assert!(result.matched, "prompt length {length}: {result:?}");
+    }
+    assert_idle(cluster).await;
+}
+
+async fn assert_idle(cluster: &LocalCluster) {
+    let stats = cluster.wait_idle(Duration::from_secs(2)).await.unwrap();
+    assert!(stats.iter().all(|leg| leg.is_idle()), "blocks leaked: {stats:?}");
+}
+
+#[actix_rt::test]
+async fn pd_equals_direct_for_every_tail_combination() {
+    for (prefill, decode) in [(0, 0), (0, 9), (9, 0), (9, 9)] {
+        let prefill_edit = format!("lookahead_tokens = {prefill}");
+        let decode_edit = format!("lookahead_tokens = {decode}");
+        let cluster = LocalCluster::start(config(&[
+            ("lookahead_tokens = 0", &prefill_edit),
+            ("lookahead_tokens = 9", &decode_edit),
+        ]))
+        .unwrap();
+        assert_all_match(&cluster, BOUNDARY_LENGTHS).await;
+        cluster.shutdown();
+    }
+}
+
+#[actix_rt::test]
+async fn pd_equals_direct_with_a_mamba_group_and_dcp() {
+    let text = r#"
+        [model]
+        seed = 11
+        d_model = 16
+        vocab = 64
+        layer_groups = [0, 1, 2, 0, 2, 1]
+        [[model.groups]]
+        kind = "full"
+        block_size = 8
+        dcp = 2
+        [[model.groups]]
+        kind = "sliding_window"
+        block_size = 16
+        window = 40
+        [[model.groups]]
+        kind = "mamba"
+        [[nodes]]
+        name = "p"
+        role = "prefill"
+        lookahead_tokens = 3
+        blocks_per_group = 32
+        [[nodes]]
+        name = "d"
+        role = "decode"
+        lookahead_tokens = 7
+        blocks_per_group = 32
+        prefix_caching = true
+    "#;
+    let cluster = LocalCluster::start(ClusterConfig::from_toml(text).unwrap()).unwrap();
+    let lengths: Vec<u64> = (1..=90).chain([127, 128, 129, 200, 255]).collect();
+    assert_all_match(&cluster, &lengths).await;
+    cluster.shutdown();
+}
+
+/// After a first request, a second prompt sharing its first 300 tokens hits 4 full blocks
+/// (300 / 64) on the decode leg, and only the other positions are read: counted in bytes.
+#[actix_rt::test]
+async fn decode_prefix_hit_reads_only_the_suffix() {
+    let cluster = LocalCluster::start(config(&[])).unwrap();
+    let first = prompt_tokens(5, 300, 256);
+    let mut second = first.clone();
+    second.extend(prompt_tokens(6, 100, 256));
+    let output = cluster.generate(first, 4).await.unwrap();
+    assert_eq!(output.cached_blocks, 0);
+    let hit = cluster.generate(second.clone(), 4).await.unwrap();
+    let direct = cluster.direct(second, 4, None).await.unwrap();
+    assert_eq!(
+        (hit.tokens.clone(), hit.logits_digest),
+        (direct.tokens, direct.logits_digest)
+    );
+    assert_eq!(hit.cached_blocks, 4);
+    // Two full-attention and two window layers; a block is 64 slots of K and V, 32 f32 each.
+    let block_bytes = 64 * 2 * 32 * 4;
+    let full_read = 7 - 4; // cdiv(400, 64) = 7 prompt blocks, 4 held already
+    let window_read = 7 - (400 - 128) / 64; // positions 4..7
+    assert_eq!(hit.read_bytes, (full_read + window_read) * 2 * block_bytes);
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+/// With legacy pairing, P/D differs from direct exactly where the seed predicts: prompts longer
+/// than the window whose decode-side lookahead tail adds a block; everywhere else it matches.
+#[actix_rt::test]
+async fn legacy_pairing_fails_exactly_on_predicted_lengths() {
+    let cluster = LocalCluster::start(config(&[("pairing = \"anchored\"", "pairing = \"legacy\"")])).unwrap();
+    let mut failures = Vec::new();
+    let mut predicted = Vec::new();
+    for length in 1..=460u64 {
+        let result = sweep::compare(&cluster, length, 2).await;
+        assert_eq!(
+            result.error, None,
+            "legacy runs complete; only their output is wrong"
+        );
+        if !result.matched {
+            failures.push(length);
+        }
+        if legacy_predicted_failure(length, 64, 128, 9) {
+            predicted.push(length);
+        }
+    }
+    assert_eq!(failures, predicted);
+    assert_eq!(failures.len(), 45);
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+const DECODE_BLOCKS: &str = "blocks_per_group = 64\nprefix_caching = true";
+
+#[actix_rt::test]
+async fn a_leg_too_small_for_a_prompt_fails_clearly_and_leaks_nothing() {
+    let cluster = LocalCluster::start(config(&[(
+        DECODE_BLOCKS,
+        "blocks_per_group = 4\nprefix_caching = true",
+    )]))
+    .unwrap();
+    let error = cluster.generate(prompt_tokens(1, 300, 256), 4).await.unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "allocation failed: group 0 (full): needs 5 blocks, the leg has only 4"
+    );
+    // The prefill leg's grant was released by the decode leg, not left to its lease.
+    let stats = cluster.wait_idle(Duration::from_millis(200)).await.unwrap();
+    assert!(stats.iter().all(|leg| leg.is_idle()), "{stats:?}");
+    assert!(sweep::compare(&cluster, 100, 4).await.matched);
+    cluster.shutdown();
+}
+
+/// Six concurrent requests on a decode leg that fits two at a time: the rest wait for blocks
+/// and all complete with the right output.
+#[actix_rt::test]
+async fn requests_wait_for_blocks_and_all_complete() {
+    let cluster = LocalCluster::start(config(&[(
+        DECODE_BLOCKS,
+        "blocks_per_group = 12\nprefix_caching = true",
+    )]))
+    .unwrap();
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt_tokens(100 + i, 250, 256)).collect();
+    let pending: Vec<_> = prompts
+        .iter()
+        .map(|prompt| {
+            cluster.router().send(Generate {
+                prompt: prompt.clone().into(),
+                max_tokens: 3,
+            })
+        })
+        .collect();
+    for (prompt, request) in prompts.iter().zip(pending) {
+        let pd = request.await.unwrap().unwrap();
+        let direct = cluster.direct(prompt.clone(), 3, None).await.unwrap();
+        assert_eq!(
+            (pd.tokens, pd.logits_digest),
+            (direct.tokens, direct.logits_digest)
+        );
+    }
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+/// A full wait queue refuses at once; a wait past `alloc_wait_ms` fails with the last refusal.
+#[actix_rt::test]
+async fn waits_for_blocks_are_bounded_in_count_and_time() {
+    let cluster = LocalCluster::start(config(&[
+        ("alloc_wait_ms = 5000", "alloc_wait_ms = 100"),
+        ("wait_queue = 64", "wait_queue = 1"),
+    ]))
+    .unwrap();
+    let decode = cluster.leg("decode-0").unwrap();
+    let hog = Allocate {
+        request: RequestId(1_000_000),
+        prompt: Arc::from(vec![0u32; 64 * 64]),
+        slots: 64 * 64,
+        attending_token: None,
+    };
+    decode.allocator.send(hog).await.unwrap().unwrap();
+    let pending: Vec<_> = (0..3)
+        .map(|i| {
+            cluster.router().send(Generate {
+                prompt: prompt_tokens(i, 100, 256).into(),
+                max_tokens: 2,
+            })
+        })
+        .collect();
+    let mut errors = Vec::new();
+    for request in pending {
+        errors.push(request.await.unwrap().unwrap_err());
+    }
+    let timeouts = errors
+        .iter()
+        .filter(|error| matches!(error, RequestError::AllocTimeout { .. }))
+        .count();
+    let refused = errors
+        .iter()
+        .filter(|error| matches!(error, RequestError::QueueFull { .. }))
+        .count();
+    assert_eq!((timeouts, refused), (1, 2), "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|error| error.to_string().starts_with("no free blocks within"))
+    );
+    let finish = Finish {
+        request: RequestId(1_000_000),
+        cache_prompt: None,
+    };
+    decode.allocator.send(finish).await.unwrap().unwrap();
+    assert_idle(&cluster).await;
+    assert!(sweep::compare(&cluster, 100, 2).await.matched);
+    cluster.shutdown();
+}
+
+/// A READ that stops half-way fails the request (fail closed), frees everything, and the next
+/// request is served correctly.
+#[actix_rt::test]
+async fn a_partial_read_fails_closed_and_leaks_nothing() {
+    let cluster = LocalCluster::start(config(&[])).unwrap();
+    cluster
+        .leg("decode-0")
+        .unwrap()
+        .engine
+        .fail_next_read_after(10_000);
+    let error = cluster.generate(prompt_tokens(3, 400, 256), 4).await.unwrap_err();
+    assert_eq!(error.to_string(), "read failed: injected fault after 10000 bytes");
+    let stats = cluster.wait_idle(Duration::from_millis(200)).await.unwrap();
+    assert!(stats.iter().all(|leg| leg.is_idle()), "{stats:?}");
+    assert!(sweep::compare(&cluster, 400, 4).await.matched);
+    cluster.shutdown();
+}
+
+fn prefill_only(request: u64) -> Prefill {
+    Prefill {
+        request: RequestId(request),
+        prompt: prompt_tokens(1, 300, 256).into(),
+        peer: NodeId("decode-0".into()),
+    }
+}
+
+/// A grant nobody reads expires with its lease and its blocks come back.
+#[actix_rt::test]
+async fn an_unread_grant_expires_and_frees_its_blocks() {
+    let cluster = LocalCluster::start(config(&[("lease_ms = 10000", "lease_ms = 30")])).unwrap();
+    let prefill = cluster.leg("prefill-0").unwrap();
+    prefill.scheduler.send(prefill_only(7)).await.unwrap().unwrap();
+    let held = prefill.allocator.send(Stats).await.unwrap();
+    assert_eq!(held.grants, 1);
+    assert!(!held.is_idle());
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+/// A decode leg that reads after the grant's lease lapsed (its blocks freed and reused) fails
+/// with a stale-block error instead of decoding from someone else's KV.
+#[actix_rt::test]
+async fn a_read_after_the_lease_lapsed_fails_closed() {
+    let cluster = LocalCluster::start(config(&[("lease_ms = 10000", "lease_ms = 30")])).unwrap();
+    let prefill = cluster.leg("prefill-0").unwrap();
+    let params = prefill.scheduler.send(prefill_only(7)).await.unwrap().unwrap();
+    assert_idle(&cluster).await;
+    // Reuse the freed blocks for another prompt.
+    assert!(sweep::compare(&cluster, 300, 2).await.matched);
+    let decode = cluster.leg("decode-0").unwrap();
+    let error = decode
+        .scheduler
+        .send(Decode {
+            params,
+            max_tokens: 4,
+        })
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(error, RequestError::StaleBlock { .. }), "{error}");
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}

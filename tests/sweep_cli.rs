@@ -1,0 +1,89 @@
+//! `pdkv demo` and `pdkv sweep` as a user runs them: real processes, the shipped cluster.toml.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn pdkv(args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(args)
+        .output()
+        .expect("pdkv runs");
+    (
+        output.status.code().expect("exit code"),
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    )
+}
+
+#[test]
+fn demo_matches_on_all_102_lengths() {
+    let (code, stdout, stderr) = pdkv(&["demo"]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("102/102 match (anchored pairing"), "{stdout}");
+    assert!(!stdout.contains("LEAK"), "{stdout}");
+}
+
+/// The legacy sweep fails exactly where `N > 128` and `(N - 1) % 64 >= 55`, and nowhere else.
+#[test]
+fn legacy_sweep_fails_exactly_on_the_seed_condition() {
+    let (code, stdout, _) = pdkv(&[
+        "sweep",
+        "--lengths",
+        "120..330",
+        "--pairing",
+        "legacy",
+        "--json",
+        "--max-tokens",
+        "2",
+    ]);
+    assert_eq!(code, 1, "mismatches exit non-zero");
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let (rows, summary) = lines.split_at(lines.len() - 1);
+    assert_eq!(rows.len(), 210);
+    for row in rows {
+        let n = row["prompt_tokens"].as_u64().unwrap();
+        let predicted = n > 128 && (n - 1) % 64 >= 55;
+        assert_eq!(row["match"].as_bool().unwrap(), !predicted, "N = {n}");
+        assert!(row["error"].is_null());
+    }
+    assert_eq!(summary[0]["summary"]["legs_idle"], Value::Bool(true));
+    let (code, stdout, _) = pdkv(&["sweep", "--lengths", "251,377,440", "--json"]);
+    assert_eq!(code, 0, "{stdout}");
+    assert!(stdout.contains(r#""matched":3"#), "{stdout}");
+}
+
+#[test]
+fn bad_inputs_are_refused_with_the_key_named() {
+    let dir = std::env::temp_dir().join(format!("pdkv-sweep-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("cluster.toml");
+    let shipped = std::fs::read_to_string("cluster.toml").unwrap();
+    std::fs::write(
+        &bad,
+        shipped.replacen("blocks_per_group = 64", "blocks_per_group = 0", 1),
+    )
+    .unwrap();
+    let (code, _, stderr) = pdkv(&["sweep", "--config", bad.to_str().unwrap(), "--lengths", "5"]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("nodes[0].blocks_per_group: must be at least 1"),
+        "{stderr}"
+    );
+    let (code, _, stderr) = pdkv(&["sweep", "--lengths", "9..3"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("--lengths: range \"9..3\" is empty"), "{stderr}");
+    let (code, _, stderr) = pdkv(&["sweep"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("--lengths is required"), "{stderr}");
+    let (code, _, stderr) = pdkv(&["demo", "--config", "does/not/exist.toml"]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("cannot read cluster config does/not/exist.toml"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
