@@ -15,7 +15,7 @@ use pdkv_core::allocator::Allocator;
 use pdkv_core::plan::RegionLayout;
 use pdkv_core::wire::NodeId;
 use pdkv_transport::engine::{EngineKey, MemoryDescriptor, ReadEngine};
-use pdkv_transport::local::{LocalEngine, LocalFabric};
+use pdkv_transport::mapped::{LocalFabric, MappedEngine};
 use tokio::sync::Notify;
 
 use crate::allocator::{AllocatorActor, LegStats, Stats};
@@ -36,7 +36,7 @@ pub struct LegHandle {
     /// Its allocator (stats, grants).
     pub allocator: Addr<AllocatorActor>,
     /// Its READ engine (tests arm faults on it).
-    pub engine: Arc<LocalEngine>,
+    pub engine: Arc<MappedEngine>,
     /// Its KV memory.
     pub memory: Arc<LegMemory>,
 }
@@ -54,7 +54,7 @@ struct Built {
     node: NodeConfig,
     arbiter: Arbiter,
     memory: Arc<LegMemory>,
-    engine: Arc<LocalEngine>,
+    engine: Arc<MappedEngine>,
     descriptors: Vec<MemoryDescriptor>,
     allocator: Addr<AllocatorActor>,
     freed: Arc<Notify>,
@@ -70,7 +70,10 @@ impl LocalCluster {
         for node in &config.nodes {
             let capacity = vec![node.blocks_per_group; groups];
             let memory = Arc::new(LegMemory::heap(&model, &capacity));
-            let engine = Arc::new(LocalEngine::new(EngineKey(node.name.0.clone()), fabric.clone())?);
+            let engine = Arc::new(MappedEngine::local(
+                EngineKey(node.name.0.clone()),
+                fabric.clone(),
+            )?);
             let mut descriptors = Vec::new();
             for (id, region) in memory.layers.iter().chain(&memory.generations).enumerate() {
                 descriptors.push(engine.register(id as u32, region.clone())?);

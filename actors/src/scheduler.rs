@@ -304,6 +304,7 @@ impl LegContext {
         let read = Read {
             request: params.request,
             remote: EngineKey(params.prefill_node.0.clone()),
+            grant: params.grant,
             plan: spec.plan,
             checks: spec.checks,
         };

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use actix::{Actor, Context, Handler, Message, ResponseFuture};
 use pdkv_core::plan::TransferPlan;
-use pdkv_core::wire::RequestId;
+use pdkv_core::wire::{GrantId, RequestId};
 use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp, ReadReport};
 
 use crate::error::RequestError;
@@ -61,6 +61,8 @@ pub struct Read {
     pub request: RequestId,
     /// The prefill leg's engine.
     pub remote: EngineKey,
+    /// The grant the READ is made under.
+    pub grant: GrantId,
     /// Byte ranges per layer.
     pub plan: TransferPlan,
     /// Generations to verify after the copy.
@@ -80,6 +82,7 @@ impl Handler<Read> for TransferActor {
                 .layers
                 .iter()
                 .map(|layer| ReadOp {
+                    grant: msg.grant,
                     local_region: layer.local_region,
                     remote_engine: msg.remote.clone(),
                     remote_region: layer.remote_region,
@@ -87,7 +90,7 @@ impl Handler<Read> for TransferActor {
                 })
                 .collect();
             let report = engine.batch_read(ops)?.wait(read_timeout).await?;
-            verify_generations(engine.as_ref(), &msg, generation_region_base)?;
+            verify_generations(engine.as_ref(), &msg, generation_region_base).await?;
             tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
             Ok(report)
         })
@@ -96,7 +99,7 @@ impl Handler<Read> for TransferActor {
 
 /// Reads the prefill leg's generation words after the copy: any change means a source block was
 /// freed (and maybe reused) while it was being read.
-fn verify_generations(
+async fn verify_generations(
     engine: &dyn ReadEngine,
     msg: &Read,
     generation_region_base: u32,
@@ -107,7 +110,14 @@ fn verify_generations(
     }
     for (group, checks) in by_group {
         let blocks: Vec<u32> = checks.iter().map(|check| check.block).collect();
-        let found = engine.read_remote_words(&msg.remote, generation_region_base + group as u32, &blocks)?;
+        let found = engine
+            .read_remote_words(
+                &msg.remote,
+                msg.grant,
+                generation_region_base + group as u32,
+                &blocks,
+            )
+            .await?;
         for (check, found) in checks.iter().zip(found) {
             if found != check.generation {
                 tracing::warn!(request = %msg.request, group, block = check.block, "stale block after read");

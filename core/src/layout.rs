@@ -16,7 +16,7 @@ use sha2::{Digest, Sha256};
 
 /// The kind of one KV-cache group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind")]
+#[serde(rename_all = "snake_case")]
 pub enum GroupKind {
     /// Full attention: every prompt position is needed by the last token.
     Full,

@@ -11,10 +11,13 @@
 //! with [`ReadEngine::read_remote_words`] after the data, so a READ that raced a free-and-reuse is
 //! caught (seqlock style) rather than returned as good.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use pdkv_core::plan::ReadRun;
+use pdkv_core::wire::GrantId;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
@@ -89,6 +92,9 @@ pub struct MemoryDescriptor {
 /// One batch of runs between one local and one remote region.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadOp {
+    /// The grant the READ claims (network engines send it; one-sided engines rely on the
+    /// generation check instead, as RDMA relies on the rkey).
+    pub grant: GrantId,
     /// Local destination region id.
     pub local_region: u32,
     /// Remote engine.
@@ -219,13 +225,17 @@ pub trait ReadEngine: Send + Sync {
     fn batch_read(&self, ops: Vec<ReadOp>) -> Result<ReadHandle, EngineError>;
 
     /// Reads 32-bit words (generations) of a remote region, each with acquire ordering.
-    fn read_remote_words(
-        &self,
-        remote_engine: &EngineKey,
+    fn read_remote_words<'a>(
+        &'a self,
+        remote_engine: &'a EngineKey,
+        grant: GrantId,
         remote_region: u32,
-        indices: &[u32],
-    ) -> Result<Vec<u32>, EngineError>;
+        indices: &'a [u32],
+    ) -> WordsFuture<'a>;
 }
+
+/// The future [`ReadEngine::read_remote_words`] returns.
+pub type WordsFuture<'a> = Pin<Box<dyn Future<Output = Result<Vec<u32>, EngineError>> + Send + 'a>>;
 
 /// Why a READ engine refused or failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

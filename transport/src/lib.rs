@@ -1,14 +1,22 @@
 //! pdkv-transport: how bytes and messages move between legs.
 //!
-//! - [`region`]: registered memory regions that READ engines copy between.
-//! - [`copy`]: a bounded worker thread for large copies.
+//! - [`codec`]: the one bincode codec and length-prefixed frames.
+//! - [`tls`]: the cluster CA, node certificates, mutual-TLS configs.
+//! - [`control`]: the QUIC control plane (its own tokio runtime), handshake, requests.
+//! - [`region`]: registered memory regions (heap, shared memory, peer mappings).
 //! - [`engine`]: the READ engine trait (shaped like mori's IO engine) and its error kinds.
-//! - [`local`]: the in-process engine (both legs in one process).
+//! - [`mapped`]: in-process and shared-memory READ engines (one-sided copies).
+//! - [`net`]: the network READ engine (memory server, tickets, grant checks).
+//! - [`copy`]: a bounded worker thread for large copies.
 //!
 //! Never imports the actors crate: the wire types and the READ engine trait are the boundary.
 #![warn(missing_docs)]
 
+pub mod codec;
+pub mod control;
 pub mod copy;
 pub mod engine;
-pub mod local;
+pub mod mapped;
+pub mod net;
 pub mod region;
+pub mod tls;

@@ -6,6 +6,9 @@
 //! module (the allocator hands a block to one owner; a grant pins it; generations catch a block
 //! that was freed under a reader). This module only guarantees that every access is in bounds.
 
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -13,15 +16,26 @@ use std::sync::atomic::{AtomicU32, Ordering};
 pub struct Region {
     ptr: NonNull<u8>,
     len: usize,
-    /// Keeps the memory alive; never read directly.
-    _backing: Backing,
+    /// A peer's region mapped for reading only: writes are refused, never attempted.
+    read_only: bool,
+    /// Keeps the memory alive.
+    backing: Backing,
 }
 
 /// What owns a region's memory.
 pub enum Backing {
     /// Process-private heap memory (u64 words for alignment).
     Heap(Box<[u64]>),
-    /// An owner-provided mapping (shared memory, device memory); dropped with the region.
+    /// This process's shared memory: a memfd mapped read-write.
+    Shared {
+        /// The mapping.
+        map: memmap2::MmapMut,
+        /// The memfd, whose descriptor a peer opens through /proc.
+        file: File,
+    },
+    /// A peer's shared memory mapped read-only.
+    PeerMapping(memmap2::Mmap),
+    /// An owner-provided mapping (device memory); dropped with the region.
     External(Box<dyn Send + Sync>),
 }
 
@@ -46,8 +60,100 @@ impl Region {
         Region {
             ptr,
             len,
-            _backing: Backing::Heap(words),
+            read_only: false,
+            backing: Backing::Heap(words),
         }
+    }
+
+    /// A zeroed region of `len` bytes in shared memory (a memfd), so a same-host peer can map it.
+    pub fn shared(name: &str, len: usize) -> Result<Self, RegionError> {
+        let io = |error: std::io::Error| RegionError::Io(format!("shared region {name}: {error}"));
+        let file = memfd::MemfdOptions::default()
+            .close_on_exec(true)
+            .create(name)
+            .map_err(|error| RegionError::Io(format!("shared region {name}: {error}")))?
+            .into_file();
+        file.set_len(len.max(1) as u64).map_err(io)?;
+        // SAFETY: the memfd is private to this process until a peer maps it read-only; the
+        // mapping lives as long as the region.
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io)?;
+        let ptr = NonNull::new(map.as_mut_ptr()).ok_or_else(|| RegionError::Io("null mapping".into()))?;
+        Ok(Region {
+            ptr,
+            len,
+            read_only: false,
+            backing: Backing::Shared { map, file },
+        })
+    }
+
+    /// Maps a peer's shared region read-only from `path` (`/proc/<pid>/fd/<fd>`), checking it
+    /// holds at least `len` bytes.
+    pub fn map_peer(path: &Path, len: usize) -> Result<Self, RegionError> {
+        let io = |error: std::io::Error| RegionError::Io(format!("{}: {error}", path.display()));
+        let file = File::open(path).map_err(io)?;
+        let actual = file.metadata().map_err(io)?.len();
+        if actual < len as u64 {
+            return Err(RegionError::Io(format!(
+                "{}: holds {actual} bytes, descriptor says {len}",
+                path.display()
+            )));
+        }
+        // SAFETY: read-only shared mapping of a memfd the peer keeps alive; the peer writes
+        // blocks it owns while we read blocks we were granted (generations catch violations).
+        let map = unsafe { memmap2::MmapOptions::new().len(len.max(1)).map(&file) }.map_err(io)?;
+        let ptr =
+            NonNull::new(map.as_ptr().cast_mut()).ok_or_else(|| RegionError::Io("null mapping".into()))?;
+        Ok(Region {
+            ptr,
+            len,
+            read_only: true,
+            backing: Backing::PeerMapping(map),
+        })
+    }
+
+    /// The memfd descriptor of a shared region (what a peer opens), if the region is one.
+    pub fn shared_fd(&self) -> Option<RawFd> {
+        match &self.backing {
+            Backing::Shared { file, .. } => Some(file.as_raw_fd()),
+            _ => None,
+        }
+    }
+
+    /// Whether writes are refused.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn check_writable(&self) -> Result<(), RegionError> {
+        if self.read_only {
+            Err(RegionError::ReadOnly)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The bytes at `offset .. offset + len`, borrowed.
+    ///
+    /// # Safety
+    /// No one may write these bytes while the borrow lives (the block's owner or a grant
+    /// guarantees it).
+    pub unsafe fn bytes(&self, offset: u64, len: usize) -> Result<&[u8], RegionError> {
+        let start = self.check(offset, len)?;
+        // SAFETY: in bounds; exclusivity is the caller's promise.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) })
+    }
+
+    /// The bytes at `offset .. offset + len`, mutably borrowed (network READs land here).
+    ///
+    /// # Safety
+    /// No one else may read or write these bytes while the borrow lives (the decode leg owns the
+    /// destination blocks of a READ).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, offset: u64, len: usize) -> Result<&mut [u8], RegionError> {
+        self.check_writable()?;
+        let start = self.check(offset, len)?;
+        // SAFETY: in bounds and writable; exclusivity is the caller's promise.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len) })
     }
 
     /// A region over memory owned by `backing`.
@@ -59,7 +165,8 @@ impl Region {
         Region {
             ptr,
             len,
-            _backing: Backing::External(backing),
+            read_only: false,
+            backing: Backing::External(backing),
         }
     }
 
@@ -104,6 +211,7 @@ impl Region {
 
     /// Copies `src` into the region at `offset`.
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), RegionError> {
+        self.check_writable()?;
         let start = self.check(offset, src.len())?;
         // SAFETY: bounds checked; src is a distinct Rust allocation.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(start), src.len()) };
@@ -123,6 +231,7 @@ impl Region {
 
     /// Copies `src` f32 values into the region at `offset` (native byte order).
     pub fn write_f32s(&self, offset: u64, src: &[f32]) -> Result<(), RegionError> {
+        self.check_writable()?;
         let bytes = std::mem::size_of_val(src);
         let start = self.check(offset, bytes)?;
         // SAFETY: bounds checked; byte-wise copy needs no alignment.
@@ -184,6 +293,7 @@ impl Region {
 
     /// Stores the `index`th 32-bit word with release ordering.
     pub fn store_u32(&self, index: usize, value: u32) -> Result<(), RegionError> {
+        self.check_writable()?;
         self.atomic_u32(index)?.store(value, Ordering::Release);
         Ok(())
     }
@@ -205,6 +315,12 @@ pub enum RegionError {
     /// A copy within one region whose source and destination overlap.
     #[error("source and destination ranges overlap")]
     Overlap,
+    /// A write to a peer's region mapped read-only.
+    #[error("region is mapped read-only")]
+    ReadOnly,
+    /// Creating or mapping shared memory failed.
+    #[error("{0}")]
+    Io(String),
 }
 
 #[cfg(test)]
@@ -223,6 +339,23 @@ mod tests {
         assert!(b.copy_from(61, &a, 8, 4).is_err());
         assert!(a.read(u64::MAX, &mut out).is_err());
         assert_eq!(a.copy_from(0, &a, 2, 4), Err(RegionError::Overlap));
+    }
+
+    #[test]
+    fn a_peer_mapping_sees_writes_and_refuses_its_own() {
+        let owner = Region::shared("pdkv-test", 4096).unwrap();
+        let fd = owner.shared_fd().unwrap();
+        let path = format!("/proc/{}/fd/{fd}", std::process::id());
+        let peer = Region::map_peer(Path::new(&path), 4096).unwrap();
+        owner.write(100, &[5, 6, 7]).unwrap();
+        let mut out = [0u8; 3];
+        peer.read(100, &mut out).unwrap();
+        assert_eq!(out, [5, 6, 7]);
+        assert_eq!(peer.write(0, &[1]), Err(RegionError::ReadOnly));
+        assert!(
+            Region::map_peer(Path::new(&path), 8192).is_err(),
+            "a descriptor longer than the memfd is refused"
+        );
     }
 
     #[test]

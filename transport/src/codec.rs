@@ -1,0 +1,237 @@
+//! The one place pdkv encodes messages: bincode 2.0.1 (serde), in length-prefixed frames.
+//!
+//! A frame is a little-endian `u32` payload length followed by the payload. Readers check the
+//! length against a maximum *before* allocating, so a hostile or broken peer cannot make a node
+//! allocate more than [`MAX_FRAME_BYTES`]; decoding is bounded by the same limit (a length field
+//! inside the payload cannot ask for more), and a payload with trailing bytes is refused.
+//! "Not yet" (a truncated frame) is an error for a stream that ended, never a panic.
+//!
+//! bincode is pinned at 2.0.1 (3.x is an empty crate) and no other module names it.
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Version of the pdkv wire protocol; peers with another version are refused at handshake.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// QUIC ALPN of the pdkv control plane.
+pub const ALPN: &[u8] = b"pdkv/1";
+
+/// Largest frame payload a node accepts or sends (16 MiB): a block-list message for a 1M-token
+/// prompt is about 64 KiB, so this leaves room while bounding memory per connection.
+pub const MAX_FRAME_BYTES: usize = 16 << 20;
+
+fn config() -> bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<MAX_FRAME_BYTES>,
+> {
+    bincode::config::standard()
+        .with_little_endian()
+        .with_limit::<MAX_FRAME_BYTES>()
+}
+
+/// Encodes a message.
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
+    let bytes = bincode::serde::encode_to_vec(value, config())
+        .map_err(|error| CodecError::Encode(error.to_string()))?;
+    if bytes.len() > MAX_FRAME_BYTES {
+        return Err(CodecError::Oversize {
+            len: bytes.len() as u64,
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    Ok(bytes)
+}
+
+/// Decodes a message; the whole payload must be consumed.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    if bytes.len() > MAX_FRAME_BYTES {
+        return Err(CodecError::Oversize {
+            len: bytes.len() as u64,
+            max: MAX_FRAME_BYTES,
+        });
+    }
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
+        .map_err(|error| CodecError::Decode(error.to_string()))?;
+    if used != bytes.len() {
+        return Err(CodecError::TrailingBytes {
+            extra: bytes.len() - used,
+        });
+    }
+    Ok(value)
+}
+
+/// Writes one frame holding `value`.
+pub async fn write_message<W: AsyncWrite + Unpin, T: Serialize>(
+    writer: &mut W,
+    value: &T,
+) -> Result<(), CodecError> {
+    let payload = encode(value)?;
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    writer.write_all(&frame).await.map_err(io)
+}
+
+/// Reads one frame of at most `max` payload bytes and decodes it.
+pub async fn read_message<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    reader: &mut R,
+    max: usize,
+) -> Result<T, CodecError> {
+    let payload = read_frame(reader, max).await?;
+    decode(&payload)
+}
+
+/// Reads one frame's payload, refusing a length above `max` before allocating.
+pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R, max: usize) -> Result<Vec<u8>, CodecError> {
+    let mut header = [0u8; 4];
+    read_exact(reader, &mut header).await?;
+    let len = u32::from_le_bytes(header) as usize;
+    if len > max.min(MAX_FRAME_BYTES) {
+        return Err(CodecError::Oversize {
+            len: len as u64,
+            max: max.min(MAX_FRAME_BYTES),
+        });
+    }
+    let mut payload = vec![0u8; len];
+    read_exact(reader, &mut payload).await?;
+    Ok(payload)
+}
+
+async fn read_exact<R: AsyncRead + Unpin>(reader: &mut R, buffer: &mut [u8]) -> Result<(), CodecError> {
+    match reader.read_exact(buffer).await {
+        Ok(_) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => Err(CodecError::Truncated),
+        Err(error) => Err(io(error)),
+    }
+}
+
+fn io(error: std::io::Error) -> CodecError {
+    CodecError::Io(error.to_string())
+}
+
+/// Why a frame could not be read, written or decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// The frame claims or holds more bytes than allowed.
+    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
+    Oversize {
+        /// Claimed or actual length.
+        len: u64,
+        /// The limit.
+        max: usize,
+    },
+    /// The stream ended inside a frame.
+    #[error("stream ended inside a frame")]
+    Truncated,
+    /// The payload is not a valid message.
+    #[error("malformed message: {0}")]
+    Decode(String),
+    /// The payload decoded but left bytes over.
+    #[error("malformed message: {extra} trailing bytes")]
+    TrailingBytes {
+        /// Bytes left over.
+        extra: usize,
+    },
+    /// The message could not be encoded.
+    #[error("cannot encode message: {0}")]
+    Encode(String),
+    /// The stream failed.
+    #[error("stream error: {0}")]
+    Io(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use pdkv_core::exchange::{ExchangeList, Offer};
+    use pdkv_core::layout::GroupSpec;
+    use pdkv_core::wire::{GrantId, KvParams, NodeId, RequestId};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn params() -> KvParams {
+        KvParams {
+            request: RequestId(9),
+            prefill_node: NodeId("prefill-0".into()),
+            offer: Offer {
+                num_prompt_tokens: 440,
+                groups: vec![ExchangeList {
+                    spec: GroupSpec::sliding_window(64, 128, 1).unwrap(),
+                    first_position: 4,
+                    blocks: vec![14, 15, 16],
+                }],
+            },
+            generations: vec![vec![1, 2, 3]],
+            grant: GrantId(3),
+            lease_ms: 100,
+            prompt: vec![1, 2, 3],
+        }
+    }
+
+    #[test]
+    fn messages_round_trip_through_frames() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(async {
+            let mut buffer = Vec::new();
+            write_message(&mut buffer, &params()).await.unwrap();
+            let decoded: KvParams = read_message(&mut buffer.as_slice(), MAX_FRAME_BYTES)
+                .await
+                .unwrap();
+            assert_eq!(decoded, params());
+        });
+    }
+
+    #[test]
+    fn oversize_truncated_and_trailing_frames_are_refused() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(async {
+            let huge = (u32::MAX).to_le_bytes();
+            let error = read_frame(&mut huge.as_slice(), MAX_FRAME_BYTES)
+                .await
+                .unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                "frame of 4294967295 bytes exceeds the 16777216-byte limit"
+            );
+            let mut buffer = Vec::new();
+            write_message(&mut buffer, &params()).await.unwrap();
+            let cut = &buffer[..buffer.len() - 1];
+            assert_eq!(
+                read_frame(&mut &cut[..], MAX_FRAME_BYTES).await,
+                Err(CodecError::Truncated)
+            );
+            let mut payload = encode(&params()).unwrap();
+            payload.push(0);
+            assert!(matches!(
+                decode::<KvParams>(&payload),
+                Err(CodecError::TrailingBytes { extra: 1 })
+            ));
+        });
+    }
+
+    proptest! {
+        /// Arbitrary bytes never panic the decoder, and a length claim inside the payload can
+        /// never make it allocate past the frame limit.
+        #[test]
+        fn arbitrary_bytes_decode_to_an_error_or_a_message(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
+            let _ = decode::<KvParams>(&bytes);
+            let _ = decode::<Vec<Vec<u32>>>(&bytes);
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            runtime.block_on(async {
+                let _ = read_message::<_, KvParams>(&mut bytes.as_slice(), 4096).await;
+            });
+        }
+
+        /// Flipping bytes of a valid frame gives an error or a message, never a panic.
+        #[test]
+        fn corrupted_frames_never_panic(index in any::<prop::sample::Index>(), value in any::<u8>()) {
+            let mut payload = encode(&params()).unwrap();
+            let at = index.index(payload.len());
+            payload[at] = value;
+            let _ = decode::<KvParams>(&payload);
+        }
+    }
+}

@@ -1,0 +1,594 @@
+//! The control plane: bincode frames over quinn QUIC streams, mutual TLS, a handshake that
+//! refuses incompatible peers.
+//!
+//! quinn runs on its own multi-thread tokio runtime ([`TransportRuntime`]) so encryption and
+//! packet I/O never share a thread with an actix arbiter. A connection starts with one
+//! bidirectional stream carrying each side's [`Hello`]: node name, role, protocol version, the
+//! layout's compatibility hash and the READ engines' descriptors. The server admits a client only
+//! if its certificate chains to the cluster CA (TLS), is valid for the node name it claims, that
+//! name is a node of the cluster, and the hellos agree ([`check_compat`]); otherwise it answers
+//! with a reason and closes. Every later stream is one request and one response. A malformed
+//! frame closes that connection, never the node.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdkv_core::wire::NodeId;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+
+use crate::codec::{self, CodecError, MAX_FRAME_BYTES, PROTOCOL_VERSION};
+use crate::engine::{EngineDescriptor, MemoryDescriptor};
+use crate::net::{Ticket, TicketBook};
+use crate::tls::{NodeIdentity, TlsError, verify_peer_name};
+
+/// Application error code sent when a connection is closed for a protocol violation.
+const CLOSE_PROTOCOL: u32 = 1;
+/// Application error code sent when a peer is refused at handshake.
+const CLOSE_REFUSED: u32 = 2;
+
+/// The multi-thread tokio runtime quinn and the network READ engine run on.
+#[derive(Debug)]
+pub struct TransportRuntime {
+    runtime: tokio::runtime::Runtime,
+}
+
+impl TransportRuntime {
+    /// A runtime with `threads` worker threads.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .thread_name("pdkv-transport")
+            .enable_all()
+            .build()?;
+        Ok(TransportRuntime { runtime })
+    }
+
+    /// A handle to spawn on or enter.
+    pub fn handle(&self) -> tokio::runtime::Handle {
+        self.runtime.handle().clone()
+    }
+
+    /// Runs a future to completion on this runtime (for callers outside any runtime).
+    pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+}
+
+/// One READ engine as advertised at handshake: its descriptor and its registered regions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineAdvert {
+    /// The engine.
+    pub engine: EngineDescriptor,
+    /// Its regions.
+    pub regions: Vec<MemoryDescriptor>,
+}
+
+/// What a node says about itself when a connection opens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Node name (must match the node's certificate).
+    pub node: NodeId,
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// [`PROTOCOL_VERSION`] of the sender.
+    pub protocol_version: u32,
+    /// `KvLayout::compat_hash` of the sender's model.
+    pub layout_hash: u64,
+    /// READ engines the sender offers.
+    pub engines: Vec<EngineAdvert>,
+}
+
+/// Checks that two nodes can work together; the error says what differs.
+pub fn check_compat(ours: &Hello, theirs: &Hello) -> Result<(), HandshakeError> {
+    if ours.protocol_version != theirs.protocol_version {
+        return Err(HandshakeError::ProtocolVersion {
+            ours: ours.protocol_version,
+            theirs: theirs.protocol_version,
+        });
+    }
+    if ours.layout_hash != theirs.layout_hash {
+        return Err(HandshakeError::LayoutHash {
+            ours: ours.layout_hash,
+            theirs: theirs.layout_hash,
+        });
+    }
+    if ours.node == theirs.node {
+        return Err(HandshakeError::SameNode(theirs.node.to_string()));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum Frame<R> {
+    Hello(Hello),
+    Ticket,
+    Request(R),
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum Reply<S> {
+    Hello(Hello),
+    Refused(String),
+    Ticket(Ticket),
+    Response(S),
+}
+
+/// Application requests a node serves over the control plane.
+pub trait ControlService: Send + Sync + 'static {
+    /// Request type.
+    type Request: Serialize + DeserializeOwned + Send + Sync + 'static;
+    /// Response type.
+    type Response: Serialize + DeserializeOwned + Send + Sync + 'static;
+
+    /// Answers one request from an authenticated, compatible `peer`.
+    fn handle(&self, peer: &NodeId, request: Self::Request) -> Result<Self::Response, String>;
+}
+
+/// Bounds of a control server.
+#[derive(Debug, Clone, Copy)]
+pub struct ControlLimits {
+    /// Concurrent connections; more are refused.
+    pub max_connections: usize,
+    /// Concurrent request streams per connection.
+    pub max_streams: u32,
+    /// Time a client has to send its hello.
+    pub handshake_timeout: Duration,
+    /// A connection with no traffic for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+impl Default for ControlLimits {
+    fn default() -> Self {
+        ControlLimits {
+            max_connections: 256,
+            max_streams: 64,
+            handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+fn transport_config(limits: &ControlLimits) -> Result<quinn::TransportConfig, ControlError> {
+    let mut transport = quinn::TransportConfig::default();
+    let idle = quinn::IdleTimeout::try_from(limits.idle_timeout)
+        .map_err(|error| ControlError::Config(error.to_string()))?;
+    transport
+        .max_idle_timeout(Some(idle))
+        .keep_alive_interval(Some(limits.idle_timeout / 3))
+        .max_concurrent_bidi_streams(limits.max_streams.into())
+        .max_concurrent_uni_streams(0u32.into());
+    Ok(transport)
+}
+
+/// A running control-plane server.
+#[derive(Debug)]
+pub struct ControlServer {
+    endpoint: quinn::Endpoint,
+}
+
+impl ControlServer {
+    /// Binds `bind` on `runtime` and serves `setup.service` to the nodes of `setup.cluster`.
+    pub fn start<S: ControlService>(
+        runtime: &tokio::runtime::Handle,
+        bind: SocketAddr,
+        identity: &NodeIdentity,
+        setup: ServerSetup<S>,
+    ) -> Result<Self, ControlError> {
+        let ServerSetup {
+            cluster,
+            hello,
+            service,
+            tickets,
+            limits,
+        } = setup;
+        let mut config = identity.server_config()?;
+        config.transport_config(Arc::new(transport_config(&limits)?));
+        let _guard = runtime.enter();
+        let endpoint =
+            quinn::Endpoint::server(config, bind).map_err(|error| ControlError::Io(error.to_string()))?;
+        let accept = endpoint.clone();
+        let shared = Arc::new(ServerShared {
+            cluster,
+            hello,
+            service,
+            tickets,
+            limits,
+        });
+        runtime.spawn(async move {
+            let slots = Arc::new(Semaphore::new(limits.max_connections));
+            while let Some(incoming) = accept.accept().await {
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    incoming.refuse();
+                    continue;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    let remote = incoming.remote_address();
+                    match incoming.await {
+                        Ok(connection) => {
+                            if let Err(error) = serve_connection(connection, shared).await {
+                                tracing::warn!(%remote, %error, "control connection ended");
+                            }
+                        }
+                        Err(error) => tracing::warn!(%remote, %error, "control handshake failed"),
+                    }
+                });
+            }
+        });
+        Ok(ControlServer { endpoint })
+    }
+
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> Result<SocketAddr, ControlError> {
+        self.endpoint
+            .local_addr()
+            .map_err(|error| ControlError::Io(error.to_string()))
+    }
+
+    /// Stops accepting and closes every connection.
+    pub fn close(&self) {
+        self.endpoint.close(0u32.into(), b"shutdown");
+    }
+}
+
+/// What a control server serves, and to whom.
+pub struct ServerSetup<S> {
+    /// Node names admitted (each must also present a matching certificate).
+    pub cluster: Vec<NodeId>,
+    /// This node's hello.
+    pub hello: Hello,
+    /// Application requests.
+    pub service: Arc<S>,
+    /// Tickets for network data connections, if this node serves network reads.
+    pub tickets: Option<Arc<TicketBook>>,
+    /// Bounds.
+    pub limits: ControlLimits,
+}
+
+struct ServerShared<S> {
+    cluster: Vec<NodeId>,
+    hello: Hello,
+    service: Arc<S>,
+    tickets: Option<Arc<TicketBook>>,
+    limits: ControlLimits,
+}
+
+async fn serve_connection<S: ControlService>(
+    connection: quinn::Connection,
+    shared: Arc<ServerShared<S>>,
+) -> Result<(), ControlError> {
+    let (mut send, mut recv) = tokio::time::timeout(shared.limits.handshake_timeout, connection.accept_bi())
+        .await
+        .map_err(|_| ControlError::Timeout("hello"))?
+        .map_err(|error| ControlError::Closed(error.to_string()))?;
+    let theirs = match tokio::time::timeout(
+        shared.limits.handshake_timeout,
+        codec::read_message::<_, Frame<S::Request>>(&mut recv, MAX_FRAME_BYTES),
+    )
+    .await
+    {
+        Ok(Ok(Frame::Hello(hello))) => hello,
+        Ok(Ok(_)) => return Err(refuse(&connection, &mut send, "expected a hello first".into()).await),
+        Ok(Err(error)) => return Err(refuse(&connection, &mut send, format!("bad hello: {error}")).await),
+        Err(_) => return Err(refuse(&connection, &mut send, "no hello in time".into()).await),
+    };
+    let admitted = if !shared.cluster.contains(&theirs.node) {
+        Err(format!("node {} is not part of this cluster", theirs.node))
+    } else if let Err(error) = verify_peer_name(&connection, &theirs.node.0) {
+        Err(error.to_string())
+    } else {
+        check_compat(&shared.hello, &theirs).map_err(|error| error.to_string())
+    };
+    if let Err(reason) = admitted {
+        return Err(refuse(&connection, &mut send, reason).await);
+    }
+    codec::write_message(&mut send, &Reply::<S::Response>::Hello(shared.hello.clone())).await?;
+    let _ = send.finish();
+    let peer = theirs.node;
+    tracing::info!(peer = %peer, "control peer admitted");
+    loop {
+        let (mut send, mut recv) = match connection.accept_bi().await {
+            Ok(stream) => stream,
+            Err(quinn::ConnectionError::ApplicationClosed(_) | quinn::ConnectionError::LocallyClosed) => {
+                return Ok(());
+            }
+            Err(error) => return Err(ControlError::Closed(error.to_string())),
+        };
+        let shared = shared.clone();
+        let peer = peer.clone();
+        let connection = connection.clone();
+        tokio::spawn(async move {
+            let frame = codec::read_message::<_, Frame<S::Request>>(&mut recv, MAX_FRAME_BYTES).await;
+            let reply = match frame {
+                Ok(Frame::Request(request)) => match shared.service.handle(&peer, request) {
+                    Ok(response) => Reply::Response(response),
+                    Err(reason) => Reply::Refused(reason),
+                },
+                Ok(Frame::Ticket) => match &shared.tickets {
+                    Some(tickets) => match tickets.issue(&peer) {
+                        Ok(ticket) => Reply::Ticket(ticket),
+                        Err(error) => Reply::Refused(error.to_string()),
+                    },
+                    None => Reply::Refused("this node serves no network reads".into()),
+                },
+                Ok(Frame::Hello(_)) => Reply::Refused("hello sent twice".into()),
+                Err(error) => {
+                    tracing::warn!(%peer, %error, "malformed control frame, closing the connection");
+                    connection.close(CLOSE_PROTOCOL.into(), error.to_string().as_bytes());
+                    return;
+                }
+            };
+            if codec::write_message(&mut send, &reply).await.is_ok() {
+                let _ = send.finish();
+            }
+        });
+    }
+}
+
+async fn refuse(
+    connection: &quinn::Connection,
+    send: &mut quinn::SendStream,
+    reason: String,
+) -> ControlError {
+    tracing::warn!(remote = %connection.remote_address(), %reason, "refusing control peer");
+    let _ = codec::write_message(send, &Reply::<()>::Refused(reason.clone())).await;
+    let _ = send.finish();
+    // Give the refusal a moment to leave before the close overtakes it.
+    let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
+    connection.close(CLOSE_REFUSED.into(), reason.as_bytes());
+    ControlError::Refused(reason)
+}
+
+/// A client endpoint that dials other nodes.
+#[derive(Debug)]
+pub struct ControlClient {
+    endpoint: quinn::Endpoint,
+    runtime: tokio::runtime::Handle,
+}
+
+impl ControlClient {
+    /// A client bound to `bind` (port 0 picks one), presenting `identity`.
+    pub fn new(
+        runtime: &tokio::runtime::Handle,
+        bind: SocketAddr,
+        identity: &NodeIdentity,
+    ) -> Result<Self, ControlError> {
+        Self::with_config(runtime, bind, identity.client_config()?)
+    }
+
+    /// A client with an explicit QUIC client config (tests use one without a certificate).
+    pub fn with_config(
+        runtime: &tokio::runtime::Handle,
+        bind: SocketAddr,
+        mut config: quinn::ClientConfig,
+    ) -> Result<Self, ControlError> {
+        config.transport_config(Arc::new(transport_config(&ControlLimits::default())?));
+        let _guard = runtime.enter();
+        let mut endpoint =
+            quinn::Endpoint::client(bind).map_err(|error| ControlError::Io(error.to_string()))?;
+        endpoint.set_default_client_config(config);
+        Ok(ControlClient {
+            endpoint,
+            runtime: runtime.clone(),
+        })
+    }
+
+    /// Dials node `peer` at `addr`, exchanges hellos and checks compatibility, within `timeout`.
+    pub async fn connect(
+        &self,
+        addr: SocketAddr,
+        peer: &str,
+        hello: &Hello,
+        timeout: Duration,
+    ) -> Result<PeerConnection, ControlError> {
+        let endpoint = self.endpoint.clone();
+        let (peer, hello) = (peer.to_string(), hello.clone());
+        let task = self.runtime.spawn(async move {
+            tokio::time::timeout(timeout, dial(endpoint, addr, &peer, &hello))
+                .await
+                .map_err(|_| ControlError::Timeout("connect"))?
+        });
+        task.await
+            .map_err(|error| ControlError::Closed(error.to_string()))?
+    }
+}
+
+async fn dial(
+    endpoint: quinn::Endpoint,
+    addr: SocketAddr,
+    peer: &str,
+    hello: &Hello,
+) -> Result<PeerConnection, ControlError> {
+    let connecting = endpoint
+        .connect(addr, peer)
+        .map_err(|error| ControlError::Connect(error.to_string()))?;
+    let connection = connecting
+        .await
+        .map_err(|error| ControlError::Connect(error.to_string()))?;
+    let (mut send, mut recv) = connection
+        .open_bi()
+        .await
+        .map_err(|error| ControlError::Connect(error.to_string()))?;
+    codec::write_message(&mut send, &Frame::<()>::Hello(hello.clone())).await?;
+    let _ = send.finish();
+    let reply = codec::read_message::<_, Reply<()>>(&mut recv, MAX_FRAME_BYTES)
+        .await
+        .map_err(|error| match connection.close_reason() {
+            Some(reason) => ControlError::Refused(close_reason(&reason)),
+            None => ControlError::Codec(error),
+        })?;
+    let theirs = match reply {
+        Reply::Hello(theirs) => theirs,
+        Reply::Refused(reason) => return Err(ControlError::Refused(reason)),
+        _ => return Err(ControlError::Protocol("expected a hello".into())),
+    };
+    if theirs.node.0 != peer {
+        return Err(ControlError::Refused(format!(
+            "dialled {peer}, {} answered",
+            theirs.node
+        )));
+    }
+    check_compat(hello, &theirs)?;
+    Ok(PeerConnection {
+        connection,
+        peer: theirs,
+    })
+}
+
+fn close_reason(error: &quinn::ConnectionError) -> String {
+    match error {
+        quinn::ConnectionError::ApplicationClosed(close) => {
+            String::from_utf8_lossy(&close.reason).into_owned()
+        }
+        other => other.to_string(),
+    }
+}
+
+/// An admitted connection to a peer node.
+#[derive(Debug, Clone)]
+pub struct PeerConnection {
+    connection: quinn::Connection,
+    /// The peer's hello (its engines and regions).
+    pub peer: Hello,
+}
+
+impl PeerConnection {
+    /// Sends one request and waits at most `timeout` for its response.
+    pub async fn request<R: Serialize, S: DeserializeOwned>(
+        &self,
+        request: R,
+        timeout: Duration,
+    ) -> Result<S, ControlError> {
+        match self.exchange::<R, S>(Frame::Request(request), timeout).await? {
+            Reply::Response(response) => Ok(response),
+            Reply::Refused(reason) => Err(ControlError::Refused(reason)),
+            _ => Err(ControlError::Protocol("unexpected reply".into())),
+        }
+    }
+
+    /// Asks the peer for a one-time ticket to open a network data connection.
+    pub async fn ticket(&self, timeout: Duration) -> Result<Ticket, ControlError> {
+        match self.exchange::<(), ()>(Frame::Ticket, timeout).await? {
+            Reply::Ticket(ticket) => Ok(ticket),
+            Reply::Refused(reason) => Err(ControlError::Refused(reason)),
+            _ => Err(ControlError::Protocol("unexpected reply".into())),
+        }
+    }
+
+    /// Sends raw bytes as one request frame (tests prove garbage closes the connection).
+    pub async fn send_raw(&self, payload: &[u8], timeout: Duration) -> Result<Vec<u8>, ControlError> {
+        tokio::time::timeout(timeout, async {
+            let (mut send, mut recv) = self
+                .connection
+                .open_bi()
+                .await
+                .map_err(|error| ControlError::Closed(error.to_string()))?;
+            let mut frame = (payload.len() as u32).to_le_bytes().to_vec();
+            frame.extend_from_slice(payload);
+            tokio::io::AsyncWriteExt::write_all(&mut send, &frame)
+                .await
+                .map_err(|error| ControlError::Closed(error.to_string()))?;
+            let _ = send.finish();
+            Ok(codec::read_frame(&mut recv, MAX_FRAME_BYTES).await?)
+        })
+        .await
+        .map_err(|_| ControlError::Timeout("raw request"))?
+    }
+
+    /// Whether the connection is still open.
+    pub fn is_open(&self) -> bool {
+        self.connection.close_reason().is_none()
+    }
+
+    /// Closes the connection.
+    pub fn close(&self) {
+        self.connection.close(0u32.into(), b"bye");
+    }
+
+    async fn exchange<R: Serialize, S: DeserializeOwned>(
+        &self,
+        frame: Frame<R>,
+        timeout: Duration,
+    ) -> Result<Reply<S>, ControlError> {
+        tokio::time::timeout(timeout, async {
+            let (mut send, mut recv) = self
+                .connection
+                .open_bi()
+                .await
+                .map_err(|error| ControlError::Closed(error.to_string()))?;
+            codec::write_message(&mut send, &frame).await?;
+            let _ = send.finish();
+            Ok(codec::read_message::<_, Reply<S>>(&mut recv, MAX_FRAME_BYTES).await?)
+        })
+        .await
+        .map_err(|_| ControlError::Timeout("request"))?
+    }
+}
+
+/// Why two nodes refused each other at handshake.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    /// Different wire protocol versions.
+    #[error("protocol version differs: ours {ours}, theirs {theirs}")]
+    ProtocolVersion {
+        /// Ours.
+        ours: u32,
+        /// Theirs.
+        theirs: u32,
+    },
+    /// Different KV layouts (groups, block sizes, windows, DCP, layers).
+    #[error("KV layout differs: our layout hash {ours:#018x}, theirs {theirs:#018x}")]
+    LayoutHash {
+        /// Ours.
+        ours: u64,
+        /// Theirs.
+        theirs: u64,
+    },
+    /// A node dialled itself, or two nodes share a name.
+    #[error("peer claims our own node name {0}")]
+    SameNode(String),
+}
+
+/// Why a control-plane operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ControlError {
+    /// The connection could not be made (TLS refusal included).
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    /// The peer refused, with its reason.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// The hellos disagree.
+    #[error("incompatible peer: {0}")]
+    Handshake(#[from] HandshakeError),
+    /// Certificates or TLS configuration.
+    #[error("{0}")]
+    Tls(#[from] TlsError),
+    /// A frame could not be read or decoded.
+    #[error("{0}")]
+    Codec(#[from] CodecError),
+    /// A bound passed.
+    #[error("{0} timed out")]
+    Timeout(&'static str),
+    /// The connection closed.
+    #[error("connection closed: {0}")]
+    Closed(String),
+    /// The peer broke the protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// Socket setup failed.
+    #[error("{0}")]
+    Io(String),
+    /// A configuration value was refused.
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// Checks a hello against the protocol version this build speaks (for callers building one).
+pub fn current_protocol_version() -> u32 {
+    PROTOCOL_VERSION
+}

@@ -1,0 +1,817 @@
+//! The network READ engine, for hosts without RDMA or shared memory.
+//!
+//! The prefill leg runs a [`MemoryServer`]: plain TCP data connections that serve reads of
+//! granted byte ranges straight out of its registered regions, and land straight in the decode
+//! leg's region (no intermediate buffer on either side). Why TCP and not QUIC streams: on
+//! loopback and datacenter links TCP moves bulk bytes about 5x faster than QUIC with TLS on this
+//! machine class (`shared/reference/ecosystem.md` §2), and KV bytes, like RDMA traffic, travel on
+//! the cluster's backend network. What TCP lacks is authentication, so a data connection must
+//! open with a one-time [`Ticket`] the prefill leg issued over the mutually authenticated QUIC
+//! control plane to that very node; and every read names a grant that the server checks range by
+//! range ([`ReadAuthorizer`]) before a byte leaves. A refused read sends no bytes. A malformed
+//! request closes that data connection.
+//!
+//! The bytes are not encrypted (neither are RDMA READs); the control plane is.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use pdkv_core::grant::GrantTable;
+use pdkv_core::layout::KvLayout;
+use pdkv_core::plan::RegionLayout;
+use pdkv_core::wire::{GrantId, NodeId};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+use crate::codec::{self, PROTOCOL_VERSION};
+use crate::engine::{
+    EngineDescriptor, EngineError, EngineKey, EngineKind, MemoryDescriptor, ReadEngine, ReadHandle, ReadOp,
+    ReadReport, RegionHandle, WordsFuture,
+};
+use crate::region::Region;
+
+/// A one-time secret that lets one node open one data connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Ticket(pub [u8; 32]);
+
+/// Tickets issued and not yet redeemed or expired.
+#[derive(Debug)]
+pub struct TicketBook {
+    tickets: Mutex<HashMap<Ticket, (NodeId, Instant)>>,
+    ttl: Duration,
+    max_outstanding: usize,
+}
+
+impl TicketBook {
+    /// A book whose tickets live `ttl` and of which at most `max_outstanding` are outstanding.
+    pub fn new(ttl: Duration, max_outstanding: usize) -> Self {
+        TicketBook {
+            tickets: Mutex::new(HashMap::new()),
+            ttl,
+            max_outstanding,
+        }
+    }
+
+    /// Issues a ticket for `peer` (called over the authenticated control plane).
+    pub fn issue(&self, peer: &NodeId) -> Result<Ticket, NetError> {
+        let mut secret = [0u8; 32];
+        getrandom::fill(&mut secret).map_err(|error| NetError::Io(error.to_string()))?;
+        let ticket = Ticket(secret);
+        let now = Instant::now();
+        let mut tickets = self.tickets.lock().unwrap_or_else(PoisonError::into_inner);
+        tickets.retain(|_, (_, expires)| *expires > now);
+        if tickets.len() >= self.max_outstanding {
+            return Err(NetError::TooManyTickets(self.max_outstanding));
+        }
+        tickets.insert(ticket, (peer.clone(), now + self.ttl));
+        Ok(ticket)
+    }
+
+    /// Redeems a ticket presented by a data connection claiming to be `peer`; one use only.
+    pub fn redeem(&self, ticket: &Ticket, peer: &NodeId) -> Result<(), NetError> {
+        let entry = self
+            .tickets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(ticket);
+        match entry {
+            Some((owner, expires)) if owner == *peer && expires > Instant::now() => Ok(()),
+            Some((owner, _)) if owner != *peer => {
+                Err(NetError::BadTicket(format!("ticket was issued to {owner}")))
+            }
+            Some(_) => Err(NetError::BadTicket("ticket expired".into())),
+            None => Err(NetError::BadTicket("unknown or used ticket".into())),
+        }
+    }
+}
+
+/// Decides whether a peer may read a byte range (or generation words) under a grant.
+pub trait ReadAuthorizer: Send + Sync + 'static {
+    /// May `peer` read `len` bytes at `offset` of region `region` under `grant`?
+    fn authorize_read(
+        &self,
+        peer: &NodeId,
+        grant: GrantId,
+        region: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), String>;
+    /// May `peer` read the generation words `indices` of region `region` under `grant`?
+    fn authorize_words(
+        &self,
+        peer: &NodeId,
+        grant: GrantId,
+        region: u32,
+        indices: &[u32],
+    ) -> Result<(), String>;
+}
+
+/// A millisecond clock shared by whoever issues grants and whoever checks them.
+#[derive(Debug, Clone, Copy)]
+pub struct MonotonicClock {
+    epoch: Instant,
+}
+
+impl MonotonicClock {
+    /// A clock starting now.
+    pub fn new() -> Self {
+        MonotonicClock {
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since the clock started.
+    pub fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+}
+
+impl Default for MonotonicClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The grant table of a prefill leg as a [`ReadAuthorizer`]: a byte range is readable when every
+/// block it touches is in a live grant held by the reader, for that block's group.
+#[derive(Debug, Clone)]
+pub struct GrantAuthorizer {
+    grants: Arc<Mutex<GrantTable>>,
+    layout: KvLayout,
+    regions: RegionLayout,
+    /// Region id of group 0's generation table.
+    generation_base: u32,
+    clock: MonotonicClock,
+}
+
+impl GrantAuthorizer {
+    /// An authorizer over `grants` for memory placed as `regions`.
+    pub fn new(
+        grants: Arc<Mutex<GrantTable>>,
+        layout: KvLayout,
+        regions: RegionLayout,
+        generation_base: u32,
+        clock: MonotonicClock,
+    ) -> Self {
+        GrantAuthorizer {
+            grants,
+            layout,
+            regions,
+            generation_base,
+            clock,
+        }
+    }
+}
+
+impl ReadAuthorizer for GrantAuthorizer {
+    fn authorize_read(
+        &self,
+        peer: &NodeId,
+        grant: GrantId,
+        region: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        let (layer, placement) = self
+            .regions
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, placement)| placement.region == region)
+            .ok_or_else(|| format!("region {region} holds no KV layer"))?;
+        let group = self.layout.layer_groups()[layer];
+        if len == 0 || offset < placement.base_offset {
+            return Err(format!(
+                "range {offset}+{len} of region {region} is not inside a block"
+            ));
+        }
+        let first = (offset - placement.base_offset) / placement.bytes_per_block;
+        let last = (offset - placement.base_offset + len - 1) / placement.bytes_per_block;
+        let now = self.clock.now_ms();
+        let grants = self.grants.lock().unwrap_or_else(PoisonError::into_inner);
+        for block in first..=last {
+            let block = u32::try_from(block).map_err(|_| format!("block {block} out of range"))?;
+            grants
+                .check_read(grant, peer, group, block, now)
+                .map_err(|error| error.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn authorize_words(
+        &self,
+        peer: &NodeId,
+        grant: GrantId,
+        region: u32,
+        indices: &[u32],
+    ) -> Result<(), String> {
+        let group = region
+            .checked_sub(self.generation_base)
+            .map(|group| group as usize)
+            .filter(|&group| group < self.layout.groups().len())
+            .ok_or_else(|| format!("region {region} is not a generation table"))?;
+        let grants = self.grants.lock().unwrap_or_else(PoisonError::into_inner);
+        let grant = grants
+            .get(grant)
+            .ok_or_else(|| format!("grant {} is not live", grant.0))?;
+        if &grant.peer != peer {
+            return Err(format!("grant {} does not belong to peer {peer}", grant.id.0));
+        }
+        // Generations are read after the data, also after the grant ended, to detect reuse;
+        // they may be read for any block the grant covered.
+        for &block in indices {
+            if !grant.blocks.get(group).is_some_and(|list| list.contains(&block)) {
+                return Err(format!(
+                    "grant {} does not cover block {block} of group {group}",
+                    grant.id.0
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// First frame of a data connection.
+#[derive(Debug, Serialize, Deserialize)]
+struct DataHello {
+    node: NodeId,
+    protocol_version: u32,
+    ticket: Ticket,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum DataRequest {
+    /// Read `runs` (remote offset, length) of `region`, concatenated.
+    Read {
+        grant: GrantId,
+        region: u32,
+        runs: Vec<(u64, u64)>,
+    },
+    /// Read generation words.
+    Words {
+        grant: GrantId,
+        region: u32,
+        indices: Vec<u32>,
+    },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum DataReply {
+    Welcome,
+    /// `len` raw bytes follow.
+    Data {
+        len: u64,
+    },
+    Words(Vec<u32>),
+    Refused(String),
+}
+
+/// Largest request frame a memory server accepts (64 Ki runs).
+const MAX_REQUEST_BYTES: usize = 1 << 20;
+
+/// Bounds of a memory server.
+#[derive(Debug, Clone, Copy)]
+pub struct MemoryServerLimits {
+    /// Concurrent data connections.
+    pub max_connections: usize,
+    /// Time a new connection has to present its ticket.
+    pub hello_timeout: Duration,
+    /// A connection idle this long is closed.
+    pub idle_timeout: Duration,
+}
+
+impl Default for MemoryServerLimits {
+    fn default() -> Self {
+        MemoryServerLimits {
+            max_connections: 64,
+            hello_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Serves granted reads of a prefill leg's regions over TCP.
+#[derive(Debug)]
+pub struct MemoryServer {
+    local_addr: SocketAddr,
+    accept_task: tokio::task::JoinHandle<()>,
+}
+
+impl MemoryServer {
+    /// Binds `bind` on `runtime` and serves `regions` to ticket holders, as `authorizer` allows.
+    pub fn start(
+        runtime: &tokio::runtime::Handle,
+        bind: SocketAddr,
+        regions: HashMap<u32, Arc<Region>>,
+        authorizer: Arc<dyn ReadAuthorizer>,
+        tickets: Arc<TicketBook>,
+        limits: MemoryServerLimits,
+    ) -> Result<Self, NetError> {
+        let listener = {
+            let _guard = runtime.enter();
+            let socket =
+                std::net::TcpListener::bind(bind).map_err(|error| NetError::Io(error.to_string()))?;
+            socket
+                .set_nonblocking(true)
+                .map_err(|error| NetError::Io(error.to_string()))?;
+            TcpListener::from_std(socket).map_err(|error| NetError::Io(error.to_string()))?
+        };
+        let local_addr = listener
+            .local_addr()
+            .map_err(|error| NetError::Io(error.to_string()))?;
+        let shared = Arc::new(ServerState {
+            regions,
+            authorizer,
+            tickets,
+            limits,
+        });
+        let accept_task = runtime.spawn(async move {
+            let slots = Arc::new(Semaphore::new(limits.max_connections));
+            loop {
+                let Ok((stream, remote)) = listener.accept().await else {
+                    continue;
+                };
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    tracing::warn!(%remote, "memory server full, dropping data connection");
+                    continue;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    if let Err(error) = serve_data(stream, shared).await {
+                        tracing::warn!(%remote, %error, "data connection closed");
+                    }
+                });
+            }
+        });
+        Ok(MemoryServer {
+            local_addr,
+            accept_task,
+        })
+    }
+
+    /// The address data connections dial.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+}
+
+impl Drop for MemoryServer {
+    fn drop(&mut self) {
+        self.accept_task.abort();
+    }
+}
+
+struct ServerState {
+    regions: HashMap<u32, Arc<Region>>,
+    authorizer: Arc<dyn ReadAuthorizer>,
+    tickets: Arc<TicketBook>,
+    limits: MemoryServerLimits,
+}
+
+async fn serve_data(mut stream: TcpStream, state: Arc<ServerState>) -> Result<(), NetError> {
+    stream
+        .set_nodelay(true)
+        .map_err(|error| NetError::Io(error.to_string()))?;
+    let hello: DataHello =
+        tokio::time::timeout(state.limits.hello_timeout, codec::read_message(&mut stream, 4096))
+            .await
+            .map_err(|_| NetError::Timeout("data hello"))??;
+    if hello.protocol_version != PROTOCOL_VERSION {
+        let reason = format!(
+            "protocol version differs: ours {PROTOCOL_VERSION}, theirs {}",
+            hello.protocol_version
+        );
+        codec::write_message(&mut stream, &DataReply::Refused(reason.clone())).await?;
+        return Err(NetError::BadTicket(reason));
+    }
+    if let Err(error) = state.tickets.redeem(&hello.ticket, &hello.node) {
+        codec::write_message(&mut stream, &DataReply::Refused(error.to_string())).await?;
+        return Err(error);
+    }
+    let peer = hello.node;
+    codec::write_message(&mut stream, &DataReply::Welcome).await?;
+    loop {
+        let request: DataRequest = match tokio::time::timeout(
+            state.limits.idle_timeout,
+            codec::read_message(&mut stream, MAX_REQUEST_BYTES),
+        )
+        .await
+        {
+            Err(_) => return Ok(()),
+            Ok(Err(codec::CodecError::Truncated)) => return Ok(()),
+            Ok(Err(error)) => return Err(error.into()),
+            Ok(Ok(request)) => request,
+        };
+        match request {
+            DataRequest::Read { grant, region, runs } => {
+                match authorize_runs(&state, &peer, grant, region, &runs) {
+                    Err(reason) => codec::write_message(&mut stream, &DataReply::Refused(reason)).await?,
+                    Ok(memory) => {
+                        let total: u64 = runs.iter().map(|(_, len)| len).sum();
+                        codec::write_message(&mut stream, &DataReply::Data { len: total }).await?;
+                        for (offset, len) in runs {
+                            // SAFETY: the grant pins these blocks; their owner does not write them
+                            // while the grant lives (a lapse is caught by the reader's generation
+                            // check).
+                            let bytes = unsafe { memory.bytes(offset, len as usize) }
+                                .map_err(|error| NetError::Io(error.to_string()))?;
+                            stream
+                                .write_all(bytes)
+                                .await
+                                .map_err(|error| NetError::Io(error.to_string()))?;
+                        }
+                    }
+                }
+            }
+            DataRequest::Words {
+                grant,
+                region,
+                indices,
+            } => {
+                let reply = match (
+                    state.regions.get(&region),
+                    state.authorizer.authorize_words(&peer, grant, region, &indices),
+                ) {
+                    (None, _) => DataReply::Refused(format!("no region {region}")),
+                    (_, Err(reason)) => DataReply::Refused(reason),
+                    (Some(memory), Ok(())) => {
+                        match indices
+                            .iter()
+                            .map(|&i| memory.load_u32(i as usize))
+                            .collect::<Result<Vec<_>, _>>()
+                        {
+                            Ok(words) => DataReply::Words(words),
+                            Err(error) => DataReply::Refused(error.to_string()),
+                        }
+                    }
+                };
+                codec::write_message(&mut stream, &reply).await?;
+            }
+        }
+    }
+}
+
+fn authorize_runs(
+    state: &ServerState,
+    peer: &NodeId,
+    grant: GrantId,
+    region: u32,
+    runs: &[(u64, u64)],
+) -> Result<Arc<Region>, String> {
+    let memory = state
+        .regions
+        .get(&region)
+        .ok_or_else(|| format!("no region {region}"))?;
+    for &(offset, len) in runs {
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > memory.len() as u64)
+        {
+            return Err(format!("range {offset}+{len} is outside region {region}"));
+        }
+        state
+            .authorizer
+            .authorize_read(peer, grant, region, offset, len)?;
+    }
+    Ok(memory.clone())
+}
+
+/// One open data connection.
+struct DataConnection {
+    stream: TcpStream,
+}
+
+struct RemoteEngine {
+    address: String,
+    regions: HashMap<u32, u64>,
+    connection: Option<Arc<tokio::sync::Mutex<DataConnection>>>,
+}
+
+/// The decode side of the network engine.
+pub struct NetEngine {
+    key: EngineKey,
+    runtime: tokio::runtime::Handle,
+    local: Mutex<HashMap<u32, Arc<Region>>>,
+    remotes: Mutex<HashMap<EngineKey, RemoteEngine>>,
+    /// The memory server address this engine advertises (prefill legs), empty otherwise.
+    address: String,
+}
+
+impl std::fmt::Debug for NetEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NetEngine")
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NetEngine {
+    /// An engine named `key` running its I/O on `runtime`; `address` is the memory server this
+    /// engine's regions are served from (empty for an engine that only reads).
+    pub fn new(key: EngineKey, runtime: tokio::runtime::Handle, address: String) -> Self {
+        NetEngine {
+            key,
+            runtime,
+            local: Mutex::new(HashMap::new()),
+            remotes: Mutex::new(HashMap::new()),
+            address,
+        }
+    }
+
+    /// Opens the data connection to `engine` with a ticket it issued to this node (`node`),
+    /// within `timeout`.
+    pub async fn connect(
+        &self,
+        engine: &EngineKey,
+        node: &NodeId,
+        ticket: Ticket,
+        timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let address = self
+            .remotes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(engine)
+            .map(|remote| remote.address.clone())
+            .ok_or_else(|| EngineError::Refused(format!("engine {engine} is not registered")))?;
+        let hello = DataHello {
+            node: node.clone(),
+            protocol_version: PROTOCOL_VERSION,
+            ticket,
+        };
+        let task = self.runtime.spawn(async move {
+            tokio::time::timeout(timeout, async move {
+                let mut stream = TcpStream::connect(&address).await.map_err(io_error)?;
+                stream.set_nodelay(true).map_err(io_error)?;
+                codec::write_message(&mut stream, &hello)
+                    .await
+                    .map_err(codec_error)?;
+                match codec::read_message::<_, DataReply>(&mut stream, 4096)
+                    .await
+                    .map_err(codec_error)?
+                {
+                    DataReply::Welcome => Ok(stream),
+                    DataReply::Refused(reason) => Err(EngineError::Refused(reason)),
+                    _ => Err(EngineError::Refused("unexpected reply to hello".into())),
+                }
+            })
+            .await
+            .map_err(|_| EngineError::Timeout {
+                after_ms: timeout.as_millis() as u64,
+            })?
+        });
+        let stream = task.await.map_err(|error| EngineError::Io(error.to_string()))??;
+        let mut remotes = self.remotes.lock().unwrap_or_else(PoisonError::into_inner);
+        let remote = remotes
+            .get_mut(engine)
+            .ok_or_else(|| EngineError::Refused(format!("engine {engine} is not registered")))?;
+        remote.connection = Some(Arc::new(tokio::sync::Mutex::new(DataConnection { stream })));
+        Ok(())
+    }
+
+    fn connection(&self, engine: &EngineKey) -> Result<Arc<tokio::sync::Mutex<DataConnection>>, EngineError> {
+        self.remotes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(engine)
+            .and_then(|remote| remote.connection.clone())
+            .ok_or_else(|| EngineError::Refused(format!("no data connection to {engine}")))
+    }
+}
+
+fn io_error(error: std::io::Error) -> EngineError {
+    EngineError::Io(error.to_string())
+}
+
+fn codec_error(error: codec::CodecError) -> EngineError {
+    EngineError::Io(error.to_string())
+}
+
+impl ReadEngine for NetEngine {
+    fn key(&self) -> &EngineKey {
+        &self.key
+    }
+
+    fn descriptor(&self) -> EngineDescriptor {
+        EngineDescriptor {
+            key: self.key.clone(),
+            kind: EngineKind::Net,
+            pid: std::process::id(),
+            address: self.address.clone(),
+        }
+    }
+
+    fn register(&self, region_id: u32, region: Arc<Region>) -> Result<MemoryDescriptor, EngineError> {
+        let mut local = self.local.lock().unwrap_or_else(PoisonError::into_inner);
+        if local.contains_key(&region_id) {
+            return Err(EngineError::DuplicateRegion(region_id));
+        }
+        let len_bytes = region.len() as u64;
+        local.insert(region_id, region);
+        Ok(MemoryDescriptor {
+            engine: self.key.clone(),
+            region: region_id,
+            len_bytes,
+            handle: RegionHandle::Net,
+        })
+    }
+
+    fn register_remote(
+        &self,
+        engine: &EngineDescriptor,
+        regions: &[MemoryDescriptor],
+    ) -> Result<(), EngineError> {
+        if engine.kind != EngineKind::Net {
+            return Err(EngineError::WrongKind {
+                engine: engine.key.clone(),
+                found: engine.kind,
+                expected: EngineKind::Net,
+            });
+        }
+        if engine.address.parse::<SocketAddr>().is_err() {
+            return Err(EngineError::Refused(format!(
+                "engine {} advertises no memory server address ({:?})",
+                engine.key, engine.address
+            )));
+        }
+        let regions = regions
+            .iter()
+            .map(|region| (region.region, region.len_bytes))
+            .collect();
+        self.remotes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(
+                engine.key.clone(),
+                RemoteEngine {
+                    address: engine.address.clone(),
+                    regions,
+                    connection: None,
+                },
+            );
+        Ok(())
+    }
+
+    fn batch_read(&self, ops: Vec<ReadOp>) -> Result<ReadHandle, EngineError> {
+        let mut prepared = Vec::with_capacity(ops.len());
+        for op in ops {
+            let local = self
+                .local
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&op.local_region)
+                .cloned()
+                .ok_or(EngineError::UnknownLocalRegion(op.local_region))?;
+            let remote_len = self
+                .remotes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&op.remote_engine)
+                .and_then(|remote| remote.regions.get(&op.remote_region).copied())
+                .ok_or_else(|| EngineError::UnknownRemoteRegion {
+                    engine: op.remote_engine.clone(),
+                    region: op.remote_region,
+                })?;
+            for run in &op.runs {
+                let local_fits = run
+                    .local_offset
+                    .checked_add(run.len_bytes)
+                    .is_some_and(|end| end <= local.len() as u64);
+                let remote_fits = run
+                    .remote_offset
+                    .checked_add(run.len_bytes)
+                    .is_some_and(|end| end <= remote_len);
+                if !local_fits || !remote_fits {
+                    return Err(EngineError::Refused(format!(
+                        "run {}+{} -> {} does not fit region {} / {}",
+                        run.remote_offset, run.len_bytes, run.local_offset, op.remote_region, op.local_region
+                    )));
+                }
+            }
+            let connection = self.connection(&op.remote_engine)?;
+            prepared.push((op, local, connection));
+        }
+        let (completer, handle) = ReadHandle::pending();
+        self.runtime.spawn(async move {
+            let mut report = ReadReport::default();
+            for (op, local, connection) in prepared {
+                let mut connection = connection.lock().await;
+                match read_op(&mut connection.stream, &op, &local).await {
+                    Ok(bytes) => {
+                        report.bytes += bytes;
+                        report.runs += op.runs.len();
+                    }
+                    Err(error) => {
+                        completer.complete(Err(error));
+                        return;
+                    }
+                }
+            }
+            completer.complete(Ok(report));
+        });
+        Ok(handle)
+    }
+
+    fn read_remote_words<'a>(
+        &'a self,
+        remote_engine: &'a EngineKey,
+        grant: GrantId,
+        remote_region: u32,
+        indices: &'a [u32],
+    ) -> WordsFuture<'a> {
+        let connection = self.connection(remote_engine);
+        let indices = indices.to_vec();
+        let runtime = self.runtime.clone();
+        Box::pin(async move {
+            let connection = connection?;
+            let task = runtime.spawn(async move {
+                let mut connection = connection.lock().await;
+                let request = DataRequest::Words {
+                    grant,
+                    region: remote_region,
+                    indices,
+                };
+                codec::write_message(&mut connection.stream, &request)
+                    .await
+                    .map_err(codec_error)?;
+                match codec::read_message::<_, DataReply>(&mut connection.stream, MAX_REQUEST_BYTES)
+                    .await
+                    .map_err(codec_error)?
+                {
+                    DataReply::Words(words) => Ok(words),
+                    DataReply::Refused(reason) => Err(EngineError::Refused(reason)),
+                    _ => Err(EngineError::Refused("unexpected reply to a words request".into())),
+                }
+            });
+            task.await.map_err(|error| EngineError::Io(error.to_string()))?
+        })
+    }
+}
+
+/// Sends one read request and lands the reply's bytes in `local`.
+async fn read_op(stream: &mut TcpStream, op: &ReadOp, local: &Region) -> Result<u64, EngineError> {
+    let request = DataRequest::Read {
+        grant: op.grant,
+        region: op.remote_region,
+        runs: op
+            .runs
+            .iter()
+            .map(|run| (run.remote_offset, run.len_bytes))
+            .collect(),
+    };
+    codec::write_message(stream, &request)
+        .await
+        .map_err(codec_error)?;
+    let expected: u64 = op.runs.iter().map(|run| run.len_bytes).sum();
+    match codec::read_message::<_, DataReply>(stream, MAX_REQUEST_BYTES)
+        .await
+        .map_err(codec_error)?
+    {
+        DataReply::Data { len } if len == expected => {}
+        DataReply::Data { len } => {
+            return Err(EngineError::Refused(format!(
+                "server sends {len} bytes, {expected} were asked"
+            )));
+        }
+        DataReply::Refused(reason) => return Err(EngineError::Refused(reason)),
+        _ => return Err(EngineError::Refused("unexpected reply to a read".into())),
+    }
+    for run in &op.runs {
+        // SAFETY: the decode leg owns the destination blocks of its READ until it completes.
+        let destination =
+            unsafe { local.bytes_mut(run.local_offset, run.len_bytes as usize) }.map_err(|source| {
+                EngineError::Bounds {
+                    side: "local",
+                    region: op.local_region,
+                    source,
+                }
+            })?;
+        stream.read_exact(destination).await.map_err(io_error)?;
+    }
+    Ok(expected)
+}
+
+/// Why a network-engine operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NetError {
+    /// The ticket was unknown, used, expired or issued to another node.
+    #[error("data connection refused: {0}")]
+    BadTicket(String),
+    /// Too many tickets outstanding.
+    #[error("too many outstanding tickets ({0})")]
+    TooManyTickets(usize),
+    /// A frame was malformed.
+    #[error("{0}")]
+    Codec(#[from] codec::CodecError),
+    /// A bound passed.
+    #[error("{0} timed out")]
+    Timeout(&'static str),
+    /// A socket failed.
+    #[error("{0}")]
+    Io(String),
+}

@@ -1,0 +1,430 @@
+//! Two processes on one machine: a prefill-side peer (`pdkv-transport-peer`) and this test as the
+//! decode side. They authenticate each other with mutual TLS over QUIC, exchange descriptors in
+//! the handshake and move KV ranges with the shared-memory and network READ engines; strangers,
+//! out-of-grant reads and malformed frames are refused. All traffic stays on 127.0.0.1.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdkv_core::plan::ReadRun;
+use pdkv_core::wire::{GrantId, NodeId};
+use pdkv_transport::codec::PROTOCOL_VERSION;
+use pdkv_transport::control::{
+    ControlClient, ControlError, EngineAdvert, Hello, PeerConnection, TransportRuntime,
+};
+use pdkv_transport::engine::{EngineError, EngineKey, EngineKind, ReadEngine, ReadOp};
+use pdkv_transport::mapped::MappedEngine;
+use pdkv_transport::net::NetEngine;
+use pdkv_transport::region::Region;
+use pdkv_transport::tls::{ClusterCa, NodeIdentity, write_cluster_certs};
+
+#[path = "support/peer_protocol.rs"]
+mod peer_protocol;
+
+use peer_protocol::{BLOCK_BYTES, BLOCKS, LAYERS, PeerRequest, PeerResponse, layout, pattern_byte};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A running peer process; killed when dropped.
+struct Peer {
+    child: Child,
+    address: SocketAddr,
+    certs: PathBuf,
+}
+
+impl Peer {
+    fn spawn(test: &str) -> Peer {
+        let certs = std::env::temp_dir().join(format!("pdkv-two-process-{test}-{}", std::process::id()));
+        write_cluster_certs(&certs, "test", &["prefill-0", "decode-0", "outsider"]).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pdkv-transport-peer"))
+            .args([
+                "--certs",
+                certs.to_str().unwrap(),
+                "--name",
+                "prefill-0",
+                "--cluster",
+                "prefill-0,decode-0",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("peer prints READY in time");
+        let address = line
+            .trim()
+            .strip_prefix("READY ")
+            .expect("READY line")
+            .parse()
+            .unwrap();
+        Peer {
+            child,
+            address,
+            certs,
+        }
+    }
+
+    fn identity(&self, name: &str) -> NodeIdentity {
+        NodeIdentity::load(&self.certs, name).unwrap()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        if let Some(mut stdin) = self.child.stdin.take() {
+            let _ = stdin.flush();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.certs);
+    }
+}
+
+fn hello(node: &str) -> Hello {
+    Hello {
+        node: NodeId(node.into()),
+        role: "decode".into(),
+        protocol_version: PROTOCOL_VERSION,
+        layout_hash: layout().compat_hash(),
+        engines: vec![],
+    }
+}
+
+struct Decode {
+    runtime: TransportRuntime,
+    connection: PeerConnection,
+}
+
+fn connect(peer: &Peer) -> Decode {
+    let runtime = TransportRuntime::new(2).unwrap();
+    let client = ControlClient::new(
+        &runtime.handle(),
+        "127.0.0.1:0".parse().unwrap(),
+        &peer.identity("decode-0"),
+    )
+    .unwrap();
+    let connection = runtime
+        .block_on(client.connect(peer.address, "prefill-0", &hello("decode-0"), TIMEOUT))
+        .unwrap();
+    Decode { runtime, connection }
+}
+
+impl Decode {
+    fn advert(&self, kind: EngineKind) -> EngineAdvert {
+        self.connection
+            .peer
+            .engines
+            .iter()
+            .find(|advert| advert.engine.kind == kind)
+            .cloned()
+            .expect("peer advertises the engine")
+    }
+
+    fn ask(&self, request: PeerRequest) -> Result<PeerResponse, ControlError> {
+        self.runtime.block_on(self.connection.request(request, TIMEOUT))
+    }
+
+    fn grant(&self, blocks: Vec<u32>, lease_ms: u64) -> (GrantId, Vec<u32>) {
+        match self.ask(PeerRequest::Grant { blocks, lease_ms }).unwrap() {
+            PeerResponse::Granted { grant, generations } => (grant, generations),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    fn net_engine(&self) -> (NetEngine, Arc<Region>) {
+        let engine = NetEngine::new(EngineKey("decode-0".into()), self.runtime.handle(), String::new());
+        let destination = Arc::new(Region::heap(((BLOCKS + 1) as u64 * BLOCK_BYTES) as usize));
+        engine.register(0, destination.clone()).unwrap();
+        let advert = self.advert(EngineKind::Net);
+        engine.register_remote(&advert.engine, &advert.regions).unwrap();
+        let ticket = self.runtime.block_on(self.connection.ticket(TIMEOUT)).unwrap();
+        self.runtime
+            .block_on(engine.connect(&advert.engine.key, &NodeId("decode-0".into()), ticket, TIMEOUT))
+            .unwrap();
+        (engine, destination)
+    }
+}
+
+/// Reads blocks `first .. first + count` of `layer` into the destination at the same offsets.
+fn read_blocks(
+    engine: &dyn ReadEngine,
+    grant: GrantId,
+    layer: u32,
+    first: u32,
+    count: u32,
+) -> Result<u64, EngineError> {
+    let op = ReadOp {
+        grant,
+        local_region: 0,
+        remote_engine: EngineKey("prefill-0".into()),
+        remote_region: layer,
+        runs: vec![ReadRun {
+            local_offset: u64::from(first) * BLOCK_BYTES,
+            remote_offset: u64::from(first) * BLOCK_BYTES,
+            len_bytes: u64::from(count) * BLOCK_BYTES,
+        }],
+    };
+    engine
+        .batch_read(vec![op])?
+        .wait_blocking(TIMEOUT)
+        .map(|report| report.bytes)
+}
+
+fn assert_holds_pattern(region: &Region, layer: usize, first: u32, count: u32) {
+    let start = u64::from(first) * BLOCK_BYTES;
+    let mut bytes = vec![0u8; (u64::from(count) * BLOCK_BYTES) as usize];
+    region.read(start, &mut bytes).unwrap();
+    for (index, byte) in bytes.iter().enumerate() {
+        assert_eq!(
+            *byte,
+            pattern_byte(layer, start + index as u64),
+            "layer {layer} offset {}",
+            start + index as u64
+        );
+    }
+}
+
+fn is_zero(region: &Region, block: u32) -> bool {
+    let mut bytes = vec![1u8; BLOCK_BYTES as usize];
+    region.read(u64::from(block) * BLOCK_BYTES, &mut bytes).unwrap();
+    bytes.iter().all(|&byte| byte == 0)
+}
+
+#[test]
+fn nodes_authenticate_and_move_kv_with_shm_and_net_engines() {
+    let peer = Peer::spawn("move");
+    let decode = connect(&peer);
+    assert_eq!(decode.connection.peer.node, NodeId("prefill-0".into()));
+    assert_eq!(decode.connection.peer.layout_hash, layout().compat_hash());
+    let (grant, generations) = decode.grant(vec![3, 4, 5], 10_000);
+    assert_eq!(generations, vec![0, 0, 0]);
+
+    // Shared memory: map the peer's memfds read-only and copy directly.
+    let shm = MappedEngine::shm(EngineKey("decode-0".into())).unwrap();
+    let destination =
+        Arc::new(Region::shared("decode", ((BLOCKS + 1) as u64 * BLOCK_BYTES) as usize).unwrap());
+    shm.register(0, destination.clone()).unwrap();
+    let advert = decode.advert(EngineKind::Shm);
+    assert_ne!(advert.engine.pid, std::process::id(), "a second process");
+    shm.register_remote(&advert.engine, &advert.regions).unwrap();
+    for layer in 0..LAYERS as u32 {
+        assert_eq!(read_blocks(&shm, grant, layer, 3, 3).unwrap(), 3 * BLOCK_BYTES);
+        assert_holds_pattern(&destination, layer as usize, 3, 3);
+    }
+    assert!(
+        is_zero(&destination, 2) && is_zero(&destination, 6),
+        "guard blocks untouched"
+    );
+    let words = decode
+        .runtime
+        .block_on(shm.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[3, 4, 5]))
+        .unwrap();
+    assert_eq!(words, generations);
+
+    // Network: a ticket from the control plane opens the data connection.
+    let (net, destination) = decode.net_engine();
+    for layer in 0..LAYERS as u32 {
+        assert_eq!(read_blocks(&net, grant, layer, 3, 3).unwrap(), 3 * BLOCK_BYTES);
+        assert_holds_pattern(&destination, layer as usize, 3, 3);
+    }
+    assert!(
+        is_zero(&destination, 2) && is_zero(&destination, 6),
+        "guard blocks untouched"
+    );
+    let words = decode
+        .runtime
+        .block_on(net.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[3, 4, 5]))
+        .unwrap();
+    assert_eq!(words, generations);
+}
+
+#[test]
+fn reads_outside_a_live_grant_are_refused_and_move_no_bytes() {
+    let peer = Peer::spawn("grants");
+    let decode = connect(&peer);
+    let (net, destination) = decode.net_engine();
+    let (grant, _) = decode.grant(vec![3], 10_000);
+    let error = read_blocks(&net, grant, 0, 3, 2).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "remote refused the read: grant 1 does not cover block 4 of group 0"
+    );
+    assert!(
+        is_zero(&destination, 3) && is_zero(&destination, 4),
+        "a refused read lands nothing"
+    );
+    assert!(
+        read_blocks(&net, GrantId(99), 0, 3, 1)
+            .unwrap_err()
+            .to_string()
+            .contains("grant 99 is not live")
+    );
+    assert_eq!(read_blocks(&net, grant, 0, 3, 1).unwrap(), BLOCK_BYTES);
+
+    // Release revokes.
+    decode.ask(PeerRequest::Release { grant }).unwrap();
+    let error = read_blocks(&net, grant, 0, 3, 1).unwrap_err();
+    assert!(error.to_string().contains("is not live"), "{error}");
+
+    // Expiry revokes: a 50 ms lease, polled for at most 5 s.
+    let (short, _) = decode.grant(vec![7], 50);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let error = loop {
+        match read_blocks(&net, short, 0, 7, 1) {
+            Err(error) => break error,
+            Ok(_) => assert!(Instant::now() < deadline, "lease never expired"),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(error.to_string().contains("expired"), "{error}");
+
+    // One-sided shm reads cannot be refused; reuse is caught by the generation word instead.
+    let (grant, generations) = decode.grant(vec![9], 10_000);
+    let shm = MappedEngine::shm(EngineKey("decode-0".into())).unwrap();
+    let advert = decode.advert(EngineKind::Shm);
+    shm.register_remote(&advert.engine, &advert.regions).unwrap();
+    let reused = match decode.ask(PeerRequest::Reuse { block: 9 }).unwrap() {
+        PeerResponse::Reused { generation } => generation,
+        other => panic!("unexpected {other:?}"),
+    };
+    let words = decode
+        .runtime
+        .block_on(shm.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[9]))
+        .unwrap();
+    assert_eq!(words, vec![reused]);
+    assert_ne!(words, generations, "a reader sees the block changed under it");
+}
+
+#[test]
+fn strangers_and_incompatible_peers_are_refused() {
+    let peer = Peer::spawn("strangers");
+    let runtime = TransportRuntime::new(2).unwrap();
+    let bind: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let dial = |identity: &NodeIdentity, hello: Hello| {
+        let client = ControlClient::new(&runtime.handle(), bind, identity).unwrap();
+        runtime.block_on(client.connect(peer.address, "prefill-0", &hello, TIMEOUT))
+    };
+
+    // A certificate from another CA: the TLS handshake fails.
+    let foreign = ClusterCa::generate("other")
+        .unwrap()
+        .identity("decode-0")
+        .unwrap();
+    assert!(matches!(
+        dial(&foreign, hello("decode-0")),
+        Err(ControlError::Connect(_))
+    ));
+
+    // No client certificate at all.
+    let anonymous = ControlClient::with_config(
+        &runtime.handle(),
+        bind,
+        peer.identity("decode-0").anonymous_client_config().unwrap(),
+    )
+    .unwrap();
+    let result = runtime.block_on(anonymous.connect(peer.address, "prefill-0", &hello("decode-0"), TIMEOUT));
+    assert!(result.is_err(), "a peer without a certificate was admitted");
+
+    // A valid certificate for a node that is not part of the cluster.
+    let error = dial(&peer.identity("outsider"), hello("outsider")).unwrap_err();
+    assert_eq!(
+        error,
+        ControlError::Refused("node outsider is not part of this cluster".into())
+    );
+
+    // A valid certificate, but the hello claims another node's name.
+    let mut impostor = hello("decode-0");
+    impostor.node = NodeId("prefill-0".into());
+    let error = dial(&peer.identity("decode-0"), impostor).unwrap_err();
+    assert_eq!(
+        error,
+        ControlError::Refused("peer certificate is not valid for node \"prefill-0\"".into())
+    );
+
+    // Incompatible layout or protocol: refused, saying what differs.
+    let mut other_layout = hello("decode-0");
+    other_layout.layout_hash ^= 1;
+    let error = dial(&peer.identity("decode-0"), other_layout)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.starts_with("refused: KV layout differs: our layout hash"),
+        "{error}"
+    );
+    let mut other_version = hello("decode-0");
+    other_version.protocol_version = 99;
+    let error = dial(&peer.identity("decode-0"), other_version).unwrap_err();
+    assert_eq!(
+        error,
+        ControlError::Refused("protocol version differs: ours 1, theirs 99".into())
+    );
+
+    // And the rightful node still gets in.
+    assert!(dial(&peer.identity("decode-0"), hello("decode-0")).is_ok());
+}
+
+#[test]
+fn malformed_frames_close_the_connection_not_the_node() {
+    let peer = Peer::spawn("frames");
+    let decode = connect(&peer);
+    // Garbage on the control plane closes that connection.
+    let garbage = decode
+        .runtime
+        .block_on(decode.connection.send_raw(&[0xFF; 64], TIMEOUT));
+    assert!(garbage.is_err(), "garbage got an answer: {garbage:?}");
+    let deadline = Instant::now() + TIMEOUT;
+    while decode.connection.is_open() {
+        assert!(Instant::now() < deadline, "connection not closed after garbage");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    // Garbage and oversize lengths on a data connection, and a forged ticket.
+    use std::io::Read;
+    let fresh = connect(&peer);
+    let data_address: SocketAddr = fresh.advert(EngineKind::Net).engine.address.parse().unwrap();
+    for bytes in [vec![0xFF, 0xFF, 0xFF, 0xFF, 1, 2, 3], vec![5, 0, 0, 0, 9], vec![]] {
+        let mut stream = std::net::TcpStream::connect(data_address).unwrap();
+        stream.set_read_timeout(Some(TIMEOUT)).unwrap();
+        stream.write_all(&bytes).unwrap();
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut reply = Vec::new();
+        let _ = stream.read_to_end(&mut reply);
+        assert!(reply.len() < 64, "no data for a malformed hello");
+    }
+    let forged_engine = NetEngine::new(
+        EngineKey("decode-0".into()),
+        fresh.runtime.handle(),
+        String::new(),
+    );
+    let advert = fresh.advert(EngineKind::Net);
+    forged_engine
+        .register_remote(&advert.engine, &advert.regions)
+        .unwrap();
+    let forged = pdkv_transport::net::Ticket([7; 32]);
+    let error = fresh
+        .runtime
+        .block_on(forged_engine.connect(&advert.engine.key, &NodeId("decode-0".into()), forged, TIMEOUT))
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "remote refused the read: data connection refused: unknown or used ticket"
+    );
+
+    // The node still serves: a new connection moves bytes.
+    let (net, destination) = fresh.net_engine();
+    let (grant, _) = fresh.grant(vec![1, 2], 10_000);
+    assert_eq!(read_blocks(&net, grant, 1, 1, 2).unwrap(), 2 * BLOCK_BYTES);
+    assert_holds_pattern(&destination, 1, 1, 2);
+}
