@@ -397,8 +397,9 @@ fn malformed_frames_close_the_connection_not_the_node() {
     for bytes in [vec![0xFF, 0xFF, 0xFF, 0xFF, 1, 2, 3], vec![5, 0, 0, 0, 9], vec![]] {
         let mut stream = std::net::TcpStream::connect(data_address).unwrap();
         stream.set_read_timeout(Some(TIMEOUT)).unwrap();
-        stream.write_all(&bytes).unwrap();
-        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        // The server may close as soon as it sees a bad length, before we finish writing.
+        let _ = stream.write_all(&bytes);
+        let _ = stream.shutdown(std::net::Shutdown::Write);
         let mut reply = Vec::new();
         let _ = stream.read_to_end(&mut reply);
         assert!(reply.len() < 64, "no data for a malformed hello");
