@@ -3,12 +3,14 @@
 //! Subcommands:
 //! - `demo`: run the embedded cluster in one process over 102 prompt lengths, P/D against direct.
 //! - `sweep`: the same for any cluster.toml and any prompt lengths.
+//! - `certs init`: write a cluster CA and a certificate per node for mutual TLS.
 //! - `plan`: pair two legs' block lists from a JSON scenario and print the READ pairs.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod certs_cmd;
 mod plan_cmd;
 mod sweep_cmd;
 
@@ -27,6 +29,9 @@ enum Command {
     Demo(sweep_cmd::SweepArgs),
     /// Compare P/D with one-leg output for any cluster.toml and prompt lengths.
     Sweep(sweep_cmd::SweepArgs),
+    /// Manage the cluster's mutual-TLS certificates.
+    #[command(subcommand)]
+    Certs(certs_cmd::CertsCommand),
     /// Pair a prefill leg's and a decode leg's block lists from a JSON scenario.
     Plan(plan_cmd::PlanArgs),
 }
@@ -36,6 +41,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(args),
+        Command::Certs(command) => certs_cmd::run(command),
         Command::Demo(args) => sweep_cmd::run(args, Some(pdkv_actors::sweep::demo_lengths())),
         Command::Sweep(args) => sweep_cmd::run(args, None),
     };

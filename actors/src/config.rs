@@ -206,9 +206,11 @@ impl ClusterConfig {
         let mut names = HashSet::new();
         let mut nodes = Vec::with_capacity(file.nodes.len());
         for (index, node) in file.nodes.into_iter().enumerate() {
-            if node.name.is_empty() {
+            if !is_dns_name(&node.name) {
                 return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].name: must not be empty"
+                    "nodes[{index}].name: {:?} is not a valid node name (letters, digits, '-' and '.', \
+                     as in a DNS name: it goes into the node's certificate)",
+                    node.name
                 )));
             }
             if !names.insert(node.name.clone()) {
@@ -261,6 +263,20 @@ impl ClusterConfig {
     pub fn nodes_with_role(&self, role: Role) -> impl Iterator<Item = &NodeConfig> {
         self.nodes.iter().filter(move |node| node.role == role)
     }
+}
+
+/// Whether `name` can be a DNS name in a certificate: dot-separated labels of 1..=63 letters,
+/// digits and inner hyphens, at most 253 characters.
+fn is_dns_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        })
 }
 
 /// Why a cluster description was refused.
@@ -342,6 +358,14 @@ mod tests {
             ),
             (with("d_model = 32", "d_model = -3"), "d_model"),
             (with("seed = 7\n", ""), "missing field `seed`"),
+            (
+                with("name = \"decode-0\"", "name = \"decode 0\""),
+                "nodes[1].name: \"decode 0\" is not a valid node name",
+            ),
+            (
+                with("name = \"decode-0\"", "name = \"\""),
+                "nodes[1].name: \"\" is not a valid node name",
+            ),
             (
                 with("pairing = \"anchored\"", "pairing = \"sideways\""),
                 "unknown variant `sideways`",

@@ -224,7 +224,7 @@ impl ReadAuthorizer for GrantAuthorizer {
         // Generations are read after the data, also after the grant ended, to detect reuse;
         // they may be read for any block the grant covered.
         for &block in indices {
-            if !grant.blocks.get(group).is_some_and(|list| list.contains(&block)) {
+            if !grant.covers(group, block) {
                 return Err(format!(
                     "grant {} does not cover block {block} of group {group}",
                     grant.id.0
