@@ -3,7 +3,9 @@
 //! Each leg gets its own arbiter (one thread) for its scheduler, allocator, exchange and transfer
 //! actors (READs do not block it: engines copy large batches on their own workers). Legs share one
 //! read-only [`Model`] and reach each other's memory through an in-process READ engine, exactly
-//! as separate processes would through shared memory. Must be started inside an actix `System`.
+//! as separate processes would: with `read_engine = "shm"` (the default) every leg's KV lives in
+//! shared memory and readers map it read-only, with `"local"` in heap memory. Must be started
+//! inside an actix `System`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,7 +21,7 @@ use pdkv_transport::mapped::{LocalFabric, MappedEngine};
 use tokio::sync::Notify;
 
 use crate::allocator::{AllocatorActor, LegStats, Stats};
-use crate::config::{ClusterConfig, NodeConfig, Role};
+use crate::config::{ClusterConfig, NodeConfig, ReadEngineKind, Role};
 use crate::engine::{LegMemory, Model};
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
@@ -69,11 +71,19 @@ impl LocalCluster {
         let mut built = Vec::with_capacity(config.nodes.len());
         for node in &config.nodes {
             let capacity = vec![node.blocks_per_group; groups];
-            let memory = Arc::new(LegMemory::heap(&model, &capacity));
-            let engine = Arc::new(MappedEngine::local(
-                EngineKey(node.name.0.clone()),
-                fabric.clone(),
-            )?);
+            let key = EngineKey(node.name.0.clone());
+            let (memory, engine) = match config.transport.read_engine {
+                ReadEngineKind::Local => (
+                    LegMemory::heap(&model, &capacity),
+                    MappedEngine::local(key, fabric.clone())?,
+                ),
+                ReadEngineKind::Shm => (
+                    LegMemory::shared(&model, &capacity, &node.name.0)
+                        .map_err(|error| RequestError::Read(error.into()))?,
+                    MappedEngine::shm(key)?,
+                ),
+            };
+            let (memory, engine) = (Arc::new(memory), Arc::new(engine));
             let mut descriptors = Vec::new();
             for (id, region) in memory.layers.iter().chain(&memory.generations).enumerate() {
                 descriptors.push(engine.register(id as u32, region.clone())?);

@@ -43,6 +43,8 @@ struct ClusterFile {
     #[serde(default)]
     exchange: ExchangeConfig,
     #[serde(default)]
+    transport: TransportConfig,
+    #[serde(default)]
     limits: Limits,
     nodes: Vec<NodeSection>,
 }
@@ -74,6 +76,26 @@ impl Default for ExchangeConfig {
             max_decode_tail_blocks: 1,
         }
     }
+}
+
+/// Which READ engine legs in one process use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReadEngineKind {
+    /// Heap memory, direct copies inside the process.
+    Local,
+    /// Shared memory (memfd): each leg's regions are mapped read-only by the legs reading them,
+    /// exactly as legs in separate processes on one host do.
+    #[default]
+    Shm,
+}
+
+/// `[transport]`: how legs move KV bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransportConfig {
+    /// READ engine for legs in one process: `shm` (default) or `local`.
+    pub read_engine: ReadEngineKind,
 }
 
 /// `[limits]`: every wait and queue bound.
@@ -143,6 +165,8 @@ pub struct ClusterConfig {
     pub model: ModelParams,
     /// Pairing mode.
     pub exchange: ExchangeConfig,
+    /// READ engine.
+    pub transport: TransportConfig,
     /// Bounds.
     pub limits: Limits,
     /// Nodes in file order.
@@ -247,6 +271,7 @@ impl ClusterConfig {
                 vocab: file.model.vocab,
             },
             exchange: file.exchange,
+            transport: file.transport,
             limits,
             nodes,
         })

@@ -248,15 +248,31 @@ pub struct LegMemory {
 impl LegMemory {
     /// Heap memory for `capacity[g]` blocks per group (plus the null block, id 0).
     pub fn heap(model: &Model, capacity: &[u32]) -> Self {
+        Self::allocate(model, capacity, |_, len| Ok(Region::heap(len)))
+            .expect("heap regions cannot fail to allocate")
+    }
+
+    /// Shared memory (memfd) for `capacity[g]` blocks per group, so a peer on this host can map
+    /// the regions; `leg` names the memfds.
+    pub fn shared(model: &Model, capacity: &[u32], leg: &str) -> Result<Self, RegionError> {
+        Self::allocate(model, capacity, |name, len| {
+            Region::shared(&format!("pdkv-{leg}-{name}"), len)
+        })
+    }
+
+    fn allocate(
+        model: &Model,
+        capacity: &[u32],
+        mut region: impl FnMut(&str, usize) -> Result<Region, RegionError>,
+    ) -> Result<Self, RegionError> {
         let layout = model.layout();
         let mut layers = Vec::with_capacity(layout.num_layers());
         let mut placements = Vec::with_capacity(layout.num_layers());
         for (layer, &group) in layout.layer_groups().iter().enumerate() {
             let num_blocks = capacity[group] + 1;
             let bytes_per_block = model.bytes_per_block(layer);
-            layers.push(Arc::new(Region::heap(
-                (u64::from(num_blocks) * bytes_per_block) as usize,
-            )));
+            let len = (u64::from(num_blocks) * bytes_per_block) as usize;
+            layers.push(Arc::new(region(&format!("layer{layer}"), len)?));
             placements.push(LayerRegion {
                 region: layer as u32,
                 base_offset: 0,
@@ -264,15 +280,18 @@ impl LegMemory {
                 num_blocks,
             });
         }
-        let generations = capacity
-            .iter()
-            .map(|&blocks| Arc::new(Region::heap((blocks as usize + 1) * 4)))
-            .collect();
-        LegMemory {
+        let mut generations = Vec::with_capacity(capacity.len());
+        for (group, &blocks) in capacity.iter().enumerate() {
+            generations.push(Arc::new(region(
+                &format!("generations{group}"),
+                (blocks as usize + 1) * 4,
+            )?));
+        }
+        Ok(LegMemory {
             layers,
             generations,
             regions: RegionLayout { layers: placements },
-        }
+        })
     }
 
     /// Region id of group `group`'s generation table (after the layer regions).

@@ -59,6 +59,18 @@ async fn pd_equals_direct_for_every_tail_combination() {
     }
 }
 
+/// The same through the heap-memory engine (the default engine is shared memory).
+#[actix_rt::test]
+async fn pd_equals_direct_through_the_local_engine_too() {
+    let cluster = LocalCluster::start(config(&[
+        ("read_engine = \"shm\"", "read_engine = \"local\""),
+        ("lookahead_tokens = 0", "lookahead_tokens = 5"),
+    ]))
+    .unwrap();
+    assert_all_match(&cluster, BOUNDARY_LENGTHS).await;
+    cluster.shutdown();
+}
+
 #[actix_rt::test]
 async fn pd_equals_direct_with_a_mamba_group_and_dcp() {
     let text = r#"

@@ -296,3 +296,9 @@ pub enum EngineError {
     #[error("{0}")]
     Io(String),
 }
+
+impl From<RegionError> for EngineError {
+    fn from(error: RegionError) -> Self {
+        EngineError::Io(error.to_string())
+    }
+}
