@@ -4,6 +4,7 @@
 //! - `demo`: run the embedded cluster in one process over 102 prompt lengths, P/D against direct.
 //! - `sweep`: the same for any cluster.toml and any prompt lengths.
 //! - `certs init`: write a cluster CA and a certificate per node for mutual TLS.
+//! - `gpus`: list AMD GPUs and their telemetry (amdgpu sysfs).
 //! - `plan`: pair two legs' block lists from a JSON scenario and print the READ pairs.
 
 use std::process::ExitCode;
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod certs_cmd;
+mod gpus_cmd;
 mod plan_cmd;
 mod sweep_cmd;
 
@@ -32,6 +34,8 @@ enum Command {
     /// Manage the cluster's mutual-TLS certificates.
     #[command(subcommand)]
     Certs(certs_cmd::CertsCommand),
+    /// List AMD GPUs and their telemetry (read from amdgpu sysfs).
+    Gpus(gpus_cmd::GpusArgs),
     /// Pair a prefill leg's and a decode leg's block lists from a JSON scenario.
     Plan(plan_cmd::PlanArgs),
 }
@@ -42,6 +46,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Certs(command) => certs_cmd::run(command),
+        Command::Gpus(args) => gpus_cmd::run(args),
         Command::Demo(args) => sweep_cmd::run(args, Some(pdkv_actors::sweep::demo_lengths())),
         Command::Sweep(args) => sweep_cmd::run(args, None),
     };

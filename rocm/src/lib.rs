@@ -1,1 +1,287 @@
-//! placeholder
+//! pdkv-rocm: AMD GPU discovery and telemetry.
+//!
+//! The default source is the amdgpu driver's sysfs files, the same data rocm-smi reads, so pdkv
+//! needs no ROCm install to see GPUs: `/sys/class/drm/card<N>/device` with PCI vendor `0x1002`,
+//! its `mem_info_vram_{total,used}`, `gpu_busy_percent`, `mem_busy_percent` and the hwmon
+//! temperature and power files. [`Sysfs`] takes the sysfs root as a parameter so tests (and
+//! containers with a bind-mounted sysfs) can point it elsewhere.
+//!
+//! A machine with no AMD GPU (or no `/sys/class/drm` at all) has zero GPUs: that is an answer,
+//! not an error. A file that exists but holds garbage is an error naming the file.
+//!
+//! Non-goals: setting clocks or power, anything that needs root.
+#![warn(missing_docs)]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+/// PCI vendor id of AMD.
+pub const AMD_PCI_VENDOR: u16 = 0x1002;
+
+/// One AMD GPU as the driver exposes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Gpu {
+    /// DRM card name, e.g. `card1`.
+    pub card: String,
+    /// PCI slot, e.g. `0000:c1:00.0`, from the device's `uevent`.
+    pub pci_slot: Option<String>,
+    /// PCI device id (e.g. `0x74a1` for MI300X).
+    pub device_id: u16,
+    /// Total VRAM in bytes, if the driver reports it.
+    pub vram_total_bytes: Option<u64>,
+    /// The sysfs device directory (telemetry is read from here).
+    pub device_dir: PathBuf,
+}
+
+/// A GPU's live readings; a field the driver does not expose is `None`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct Telemetry {
+    /// VRAM in use, bytes.
+    pub vram_used_bytes: Option<u64>,
+    /// VRAM in all, bytes.
+    pub vram_total_bytes: Option<u64>,
+    /// Graphics engine busy, percent.
+    pub gpu_busy_percent: Option<u8>,
+    /// Memory controller busy, percent.
+    pub mem_busy_percent: Option<u8>,
+    /// Edge temperature, °C.
+    pub temperature_edge_celsius: Option<f64>,
+    /// Junction (hotspot) temperature, °C.
+    pub temperature_junction_celsius: Option<f64>,
+    /// Memory temperature, °C.
+    pub temperature_mem_celsius: Option<f64>,
+    /// Average board power, W.
+    pub power_average_watts: Option<f64>,
+}
+
+/// amdgpu's sysfs, rooted at `root` (normally `/sys`).
+#[derive(Debug, Clone)]
+pub struct Sysfs {
+    root: PathBuf,
+}
+
+impl Sysfs {
+    /// The machine's own sysfs.
+    pub fn system() -> Self {
+        Sysfs::new("/sys")
+    }
+
+    /// A sysfs tree rooted elsewhere.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Sysfs { root: root.into() }
+    }
+
+    /// Every AMD GPU, ordered by card number.
+    pub fn discover(&self) -> Result<Vec<Gpu>, RocmError> {
+        let drm = self.root.join("class/drm");
+        let entries = match fs::read_dir(&drm) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(error) => return Err(RocmError::Io(drm, error.to_string())),
+        };
+        let mut gpus = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|error| RocmError::Io(drm.clone(), error.to_string()))?;
+            let card = entry.file_name().to_string_lossy().into_owned();
+            // `card0` is a GPU; `card0-DP-1` is one of its connectors; `renderD128` a render node.
+            let Some(number) = card
+                .strip_prefix("card")
+                .filter(|n| n.chars().all(|c| c.is_ascii_digit()) && !n.is_empty())
+            else {
+                continue;
+            };
+            let number: u32 = number
+                .parse()
+                .map_err(|_| RocmError::Parse(entry.path(), card.clone()))?;
+            let device_dir = entry.path().join("device");
+            let Some(vendor) = read_optional(&device_dir.join("vendor"))? else {
+                continue;
+            };
+            if parse_hex_u16(&device_dir.join("vendor"), &vendor)? != AMD_PCI_VENDOR {
+                continue;
+            }
+            let device_id = match read_optional(&device_dir.join("device"))? {
+                Some(text) => parse_hex_u16(&device_dir.join("device"), &text)?,
+                None => 0,
+            };
+            let pci_slot = read_optional(&device_dir.join("uevent"))?.and_then(|uevent| {
+                uevent
+                    .lines()
+                    .find_map(|line| line.strip_prefix("PCI_SLOT_NAME=").map(str::to_string))
+            });
+            let vram_total_bytes = read_number(&device_dir.join("mem_info_vram_total"))?;
+            gpus.push((
+                number,
+                Gpu {
+                    card,
+                    pci_slot,
+                    device_id,
+                    vram_total_bytes,
+                    device_dir,
+                },
+            ));
+        }
+        gpus.sort_by_key(|(number, _)| *number);
+        Ok(gpus.into_iter().map(|(_, gpu)| gpu).collect())
+    }
+
+    /// Reads a GPU's live telemetry.
+    pub fn telemetry(&self, gpu: &Gpu) -> Result<Telemetry, RocmError> {
+        let device = &gpu.device_dir;
+        let percent = |file: &str| -> Result<Option<u8>, RocmError> {
+            read_number(&device.join(file))?
+                .map(|value| {
+                    u8::try_from(value.min(100))
+                        .map_err(|_| RocmError::Parse(device.join(file), value.to_string()))
+                })
+                .transpose()
+        };
+        let mut telemetry = Telemetry {
+            vram_used_bytes: read_number(&device.join("mem_info_vram_used"))?,
+            vram_total_bytes: read_number(&device.join("mem_info_vram_total"))?,
+            gpu_busy_percent: percent("gpu_busy_percent")?,
+            mem_busy_percent: percent("mem_busy_percent")?,
+            ..Telemetry::default()
+        };
+        let hwmon_root = device.join("hwmon");
+        if let Ok(entries) = fs::read_dir(&hwmon_root) {
+            let mut hwmons: Vec<PathBuf> = entries
+                .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+                .collect();
+            hwmons.sort();
+            if let Some(hwmon) = hwmons.first() {
+                for index in 1..=3 {
+                    let Some(millidegrees) = read_number(&hwmon.join(format!("temp{index}_input")))? else {
+                        continue;
+                    };
+                    let celsius = Some(millidegrees as f64 / 1000.0);
+                    let label = read_optional(&hwmon.join(format!("temp{index}_label")))?;
+                    match label.as_deref().map(str::trim) {
+                        Some("junction") => telemetry.temperature_junction_celsius = celsius,
+                        Some("mem") => telemetry.temperature_mem_celsius = celsius,
+                        _ => telemetry.temperature_edge_celsius = celsius,
+                    }
+                }
+                telemetry.power_average_watts =
+                    read_number(&hwmon.join("power1_average"))?.map(|microwatts| microwatts as f64 / 1e6);
+            }
+        }
+        Ok(telemetry)
+    }
+}
+
+fn read_optional(path: &Path) -> Result<Option<String>, RocmError> {
+    match fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text)),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(RocmError::Io(path.to_path_buf(), error.to_string())),
+    }
+}
+
+fn read_number(path: &Path) -> Result<Option<u64>, RocmError> {
+    read_optional(path)?
+        .map(|text| {
+            text.trim()
+                .parse::<u64>()
+                .map_err(|_| RocmError::Parse(path.to_path_buf(), text.trim().to_string()))
+        })
+        .transpose()
+}
+
+fn parse_hex_u16(path: &Path, text: &str) -> Result<u16, RocmError> {
+    let trimmed = text.trim();
+    u16::from_str_radix(trimmed.trim_start_matches("0x"), 16)
+        .map_err(|_| RocmError::Parse(path.to_path_buf(), trimmed.to_string()))
+}
+
+/// Why GPU discovery or telemetry failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RocmError {
+    /// A sysfs file or directory could not be read.
+    #[error("cannot read {path}: {detail}", path = .0.display(), detail = .1)]
+    Io(PathBuf, String),
+    /// A sysfs file holds something the driver never writes there.
+    #[error("{path}: unexpected value {value:?}", path = .0.display(), value = .1)]
+    Parse(PathBuf, String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake sysfs with an MI300X-like GPU, an Intel GPU, a connector and a render node.
+    fn fake_sysfs() -> PathBuf {
+        let root = std::env::temp_dir().join(format!(
+            "pdkv-rocm-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = fs::remove_dir_all(&root);
+        let write = |path: &str, text: &str| {
+            let path = root.join(path);
+            fs::create_dir_all(path.parent().unwrap()).unwrap();
+            fs::write(path, text).unwrap();
+        };
+        write("class/drm/card1/device/vendor", "0x1002\n");
+        write("class/drm/card1/device/device", "0x74a1\n");
+        write(
+            "class/drm/card1/device/uevent",
+            "DRIVER=amdgpu\nPCI_SLOT_NAME=0000:c1:00.0\n",
+        );
+        write("class/drm/card1/device/mem_info_vram_total", "206141652992\n");
+        write("class/drm/card1/device/mem_info_vram_used", "1073741824\n");
+        write("class/drm/card1/device/gpu_busy_percent", "37\n");
+        write("class/drm/card1/device/hwmon/hwmon4/temp1_input", "41000\n");
+        write("class/drm/card1/device/hwmon/hwmon4/temp1_label", "edge\n");
+        write("class/drm/card1/device/hwmon/hwmon4/temp2_input", "52500\n");
+        write("class/drm/card1/device/hwmon/hwmon4/temp2_label", "junction\n");
+        write(
+            "class/drm/card1/device/hwmon/hwmon4/power1_average",
+            "156000000\n",
+        );
+        write("class/drm/card0/device/vendor", "0x8086\n");
+        write("class/drm/card1-DP-1/status", "disconnected\n");
+        write("class/drm/renderD128/dev", "226:128\n");
+        root
+    }
+
+    #[test]
+    fn discovers_amd_gpus_only_and_reads_their_telemetry() {
+        let root = fake_sysfs();
+        let sysfs = Sysfs::new(&root);
+        let gpus = sysfs.discover().unwrap();
+        assert_eq!(gpus.len(), 1);
+        let gpu = &gpus[0];
+        assert_eq!((gpu.card.as_str(), gpu.device_id), ("card1", 0x74a1));
+        assert_eq!(gpu.pci_slot.as_deref(), Some("0000:c1:00.0"));
+        assert_eq!(gpu.vram_total_bytes, Some(206_141_652_992));
+        let telemetry = sysfs.telemetry(gpu).unwrap();
+        assert_eq!(telemetry.vram_used_bytes, Some(1 << 30));
+        assert_eq!(telemetry.gpu_busy_percent, Some(37));
+        assert_eq!(telemetry.mem_busy_percent, None);
+        assert_eq!(telemetry.temperature_edge_celsius, Some(41.0));
+        assert_eq!(telemetry.temperature_junction_celsius, Some(52.5));
+        assert_eq!(telemetry.power_average_watts, Some(156.0));
+        fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn no_drm_directory_means_no_gpus() {
+        let sysfs = Sysfs::new("/nonexistent/pdkv/sysfs");
+        assert_eq!(sysfs.discover().unwrap(), vec![]);
+    }
+
+    #[test]
+    fn garbage_in_a_driver_file_names_the_file() {
+        let root = fake_sysfs();
+        fs::write(root.join("class/drm/card1/device/mem_info_vram_total"), "lots\n").unwrap();
+        let error = Sysfs::new(&root).discover().unwrap_err().to_string();
+        assert!(
+            error.ends_with("card1/device/mem_info_vram_total: unexpected value \"lots\""),
+            "{error}"
+        );
+        fs::remove_dir_all(root).unwrap();
+    }
+}
