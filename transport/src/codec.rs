@@ -63,16 +63,20 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
     Ok(value)
 }
 
+/// Prefixes `payload` with its length, ready to write.
+pub fn frame(payload: &[u8]) -> Vec<u8> {
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
 /// Writes one frame holding `value`.
 pub async fn write_message<W: AsyncWrite + Unpin, T: Serialize>(
     writer: &mut W,
     value: &T,
 ) -> Result<(), CodecError> {
-    let payload = encode(value)?;
-    let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&payload);
-    writer.write_all(&frame).await.map_err(io)
+    writer.write_all(&frame(&encode(value)?)).await.map_err(io)
 }
 
 /// Reads one frame of at most `max` payload bytes and decodes it.

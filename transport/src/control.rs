@@ -481,22 +481,7 @@ impl PeerConnection {
 
     /// Sends raw bytes as one request frame (tests prove garbage closes the connection).
     pub async fn send_raw(&self, payload: &[u8], timeout: Duration) -> Result<Vec<u8>, ControlError> {
-        tokio::time::timeout(timeout, async {
-            let (mut send, mut recv) = self
-                .connection
-                .open_bi()
-                .await
-                .map_err(|error| ControlError::Closed(error.to_string()))?;
-            let mut frame = (payload.len() as u32).to_le_bytes().to_vec();
-            frame.extend_from_slice(payload);
-            tokio::io::AsyncWriteExt::write_all(&mut send, &frame)
-                .await
-                .map_err(|error| ControlError::Closed(error.to_string()))?;
-            let _ = send.finish();
-            Ok(codec::read_frame(&mut recv, MAX_FRAME_BYTES).await?)
-        })
-        .await
-        .map_err(|_| ControlError::Timeout("raw request"))?
+        self.round_trip(payload, timeout, "raw request").await
     }
 
     /// Whether the connection is still open.
@@ -514,18 +499,33 @@ impl PeerConnection {
         frame: Frame<R>,
         timeout: Duration,
     ) -> Result<Reply<S>, ControlError> {
+        let reply = self
+            .round_trip(&codec::encode(&frame)?, timeout, "request")
+            .await?;
+        Ok(codec::decode(&reply)?)
+    }
+
+    /// One stream: a frame holding `payload` out, one frame back, within `timeout`.
+    async fn round_trip(
+        &self,
+        payload: &[u8],
+        timeout: Duration,
+        what: &'static str,
+    ) -> Result<Vec<u8>, ControlError> {
         tokio::time::timeout(timeout, async {
             let (mut send, mut recv) = self
                 .connection
                 .open_bi()
                 .await
                 .map_err(|error| ControlError::Closed(error.to_string()))?;
-            codec::write_message(&mut send, &frame).await?;
+            tokio::io::AsyncWriteExt::write_all(&mut send, &codec::frame(payload))
+                .await
+                .map_err(|error| ControlError::Closed(error.to_string()))?;
             let _ = send.finish();
-            Ok(codec::read_message::<_, Reply<S>>(&mut recv, MAX_FRAME_BYTES).await?)
+            Ok(codec::read_frame(&mut recv, MAX_FRAME_BYTES).await?)
         })
         .await
-        .map_err(|_| ControlError::Timeout("request"))?
+        .map_err(|_| ControlError::Timeout(what))?
     }
 }
 

@@ -11,9 +11,10 @@
 //! with [`ReadEngine::read_remote_words`] after the data, so a READ that raced a free-and-reuse is
 //! caught (seqlock style) rather than returned as good.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use pdkv_core::plan::ReadRun;
@@ -199,6 +200,34 @@ impl ReadHandle {
             }
             std::thread::sleep(Duration::from_micros(50));
         }
+    }
+}
+
+/// The regions an engine registered, by id: what every engine keeps on its own side.
+#[derive(Debug, Default)]
+pub struct LocalRegions {
+    regions: Mutex<HashMap<u32, Arc<Region>>>,
+}
+
+impl LocalRegions {
+    /// Registers `region` under `region_id`; an id is registered once.
+    pub fn insert(&self, region_id: u32, region: Arc<Region>) -> Result<(), EngineError> {
+        let mut regions = self.regions.lock().unwrap_or_else(PoisonError::into_inner);
+        if regions.contains_key(&region_id) {
+            return Err(EngineError::DuplicateRegion(region_id));
+        }
+        regions.insert(region_id, region);
+        Ok(())
+    }
+
+    /// The region registered under `region_id`.
+    pub fn get(&self, region_id: u32) -> Result<Arc<Region>, EngineError> {
+        self.regions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&region_id)
+            .cloned()
+            .ok_or(EngineError::UnknownLocalRegion(region_id))
     }
 }
 

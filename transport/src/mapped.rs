@@ -23,8 +23,8 @@ use pdkv_core::wire::GrantId;
 
 use crate::copy::{CopyJob, CopyWorker, INLINE_READ_BYTES};
 use crate::engine::{
-    EngineDescriptor, EngineError, EngineKey, EngineKind, MemoryDescriptor, ReadEngine, ReadHandle, ReadOp,
-    ReadReport, RegionHandle, WordsFuture,
+    EngineDescriptor, EngineError, EngineKey, EngineKind, LocalRegions, MemoryDescriptor, ReadEngine,
+    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture,
 };
 use crate::region::{Region, RegionError};
 
@@ -56,7 +56,7 @@ pub struct MappedEngine {
     kind: EngineKind,
     /// In-process engines only.
     fabric: Option<LocalFabric>,
-    local: Mutex<HashMap<u32, Arc<Region>>>,
+    local: LocalRegions,
     remote: Mutex<RegionMap>,
     fail_after_bytes: AtomicU64,
     worker: CopyWorker,
@@ -83,7 +83,7 @@ impl MappedEngine {
             key,
             kind,
             fabric,
-            local: Mutex::new(HashMap::new()),
+            local: LocalRegions::default(),
             remote: Mutex::new(HashMap::new()),
             fail_after_bytes: AtomicU64::new(NO_FAULT),
             worker,
@@ -177,12 +177,8 @@ impl ReadEngine for MappedEngine {
                 )));
             }
         };
-        let mut local = self.local.lock().unwrap_or_else(PoisonError::into_inner);
-        if local.contains_key(&region_id) {
-            return Err(EngineError::DuplicateRegion(region_id));
-        }
         let len_bytes = region.len() as u64;
-        local.insert(region_id, region.clone());
+        self.local.insert(region_id, region.clone())?;
         if let Some(fabric) = &self.fabric {
             fabric
                 .regions
@@ -235,13 +231,7 @@ impl ReadEngine for MappedEngine {
         let mut batches = Vec::with_capacity(ops.len());
         let mut total = 0u64;
         for op in ops {
-            let local = self
-                .local
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get(&op.local_region)
-                .cloned()
-                .ok_or(EngineError::UnknownLocalRegion(op.local_region))?;
+            let local = self.local.get(op.local_region)?;
             let remote = self.remote_region(&op.remote_engine, op.remote_region)?;
             check_runs(&op, &local, &remote)?;
             total += op.runs.iter().map(|run| run.len_bytes).sum::<u64>();

@@ -29,8 +29,8 @@ use tokio::sync::Semaphore;
 
 use crate::codec::{self, PROTOCOL_VERSION};
 use crate::engine::{
-    EngineDescriptor, EngineError, EngineKey, EngineKind, MemoryDescriptor, ReadEngine, ReadHandle, ReadOp,
-    ReadReport, RegionHandle, WordsFuture,
+    EngineDescriptor, EngineError, EngineKey, EngineKind, LocalRegions, MemoryDescriptor, ReadEngine,
+    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture,
 };
 use crate::region::Region;
 
@@ -496,7 +496,7 @@ struct RemoteEngine {
 pub struct NetEngine {
     key: EngineKey,
     runtime: tokio::runtime::Handle,
-    local: Mutex<HashMap<u32, Arc<Region>>>,
+    local: LocalRegions,
     remotes: Mutex<HashMap<EngineKey, RemoteEngine>>,
     /// The memory server address this engine advertises (prefill legs), empty otherwise.
     address: String,
@@ -517,7 +517,7 @@ impl NetEngine {
         NetEngine {
             key,
             runtime,
-            local: Mutex::new(HashMap::new()),
+            local: LocalRegions::default(),
             remotes: Mutex::new(HashMap::new()),
             address,
         }
@@ -607,12 +607,8 @@ impl ReadEngine for NetEngine {
     }
 
     fn register(&self, region_id: u32, region: Arc<Region>) -> Result<MemoryDescriptor, EngineError> {
-        let mut local = self.local.lock().unwrap_or_else(PoisonError::into_inner);
-        if local.contains_key(&region_id) {
-            return Err(EngineError::DuplicateRegion(region_id));
-        }
         let len_bytes = region.len() as u64;
-        local.insert(region_id, region);
+        self.local.insert(region_id, region)?;
         Ok(MemoryDescriptor {
             engine: self.key.clone(),
             region: region_id,
@@ -660,13 +656,7 @@ impl ReadEngine for NetEngine {
     fn batch_read(&self, ops: Vec<ReadOp>) -> Result<ReadHandle, EngineError> {
         let mut prepared = Vec::with_capacity(ops.len());
         for op in ops {
-            let local = self
-                .local
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get(&op.local_region)
-                .cloned()
-                .ok_or(EngineError::UnknownLocalRegion(op.local_region))?;
+            let local = self.local.get(op.local_region)?;
             let remote_len = self
                 .remotes
                 .lock()

@@ -202,6 +202,30 @@ fn is_zero(region: &Region, block: u32) -> bool {
     bytes.iter().all(|&byte| byte == 0)
 }
 
+/// Reads blocks 3..6 of every layer through `engine`: the peer's bytes land at the same offsets,
+/// the guard blocks around them stay zero, and the generation words match the grant's.
+fn moves_blocks_3_to_5(
+    decode: &Decode,
+    engine: &dyn ReadEngine,
+    destination: &Region,
+    grant: GrantId,
+    generations: &[u32],
+) {
+    for layer in 0..LAYERS as u32 {
+        assert_eq!(read_blocks(engine, grant, layer, 3, 3).unwrap(), 3 * BLOCK_BYTES);
+        assert_holds_pattern(destination, layer as usize, 3, 3);
+    }
+    assert!(
+        is_zero(destination, 2) && is_zero(destination, 6),
+        "guard blocks untouched"
+    );
+    let words = decode
+        .runtime
+        .block_on(engine.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[3, 4, 5]))
+        .unwrap();
+    assert_eq!(words, generations);
+}
+
 #[test]
 fn nodes_authenticate_and_move_kv_with_shm_and_net_engines() {
     let peer = Peer::spawn("move");
@@ -219,35 +243,11 @@ fn nodes_authenticate_and_move_kv_with_shm_and_net_engines() {
     let advert = decode.advert(EngineKind::Shm);
     assert_ne!(advert.engine.pid, std::process::id(), "a second process");
     shm.register_remote(&advert.engine, &advert.regions).unwrap();
-    for layer in 0..LAYERS as u32 {
-        assert_eq!(read_blocks(&shm, grant, layer, 3, 3).unwrap(), 3 * BLOCK_BYTES);
-        assert_holds_pattern(&destination, layer as usize, 3, 3);
-    }
-    assert!(
-        is_zero(&destination, 2) && is_zero(&destination, 6),
-        "guard blocks untouched"
-    );
-    let words = decode
-        .runtime
-        .block_on(shm.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[3, 4, 5]))
-        .unwrap();
-    assert_eq!(words, generations);
+    moves_blocks_3_to_5(&decode, &shm, &destination, grant, &generations);
 
     // Network: a ticket from the control plane opens the data connection.
     let (net, destination) = decode.net_engine();
-    for layer in 0..LAYERS as u32 {
-        assert_eq!(read_blocks(&net, grant, layer, 3, 3).unwrap(), 3 * BLOCK_BYTES);
-        assert_holds_pattern(&destination, layer as usize, 3, 3);
-    }
-    assert!(
-        is_zero(&destination, 2) && is_zero(&destination, 6),
-        "guard blocks untouched"
-    );
-    let words = decode
-        .runtime
-        .block_on(net.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[3, 4, 5]))
-        .unwrap();
-    assert_eq!(words, generations);
+    moves_blocks_3_to_5(&decode, &net, &destination, grant, &generations);
 }
 
 #[test]
