@@ -26,7 +26,7 @@ use crate::engine::{LegMemory, Model};
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
 use crate::router::{Generate, GenerateDirect, Router};
-use crate::scheduler::{LegContext, Output, Scheduler};
+use crate::scheduler::{GrantPeer, LegContext, Output, Scheduler};
 use crate::transfer::TransferActor;
 
 /// Handles to one running leg.
@@ -139,22 +139,26 @@ impl LocalCluster {
                 )
             });
             let mut transfer = None;
-            let mut grant_release = HashMap::new();
+            let mut grant_peers = HashMap::new();
             if leg.node.role == Role::Decode {
                 for prefill in built.iter().filter(|other| other.node.role == Role::Prefill) {
                     leg.engine
                         .register_remote(&prefill.engine.descriptor(), &prefill.descriptors)?;
-                    grant_release.insert(prefill.node.name.clone(), prefill.allocator.clone().recipient());
+                    grant_peers.insert(
+                        prefill.node.name.clone(),
+                        GrantPeer {
+                            release: prefill.allocator.clone().recipient(),
+                            renew: prefill.allocator.clone().recipient(),
+                        },
+                    );
                 }
-                let transfer_arbiter = Arbiter::new();
                 let engine: Arc<dyn ReadEngine> = leg.engine.clone();
                 let generation_base = leg.memory.generation_region_id(0);
                 let read_timeout = Duration::from_millis(limits.request_timeout_ms);
                 transfer = Some(TransferActor::start_in_arbiter(
-                    &transfer_arbiter.handle(),
+                    &leg.arbiter.handle(),
                     move |_| TransferActor::new(engine, generation_base, read_timeout, limits.mailbox),
                 ));
-                arbiters.push(transfer_arbiter);
             }
             let context = Arc::new(LegContext {
                 node: leg.node.name.clone(),
@@ -166,7 +170,7 @@ impl LocalCluster {
                 allocator: leg.allocator.clone(),
                 exchange,
                 transfer,
-                grant_release,
+                grant_peers,
                 freed: leg.freed.clone(),
                 waiting: AtomicUsize::new(0),
             });

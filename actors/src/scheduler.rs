@@ -25,7 +25,9 @@ use pdkv_core::wire::{KvParams, NodeId, RequestId};
 use pdkv_transport::engine::EngineKey;
 use tokio::sync::Notify;
 
-use crate::allocator::{Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseGrant, ReleaseWindow};
+use crate::allocator::{
+    Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseGrant, ReleaseWindow, RenewGrant,
+};
 use crate::config::{Limits, Role};
 use crate::engine::{LegMemory, LogitsDigest, Model, argmax};
 use crate::error::{RequestError, ask};
@@ -49,6 +51,15 @@ pub struct Output {
     pub cached_blocks: u64,
 }
 
+/// How a decode leg reaches a prefill leg's grants.
+#[derive(Clone)]
+pub struct GrantPeer {
+    /// Ends a grant once the READ is over.
+    pub release: Recipient<ReleaseGrant>,
+    /// Extends a grant's lease while the decode leg waits.
+    pub renew: Recipient<RenewGrant>,
+}
+
 /// Everything a leg's request futures need; immutable once built.
 pub struct LegContext {
     /// Leg name (also its READ engine key).
@@ -69,8 +80,8 @@ pub struct LegContext {
     pub exchange: Addr<ExchangeActor>,
     /// The transfer actor (decode legs).
     pub transfer: Option<Addr<TransferActor>>,
-    /// Where to release grants, per prefill leg (decode legs).
-    pub grant_release: HashMap<NodeId, Recipient<ReleaseGrant>>,
+    /// Where to renew and release grants, per prefill leg (decode legs).
+    pub grant_peers: HashMap<NodeId, GrantPeer>,
     /// Woken when the allocator frees blocks.
     pub freed: Arc<Notify>,
     /// Requests now waiting for blocks (bounded by `limits.wait_queue`).
@@ -231,6 +242,7 @@ impl LegContext {
         let request = params.request;
         let prompt: Arc<[u32]> = params.prompt.clone().into();
         let num_tokens = prompt.len() as u64;
+        let renewal = self.keep_lease_alive(params);
         let read = async {
             if num_tokens == 0 {
                 return Err(RequestError::EmptyPrompt);
@@ -255,6 +267,9 @@ impl LegContext {
         .await;
         // Whatever happened, the READ is over: let the prefill leg unpin now, not at lease end.
         // The release travels on its own while this leg decodes.
+        if let Some(renewal) = renewal {
+            renewal.abort();
+        }
         self.release_grant(params);
         let (allocation, read) = read?;
         let report = match read {
@@ -311,10 +326,42 @@ impl LegContext {
         ask(transfer, read, "transfer").await?
     }
 
+    /// Renews the grant every third of its lease until aborted, so a decode leg that waits
+    /// (for blocks, for its READ) does not lose the KV it is about to read.
+    fn keep_lease_alive(&self, params: &KvParams) -> Option<tokio::task::JoinHandle<()>> {
+        let peer = self.grant_peers.get(&params.prefill_node)?.renew.clone();
+        let period = std::time::Duration::from_millis((params.lease_ms / 3).max(1));
+        let (grant, node, request) = (params.grant, self.node.clone(), params.request);
+        Some(actix::spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                let renew = RenewGrant {
+                    grant,
+                    peer: node.clone(),
+                };
+                match peer.send(renew).await {
+                    Ok(Ok(_)) => tracing::trace!(%node, %request, "lease renewed"),
+                    Ok(Err(error)) => {
+                        tracing::warn!(%node, %request, %error, "lease renewal refused");
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%node, %request, %error, "lease renewal not delivered");
+                        return;
+                    }
+                }
+            }
+        }))
+    }
+
     /// Sends the grant's release without waiting for it; the prefill leg's bounded mailbox
     /// applies backpressure to the spawned send, and a lost release is covered by the lease.
     fn release_grant(&self, params: &KvParams) {
-        let Some(recipient) = self.grant_release.get(&params.prefill_node).cloned() else {
+        let Some(recipient) = self
+            .grant_peers
+            .get(&params.prefill_node)
+            .map(|peer| peer.release.clone())
+        else {
             tracing::error!(node = %self.node, prefill = %params.prefill_node, "no route to release a grant");
             return;
         };

@@ -326,3 +326,51 @@ async fn a_read_after_the_lease_lapsed_fails_closed() {
     assert_idle(&cluster).await;
     cluster.shutdown();
 }
+
+/// A decode leg that waits for blocks several leases long renews the grant meanwhile, so the
+/// prefill leg keeps the KV and the request still decodes correctly.
+#[actix_rt::test]
+async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant() {
+    let lease_ms = 60;
+    let lease_edit = format!("lease_ms = {lease_ms}");
+    let cluster = LocalCluster::start(config(&[("lease_ms = 10000", &lease_edit)])).unwrap();
+    let decode = cluster.leg("decode-0").unwrap();
+    let hog = Allocate {
+        request: RequestId(1_000_000),
+        prompt: Arc::from(vec![0u32; 64 * 64]),
+        slots: 64 * 64,
+        attending_token: None,
+    };
+    decode.allocator.send(hog).await.unwrap().unwrap();
+    let prompt = prompt_tokens(4, 300, 256);
+    let pending = cluster.router().send(Generate {
+        prompt: prompt.clone().into(),
+        max_tokens: 3,
+    });
+    // The scenario is the passing of time: five leases while the decode leg waits for blocks.
+    tokio::time::sleep(Duration::from_millis(5 * lease_ms)).await;
+    let prefill = cluster
+        .leg("prefill-0")
+        .unwrap()
+        .allocator
+        .send(Stats)
+        .await
+        .unwrap();
+    assert_eq!(
+        prefill.grants, 1,
+        "the grant outlived five leases through renewals"
+    );
+    let finish = Finish {
+        request: RequestId(1_000_000),
+        cache_prompt: None,
+    };
+    decode.allocator.send(finish).await.unwrap().unwrap();
+    let pd = pending.await.unwrap().unwrap();
+    let direct = cluster.direct(prompt, 3, None).await.unwrap();
+    assert_eq!(
+        (pd.tokens, pd.logits_digest),
+        (direct.tokens, direct.logits_digest)
+    );
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
