@@ -7,8 +7,9 @@
 //! the engine's share small. The same requests are then computed by the engine alone (prefill
 //! leg: 32 steps; decode leg: 2 steps; no actors, no READ), and the overhead is the difference
 //! of the medians. As a baseline from the same run, a bare actix `send().await` round trip to an
-//! actor on another arbiter shows what one cross-thread hop costs on this machine; a P/D request
-//! makes two (router to prefill leg and back, router to decode leg and back).
+//! actor on another arbiter shows what one cross-thread hop costs on this machine, back to back
+//! and to a thread that has been idle (parked) for 300 µs; a P/D request makes two such round
+//! trips (router to prefill leg and back, router to decode leg and back), each to an idle thread.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -136,14 +137,25 @@ fn main() {
         let arbiter = actix::Arbiter::new();
         let echo = <Echo as actix::Actor>::start_in_arbiter(&arbiter.handle(), |_| Echo);
         let mut pings = Vec::with_capacity(requests);
+        let mut idle_pings = Vec::with_capacity(requests / 4);
         for i in 0..requests as u64 {
             let sent = Instant::now();
             echo.send(Ping(i)).await.unwrap();
             pings.push(sent.elapsed());
         }
+        // The same round trip after the echo thread has been idle long enough to park, as a
+        // leg's thread is while the other leg computes.
+        for i in 0..requests as u64 / 4 {
+            std::thread::sleep(Duration::from_micros(300));
+            let sent = Instant::now();
+            echo.send(Ping(i)).await.unwrap();
+            idle_pings.push(sent.elapsed());
+        }
         arbiter.stop();
         pings.sort();
+        idle_pings.sort();
         let ping_p50 = percentile(&pings, 0.5);
+        let idle_ping_p50 = percentile(&idle_pings, 0.5);
 
         let memory = LegMemory::heap(&model, &[4, 4]);
         let mut engine: Vec<Duration> = prompts
@@ -173,9 +185,10 @@ fn main() {
             micros(overhead)
         );
         println!(
-            "  baseline: cross-arbiter send().await round trip p50 {:>6.1} us; overhead = {:.1} round trips",
+            "  baseline: cross-arbiter send().await round trip p50 {:>6.1} us back to back, {:>6.1} us to an idle thread; overhead = {:.1} idle round trips",
             micros(ping_p50),
-            overhead.as_secs_f64() / ping_p50.as_secs_f64()
+            micros(idle_ping_p50),
+            overhead.as_secs_f64() / idle_ping_p50.as_secs_f64()
         );
     });
 }
