@@ -26,8 +26,8 @@ pub struct SweepArgs {
     /// Override `[exchange] pairing` (`anchored` or `legacy`).
     #[arg(long)]
     pub pairing: Option<PairingModeArg>,
-    /// Tokens to generate per request.
-    #[arg(long, default_value_t = 4)]
+    /// Tokens to generate per request (1..=4096).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_tokens: u32,
     /// One JSON line per length, then a summary line.
     #[arg(long)]

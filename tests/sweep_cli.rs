@@ -79,6 +79,9 @@ fn bad_inputs_are_refused_with_the_key_named() {
     let (code, _, stderr) = pdkv(&["sweep"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("--lengths is required"), "{stderr}");
+    let (code, _, stderr) = pdkv(&["sweep", "--lengths", "5", "--max-tokens", "0"]);
+    assert_eq!(code, 2, "clap refuses the value");
+    assert!(stderr.contains("--max-tokens"), "{stderr}");
     let (code, _, stderr) = pdkv(&["demo", "--config", "does/not/exist.toml"]);
     assert_eq!(code, 1);
     assert!(

@@ -114,6 +114,9 @@ pub struct Limits {
     pub max_grants: usize,
     /// Actor mailbox capacity. Default 64.
     pub mailbox: usize,
+    /// Largest KV memory one leg may register (all layers' regions), in bytes; a node whose
+    /// `blocks_per_group` would need more is refused at load. Default 8 GiB.
+    pub max_leg_bytes: u64,
 }
 
 impl Default for Limits {
@@ -125,6 +128,7 @@ impl Default for Limits {
             wait_queue: 64,
             max_grants: 256,
             mailbox: 64,
+            max_leg_bytes: 8 << 30,
         }
     }
 }
@@ -214,6 +218,20 @@ impl ClusterConfig {
                 file.model.vocab
             )));
         }
+        let weights = reference_weight_count(
+            &layout,
+            u64::from(file.model.d_model),
+            u64::from(file.model.vocab),
+        );
+        if weights.is_none_or(|count| count > MAX_REFERENCE_WEIGHTS) {
+            return Err(ConfigError::Invalid(format!(
+                "model: d_model {} with vocab {} and {} layers needs more than the reference engine's {} weights",
+                file.model.d_model,
+                file.model.vocab,
+                layout.num_layers(),
+                MAX_REFERENCE_WEIGHTS
+            )));
+        }
         let limits = file.limits;
         for (key, value) in [
             ("request_timeout_ms", limits.request_timeout_ms),
@@ -222,10 +240,17 @@ impl ClusterConfig {
             ("wait_queue", limits.wait_queue as u64),
             ("max_grants", limits.max_grants as u64),
             ("mailbox", limits.mailbox as u64),
+            ("max_leg_bytes", limits.max_leg_bytes),
         ] {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!("limits.{key}: must be at least 1")));
             }
+        }
+        if file.nodes.len() > MAX_NODES {
+            return Err(ConfigError::Invalid(format!(
+                "nodes: {} nodes, at most {MAX_NODES} are supported (each runs its own threads)",
+                file.nodes.len()
+            )));
         }
         let mut names = HashSet::new();
         let mut nodes = Vec::with_capacity(file.nodes.len());
@@ -241,6 +266,17 @@ impl ClusterConfig {
                 return Err(ConfigError::Invalid(format!(
                     "nodes[{index}].name: duplicate node name {:?}",
                     node.name
+                )));
+            }
+            let leg_bytes = leg_kv_bytes(&layout, u64::from(file.model.d_model), node.blocks_per_group);
+            if leg_bytes.is_none_or(|bytes| bytes > limits.max_leg_bytes) {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].blocks_per_group: {} blocks per group need {} of KV memory, above limits.max_leg_bytes ({} bytes)",
+                    node.blocks_per_group,
+                    leg_bytes.map_or("more than 2^64 bytes".to_string(), |bytes| format!(
+                        "{bytes} bytes"
+                    )),
+                    limits.max_leg_bytes
                 )));
             }
             if node.blocks_per_group == 0 {
@@ -288,6 +324,39 @@ impl ClusterConfig {
     pub fn nodes_with_role(&self, role: Role) -> impl Iterator<Item = &NodeConfig> {
         self.nodes.iter().filter(move |node| node.role == role)
     }
+}
+
+/// Most nodes one cluster.toml may describe.
+const MAX_NODES: usize = 256;
+
+/// The reference engine's largest model: 256 Mi f32 weights (1 GiB).
+const MAX_REFERENCE_WEIGHTS: u64 = 256 << 20;
+
+/// Weights of the reference engine: embeddings and head (`vocab * d` each), four `d * d`
+/// matrices per attention layer, two (plus a vector) per mamba layer; `None` on overflow.
+fn reference_weight_count(layout: &KvLayout, d_model: u64, vocab: u64) -> Option<u64> {
+    let per_layer = d_model
+        .checked_mul(d_model)?
+        .checked_mul(4)?
+        .checked_add(d_model)?;
+    let layers = per_layer.checked_mul(layout.num_layers() as u64)?;
+    vocab.checked_mul(d_model)?.checked_mul(2)?.checked_add(layers)
+}
+
+/// KV bytes a leg registers: every layer's region of `blocks + 1` blocks (the same sizes as
+/// `engine::Model::bytes_per_block`), plus the generation tables; `None` on overflow.
+fn leg_kv_bytes(layout: &KvLayout, d_model: u64, blocks: u32) -> Option<u64> {
+    let blocks = u64::from(blocks) + 1;
+    let mut total = blocks.checked_mul(4)?.checked_mul(layout.groups().len() as u64)?;
+    for &group in layout.layer_groups() {
+        let spec = layout.groups()[group];
+        let block_bytes = match spec.kind() {
+            pdkv_core::layout::GroupKind::Mamba => d_model.checked_mul(4)?,
+            _ => spec.effective_block_size().checked_mul(d_model)?.checked_mul(8)?,
+        };
+        total = total.checked_add(blocks.checked_mul(block_bytes)?)?;
+    }
+    Some(total)
 }
 
 /// Whether `name` can be a DNS name in a certificate: dot-separated labels of 1..=63 letters,
@@ -383,6 +452,18 @@ mod tests {
             ),
             (with("d_model = 32", "d_model = -3"), "d_model"),
             (with("seed = 7\n", ""), "missing field `seed`"),
+            (
+                with("blocks_per_group = 64", "blocks_per_group = 4000000000"),
+                "nodes[0].blocks_per_group: 4000000000 blocks per group need",
+            ),
+            (
+                with("vocab = 256", "vocab = 4000000000"),
+                "needs more than the reference engine's",
+            ),
+            (
+                with("d_model = 32", "d_model = 4096"),
+                "needs more than the reference engine's",
+            ),
             (
                 with("name = \"decode-0\"", "name = \"decode 0\""),
                 "nodes[1].name: \"decode 0\" is not a valid node name",
