@@ -244,11 +244,13 @@ impl Allocator {
                 }
                 _ => 0,
             };
-            let hits = if self.prefix_caching && spec.kind() == GroupKind::Full {
+            let mut hits = if self.prefix_caching && spec.kind() == GroupKind::Full {
                 self.lookup_prefix(group, prompt)
             } else {
                 Vec::new()
             };
+            // A caller asking for fewer slots than the prompt holds gets no hits past them.
+            hits.truncate((len - nulls) as usize);
             let fresh = (len - nulls) as usize - hits.len();
             let evictable_hits = hits
                 .iter()
@@ -713,6 +715,17 @@ mod tests {
         assert!(allocator.poll_freed().iter().filter(|f| f.group == 0).count() == 4);
         allocator.finish(RequestId(2), None).unwrap();
         assert!(allocator.is_idle());
+    }
+
+    #[test]
+    fn fewer_slots_than_cached_prompt_blocks_is_not_an_underflow() {
+        let mut allocator = Allocator::new(&layout(), &[16, 16, 4], true).unwrap();
+        let prompt: Vec<u32> = (0..16).collect();
+        allocator.allocate(RequestId(1), &prompt, 16, None).unwrap();
+        allocator.finish(RequestId(1), Some(&prompt)).unwrap();
+        let allocation = allocator.allocate(RequestId(2), &prompt, 4, None).unwrap();
+        assert_eq!(allocation.blocks[0].len(), 1);
+        assert_eq!(allocation.cached_blocks[0], 1);
     }
 
     #[test]

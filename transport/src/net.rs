@@ -332,8 +332,14 @@ impl MemoryServer {
         let accept_task = runtime.spawn(async move {
             let slots = Arc::new(Semaphore::new(limits.max_connections));
             loop {
-                let Ok((stream, remote)) = listener.accept().await else {
-                    continue;
+                let (stream, remote) = match listener.accept().await {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        // Out of descriptors or similar: back off rather than spin.
+                        tracing::warn!(%error, "memory server accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
                 };
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
                     tracing::warn!(%remote, "memory server full, dropping data connection");
