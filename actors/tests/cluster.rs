@@ -44,6 +44,31 @@ async fn assert_idle(cluster: &LocalCluster) {
     assert!(stats.iter().all(|leg| leg.is_idle()), "blocks leaked: {stats:?}");
 }
 
+/// The request id a test uses to hold blocks outside any real request.
+const HOG: RequestId = RequestId(1_000_000);
+
+/// Takes every block of the shipped decode leg (64 per group) under [`HOG`], so requests wait.
+async fn hold_every_decode_block(cluster: &LocalCluster) {
+    let hog = Allocate {
+        request: HOG,
+        prompt: Arc::from(vec![0u32; 64 * 64]),
+        slots: 64 * 64,
+        attending_token: None,
+    };
+    let decode = cluster.leg("decode-0").unwrap();
+    decode.allocator.send(hog).await.unwrap().unwrap();
+}
+
+/// Gives back what [`hold_every_decode_block`] took.
+async fn release_decode_blocks(cluster: &LocalCluster) {
+    let finish = Finish {
+        request: HOG,
+        cache_prompt: None,
+    };
+    let decode = cluster.leg("decode-0").unwrap();
+    decode.allocator.send(finish).await.unwrap().unwrap();
+}
+
 #[actix_rt::test]
 async fn pd_equals_direct_for_every_tail_combination() {
     for (prefill, decode) in [(0, 0), (0, 9), (9, 0), (9, 9)] {
@@ -219,14 +244,7 @@ async fn waits_for_blocks_are_bounded_in_count_and_time() {
         ("wait_queue = 64", "wait_queue = 1"),
     ]))
     .unwrap();
-    let decode = cluster.leg("decode-0").unwrap();
-    let hog = Allocate {
-        request: RequestId(1_000_000),
-        prompt: Arc::from(vec![0u32; 64 * 64]),
-        slots: 64 * 64,
-        attending_token: None,
-    };
-    decode.allocator.send(hog).await.unwrap().unwrap();
+    hold_every_decode_block(&cluster).await;
     let pending: Vec<_> = (0..3)
         .map(|i| {
             cluster.router().send(Generate {
@@ -253,11 +271,7 @@ async fn waits_for_blocks_are_bounded_in_count_and_time() {
             .iter()
             .any(|error| error.to_string().starts_with("no free blocks within"))
     );
-    let finish = Finish {
-        request: RequestId(1_000_000),
-        cache_prompt: None,
-    };
-    decode.allocator.send(finish).await.unwrap().unwrap();
+    release_decode_blocks(&cluster).await;
     assert_idle(&cluster).await;
     assert!(sweep::compare(&cluster, 100, 2).await.matched);
     cluster.shutdown();
@@ -334,14 +348,7 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant() {
     let lease_ms = 60;
     let lease_edit = format!("lease_ms = {lease_ms}");
     let cluster = LocalCluster::start(config(&[("lease_ms = 10000", &lease_edit)])).unwrap();
-    let decode = cluster.leg("decode-0").unwrap();
-    let hog = Allocate {
-        request: RequestId(1_000_000),
-        prompt: Arc::from(vec![0u32; 64 * 64]),
-        slots: 64 * 64,
-        attending_token: None,
-    };
-    decode.allocator.send(hog).await.unwrap().unwrap();
+    hold_every_decode_block(&cluster).await;
     let prompt = prompt_tokens(4, 300, 256);
     let pending = cluster.router().send(Generate {
         prompt: prompt.clone().into(),
@@ -360,11 +367,7 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant() {
         prefill.grants, 1,
         "the grant outlived five leases through renewals"
     );
-    let finish = Finish {
-        request: RequestId(1_000_000),
-        cache_prompt: None,
-    };
-    decode.allocator.send(finish).await.unwrap().unwrap();
+    release_decode_blocks(&cluster).await;
     let pd = pending.await.unwrap().unwrap();
     let direct = cluster.direct(prompt, 3, None).await.unwrap();
     assert_eq!(
