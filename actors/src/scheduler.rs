@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr, Context, Handler, Message, Recipient, ResponseFuture};
-use pdkv_core::allocator::{AllocError, Allocation};
+use pdkv_core::allocator::{AllocError, Allocation, window_crosses_block};
 use pdkv_core::block::BlockId;
 use pdkv_core::layout::GroupKind;
 use pdkv_core::wire::{KvParams, NodeId, RequestId};
@@ -281,7 +281,14 @@ impl LegContext {
         };
         let slots = num_tokens + self.lookahead_tokens;
         let generated = self
-            .generate(request, &prompt, allocation.blocks.clone(), slots, max_tokens)
+            .generate(
+                request,
+                &prompt,
+                allocation.blocks.clone(),
+                slots,
+                max_tokens,
+                Some(num_tokens - 1),
+            )
             .await;
         match generated {
             Ok((tokens, digest)) => {
@@ -381,6 +388,8 @@ impl LegContext {
 
     /// Computes the last prompt token and `max_tokens - 1` more, greedily. `lists` cover `slots`
     /// slots; more blocks are taken as decoding passes them, window blocks freed as it moves.
+    /// `windows_released_for` is the attending token the window groups were last trimmed for
+    /// (`None`: never), so the allocator is asked only when a block falls out of a window.
     async fn generate(
         &self,
         request: RequestId,
@@ -388,6 +397,7 @@ impl LegContext {
         mut lists: Vec<Vec<BlockId>>,
         mut slots: u64,
         max_tokens: u32,
+        mut windows_released_for: Option<u64>,
     ) -> Result<(Vec<u32>, u64), RequestError> {
         let first_position = prompt.len() as u64 - 1;
         let mut token = prompt[prompt.len() - 1];
@@ -403,12 +413,16 @@ impl LegContext {
             digest.update(&logits);
             token = argmax(&logits);
             tokens.push(token);
-            if windows {
+            let attending_token = position + 1;
+            let moved = windows_released_for
+                .is_none_or(|from| window_crosses_block(self.model.layout(), from, attending_token));
+            if windows && moved {
                 let release = ReleaseWindow {
                     request,
-                    attending_token: position + 1,
+                    attending_token,
                 };
                 lists = ask(&self.allocator, release, "allocator").await??;
+                windows_released_for = Some(attending_token);
             }
         }
         Ok((tokens, digest.finish()))
@@ -432,8 +446,15 @@ impl LegContext {
                 self.model
                     .step(&self.memory, &allocation.blocks, position as u64, token, true)?;
             }
-            self.generate(request, &prompt, allocation.blocks.clone(), slots, max_tokens)
-                .await
+            self.generate(
+                request,
+                &prompt,
+                allocation.blocks.clone(),
+                slots,
+                max_tokens,
+                None,
+            )
+            .await
         }
         .await;
         self.finish(request, None).await;

@@ -506,6 +506,19 @@ pub fn window_floor(token: u64, window: u32) -> u64 {
     (token + 1).saturating_sub(u64::from(window))
 }
 
+/// Whether moving the attending token from `from` to `to` lets some window group of `layout`
+/// free a block (its window's oldest token crossed a block boundary). Lets a decode loop skip
+/// asking the allocator on steps where nothing would be freed.
+pub fn window_crosses_block(layout: &KvLayout, from: u64, to: u64) -> bool {
+    layout.groups().iter().any(|group| match group.kind() {
+        GroupKind::SlidingWindow { window } => {
+            let block_tokens = group.effective_block_size();
+            window_floor(to, window) / block_tokens > window_floor(from, window) / block_tokens
+        }
+        _ => false,
+    })
+}
+
 /// Chained hashes of the full `block_tokens`-sized blocks of `tokens`: hash `p` covers tokens
 /// `0 .. (p+1) * block_tokens`.
 pub fn prefix_hashes(tokens: &[u32], block_tokens: usize) -> Vec<u64> {
@@ -726,6 +739,21 @@ mod tests {
         let allocation = allocator.allocate(RequestId(2), &prompt, 4, None).unwrap();
         assert_eq!(allocation.blocks[0].len(), 1);
         assert_eq!(allocation.cached_blocks[0], 1);
+    }
+
+    #[test]
+    fn window_crossings_are_found_at_block_boundaries_only() {
+        let layout = layout(); // window 8, block 4
+        // Token t attends from t + 1 - 8: tokens 10 and 11 attend from 3 and 4 (blocks 0 and 1).
+        assert!(window_crosses_block(&layout, 10, 11));
+        assert!(!window_crosses_block(&layout, 11, 12));
+        assert!(
+            !window_crosses_block(&layout, 2, 7),
+            "the window has not moved off token 0"
+        );
+        assert!(window_crosses_block(&layout, 2, 20));
+        let full_only = KvLayout::one_layer_per_group(vec![GroupSpec::full(4, 1).unwrap()]).unwrap();
+        assert!(!window_crosses_block(&full_only, 0, 1000));
     }
 
     #[test]
