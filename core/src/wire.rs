@@ -6,8 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::exchange::{Need, Offer};
-use crate::plan::TransferPlan;
+use crate::exchange::Offer;
 
 /// A request's id, unique within a cluster run (assigned by the router).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -52,15 +51,4 @@ pub struct KvParams {
     pub lease_ms: u64,
     /// The prompt's token ids (the decode leg needs them for prefix hits and the last token).
     pub prompt: Vec<u32>,
-}
-
-/// A decode leg's READ request to a node that serves reads over the network.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReadRequest {
-    /// Grant the read claims.
-    pub grant: GrantId,
-    /// The decode leg's need, for diagnostics.
-    pub need: Need,
-    /// The byte ranges to read.
-    pub plan: TransferPlan,
 }

@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use crate::codec::{self, CodecError, MAX_FRAME_BYTES, PROTOCOL_VERSION};
+use crate::codec::{self, CodecError, MAX_FRAME_BYTES};
 use crate::engine::{EngineDescriptor, MemoryDescriptor};
 use crate::net::{Ticket, TicketBook};
 use crate::tls::{NodeIdentity, TlsError, verify_peer_name};
@@ -73,7 +73,7 @@ pub struct Hello {
     pub node: NodeId,
     /// `prefill` or `decode`.
     pub role: String,
-    /// [`PROTOCOL_VERSION`] of the sender.
+    /// [`crate::codec::PROTOCOL_VERSION`] of the sender.
     pub protocol_version: u32,
     /// `KvLayout::compat_hash` of the sender's model.
     pub layout_hash: u64,
@@ -586,9 +586,4 @@ pub enum ControlError {
     /// A configuration value was refused.
     #[error("configuration: {0}")]
     Config(String),
-}
-
-/// Checks a hello against the protocol version this build speaks (for callers building one).
-pub fn current_protocol_version() -> u32 {
-    PROTOCOL_VERSION
 }

@@ -62,9 +62,6 @@ pub struct MappedEngine {
     worker: CopyWorker,
 }
 
-/// The in-process engine's old name.
-pub type LocalEngine = MappedEngine;
-
 impl MappedEngine {
     /// An in-process engine named `key` on `fabric`.
     pub fn local(key: EngineKey, fabric: LocalFabric) -> Result<Self, EngineError> {

@@ -35,8 +35,6 @@ pub enum Backing {
     },
     /// A peer's shared memory mapped read-only.
     PeerMapping(memmap2::Mmap),
-    /// An owner-provided mapping (device memory); dropped with the region.
-    External(Box<dyn Send + Sync>),
 }
 
 // SAFETY: a Region is a raw span of memory. All access goes through bounds-checked copies;
@@ -154,20 +152,6 @@ impl Region {
         let start = self.check(offset, len)?;
         // SAFETY: in bounds and writable; exclusivity is the caller's promise.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len) })
-    }
-
-    /// A region over memory owned by `backing`.
-    ///
-    /// # Safety
-    /// `ptr .. ptr + len` must be valid for reads and writes, 8-byte aligned, and stay mapped for
-    /// as long as `backing` lives.
-    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize, backing: Box<dyn Send + Sync>) -> Self {
-        Region {
-            ptr,
-            len,
-            read_only: false,
-            backing: Backing::External(backing),
-        }
     }
 
     /// Length in bytes.
