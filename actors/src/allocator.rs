@@ -7,13 +7,14 @@
 //! earliest deadline (timers are data).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message, MessageResult, SpawnHandle};
 use pdkv_core::allocator::{AllocError, Allocation, Allocator};
 use pdkv_core::block::BlockId;
 use pdkv_core::grant::{GrantError, GrantTable};
 use pdkv_core::wire::{GrantId, NodeId, RequestId};
+use pdkv_transport::net::MonotonicClock;
 use tokio::sync::Notify;
 
 use crate::engine::LegMemory;
@@ -28,7 +29,8 @@ pub struct AllocatorActor {
     memory: Arc<LegMemory>,
     /// Woken whenever blocks are freed, so waiting requests retry.
     freed: Arc<Notify>,
-    epoch: Instant,
+    /// Lease times; the same kind of clock a memory server checks grants with.
+    clock: MonotonicClock,
     expiry_timer: Option<(u64, SpawnHandle)>,
     mailbox: usize,
 }
@@ -51,14 +53,14 @@ impl AllocatorActor {
             lease_ms,
             memory,
             freed,
-            epoch: Instant::now(),
+            clock: MonotonicClock::new(),
             expiry_timer: None,
             mailbox,
         }
     }
 
     fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
+        self.clock.now_ms()
     }
 
     /// Mirrors freed blocks' generations into shared memory and wakes waiters.

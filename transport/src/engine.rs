@@ -203,6 +203,33 @@ impl ReadHandle {
     }
 }
 
+/// Refuses a batch with any run outside its local (`local_len` bytes) or remote (`remote_len`
+/// bytes) region before a byte moves.
+pub(crate) fn check_runs(op: &ReadOp, local_len: u64, remote_len: u64) -> Result<(), EngineError> {
+    for run in &op.runs {
+        for (side, region, offset, region_len) in [
+            ("local", op.local_region, run.local_offset, local_len),
+            ("remote", op.remote_region, run.remote_offset, remote_len),
+        ] {
+            if offset
+                .checked_add(run.len_bytes)
+                .is_none_or(|end| end > region_len)
+            {
+                return Err(EngineError::Bounds {
+                    side,
+                    region,
+                    source: RegionError::OutOfBounds {
+                        offset,
+                        len: run.len_bytes,
+                        region_len,
+                    },
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The regions an engine registered, by id: what every engine keeps on its own side.
 #[derive(Debug, Default)]
 pub struct LocalRegions {

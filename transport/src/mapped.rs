@@ -24,9 +24,9 @@ use pdkv_core::wire::GrantId;
 use crate::copy::{CopyJob, CopyWorker, INLINE_READ_BYTES};
 use crate::engine::{
     EngineDescriptor, EngineError, EngineKey, EngineKind, LocalRegions, MemoryDescriptor, ReadEngine,
-    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture,
+    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture, check_runs,
 };
-use crate::region::{Region, RegionError};
+use crate::region::Region;
 
 type RegionMap = HashMap<(EngineKey, u32), Arc<Region>>;
 
@@ -230,7 +230,7 @@ impl ReadEngine for MappedEngine {
         for op in ops {
             let local = self.local.get(op.local_region)?;
             let remote = self.remote_region(&op.remote_engine, op.remote_region)?;
-            check_runs(&op, &local, &remote)?;
+            check_runs(&op, local.len() as u64, remote.len() as u64)?;
             total += op.runs.iter().map(|run| run.len_bytes).sum::<u64>();
             batches.push((local, remote, op.runs));
         }
@@ -273,32 +273,6 @@ impl ReadEngine for MappedEngine {
 }
 
 type Batch = (Arc<Region>, Arc<Region>, Vec<ReadRun>);
-
-/// Refuses a batch with any run outside its regions before a byte moves.
-pub(crate) fn check_runs(op: &ReadOp, local: &Region, remote: &Region) -> Result<(), EngineError> {
-    for run in &op.runs {
-        for (side, region_id, offset, region) in [
-            ("local", op.local_region, run.local_offset, local),
-            ("remote", op.remote_region, run.remote_offset, remote),
-        ] {
-            let fits = offset
-                .checked_add(run.len_bytes)
-                .is_some_and(|end| end <= region.len() as u64);
-            if !fits {
-                return Err(EngineError::Bounds {
-                    side,
-                    region: region_id,
-                    source: RegionError::OutOfBounds {
-                        offset,
-                        len: run.len_bytes,
-                        region_len: region.len() as u64,
-                    },
-                });
-            }
-        }
-    }
-    Ok(())
-}
 
 /// Copies every run; with a fault armed, stops after `fail_after` bytes with an error.
 fn copy_batches(batches: &[Batch], fail_after: u64) -> Result<ReadReport, EngineError> {

@@ -30,7 +30,7 @@ use tokio::sync::Semaphore;
 use crate::codec::{self, PROTOCOL_VERSION};
 use crate::engine::{
     EngineDescriptor, EngineError, EngineKey, EngineKind, LocalRegions, MemoryDescriptor, ReadEngine,
-    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture,
+    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture, check_runs,
 };
 use crate::region::Region;
 
@@ -673,22 +673,7 @@ impl ReadEngine for NetEngine {
                     engine: op.remote_engine.clone(),
                     region: op.remote_region,
                 })?;
-            for run in &op.runs {
-                let local_fits = run
-                    .local_offset
-                    .checked_add(run.len_bytes)
-                    .is_some_and(|end| end <= local.len() as u64);
-                let remote_fits = run
-                    .remote_offset
-                    .checked_add(run.len_bytes)
-                    .is_some_and(|end| end <= remote_len);
-                if !local_fits || !remote_fits {
-                    return Err(EngineError::Refused(format!(
-                        "run {}+{} -> {} does not fit region {} / {}",
-                        run.remote_offset, run.len_bytes, run.local_offset, op.remote_region, op.local_region
-                    )));
-                }
-            }
+            check_runs(&op, local.len() as u64, remote_len)?;
             let connection = self.connection(&op.remote_engine)?;
             prepared.push((op, local, connection));
         }
