@@ -487,15 +487,10 @@ fn authorize_runs(
     Ok(memory.clone())
 }
 
-/// One open data connection.
-struct DataConnection {
-    stream: TcpStream,
-}
-
 struct RemoteEngine {
     address: String,
     regions: HashMap<u32, u64>,
-    connection: Option<Arc<tokio::sync::Mutex<DataConnection>>>,
+    connection: Option<Arc<tokio::sync::Mutex<TcpStream>>>,
 }
 
 /// The decode side of the network engine.
@@ -576,11 +571,11 @@ impl NetEngine {
         let remote = remotes
             .get_mut(engine)
             .ok_or_else(|| EngineError::Refused(format!("engine {engine} is not registered")))?;
-        remote.connection = Some(Arc::new(tokio::sync::Mutex::new(DataConnection { stream })));
+        remote.connection = Some(Arc::new(tokio::sync::Mutex::new(stream)));
         Ok(())
     }
 
-    fn connection(&self, engine: &EngineKey) -> Result<Arc<tokio::sync::Mutex<DataConnection>>, EngineError> {
+    fn connection(&self, engine: &EngineKey) -> Result<Arc<tokio::sync::Mutex<TcpStream>>, EngineError> {
         self.remotes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -682,7 +677,7 @@ impl ReadEngine for NetEngine {
             let mut report = ReadReport::default();
             for (op, local, connection) in prepared {
                 let mut connection = connection.lock().await;
-                match read_op(&mut connection.stream, &op, &local).await {
+                match read_op(&mut connection, &op, &local).await {
                     Ok(bytes) => {
                         report.bytes += bytes;
                         report.runs += op.runs.len();
@@ -717,10 +712,10 @@ impl ReadEngine for NetEngine {
                     region: remote_region,
                     indices,
                 };
-                codec::write_message(&mut connection.stream, &request)
+                codec::write_message(&mut *connection, &request)
                     .await
                     .map_err(codec_error)?;
-                match codec::read_message::<_, DataReply>(&mut connection.stream, MAX_REQUEST_BYTES)
+                match codec::read_message::<_, DataReply>(&mut *connection, MAX_REQUEST_BYTES)
                     .await
                     .map_err(codec_error)?
                 {

@@ -221,27 +221,27 @@ impl NodeIdentity {
 
     /// A QUIC client config that presents this identity and trusts only the CA.
     pub fn client_config(&self) -> Result<quinn::ClientConfig, TlsError> {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(|error| TlsError::Config(error.to_string()))?
-            .with_root_certificates(self.roots.clone())
-            .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
-            .map_err(|error| TlsError::Config(error.to_string()))?;
-        config.alpn_protocols = vec![ALPN.to_vec()];
-        let crypto =
-            QuicClientConfig::try_from(config).map_err(|error| TlsError::Config(error.to_string()))?;
-        Ok(quinn::ClientConfig::new(Arc::new(crypto)))
+        self.client(true)
     }
 
     /// A client config that presents no certificate (to prove servers refuse it).
     pub fn anonymous_client_config(&self) -> Result<quinn::ClientConfig, TlsError> {
+        self.client(false)
+    }
+
+    fn client(&self, present_identity: bool) -> Result<quinn::ClientConfig, TlsError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|error| TlsError::Config(error.to_string()))?
-            .with_root_certificates(self.roots.clone())
-            .with_no_client_auth();
+            .with_root_certificates(self.roots.clone());
+        let mut config = if present_identity {
+            builder
+                .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
+                .map_err(|error| TlsError::Config(error.to_string()))?
+        } else {
+            builder.with_no_client_auth()
+        };
         config.alpn_protocols = vec![ALPN.to_vec()];
         let crypto =
             QuicClientConfig::try_from(config).map_err(|error| TlsError::Config(error.to_string()))?;
