@@ -31,6 +31,15 @@ fn plan(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
     )
 }
 
+/// Runs `pdkv plan --json ARGS`, which must succeed, and parses its output.
+fn plan_json(args: &[&str]) -> Value {
+    let mut all = vec!["--json"];
+    all.extend_from_slice(args);
+    let (code, stdout, stderr) = plan(&all, None);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    serde_json::from_str(&stdout).unwrap()
+}
+
 fn pairs_of(json: &Value, group: usize) -> Vec<(u64, u64)> {
     json["groups"][group]["pairs"]
         .as_array()
@@ -42,9 +51,7 @@ fn pairs_of(json: &Value, group: usize) -> Vec<(u64, u64)> {
 
 #[test]
 fn shipped_seed_scenario_pairs_the_window_by_position() {
-    let (code, stdout, _) = plan(&["--json", "scenarios/seed-decode-tail.json"], None);
-    assert_eq!(code, 0);
-    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let json = plan_json(&["scenarios/seed-decode-tail.json"]);
     assert_eq!(
         pairs_of(&json, 0),
         (0..7).map(|p| (10 + p, 100 + p)).collect::<Vec<_>>()
@@ -55,21 +62,9 @@ fn shipped_seed_scenario_pairs_the_window_by_position() {
 
 #[test]
 fn shipped_legacy_scenario_shows_the_shift() {
-    let (code, stdout, _) = plan(&["--json", "scenarios/seed-decode-tail-legacy.json"], None);
-    assert_eq!(code, 0);
-    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let json = plan_json(&["scenarios/seed-decode-tail-legacy.json"]);
     assert_eq!(pairs_of(&json, 1), vec![(14, 105), (15, 106), (16, 107)]);
-    let (code, stdout, _) = plan(
-        &[
-            "--pairing",
-            "anchored",
-            "--json",
-            "scenarios/seed-decode-tail-legacy.json",
-        ],
-        None,
-    );
-    assert_eq!(code, 0);
-    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let json = plan_json(&["--pairing", "anchored", "scenarios/seed-decode-tail-legacy.json"]);
     assert_eq!(pairs_of(&json, 1), vec![(14, 104), (15, 105), (16, 106)]);
     let (code, table, _) = plan(&["scenarios/seed-decode-tail-legacy.json"], None);
     assert_eq!(code, 0);
@@ -78,17 +73,13 @@ fn shipped_legacy_scenario_shows_the_shift() {
 
 #[test]
 fn shipped_prefill_tail_and_prefix_hit_scenarios_pair() {
-    let (code, stdout, _) = plan(&["--json", "scenarios/seed-prefill-tail.json"], None);
-    assert_eq!(code, 0);
-    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let json = plan_json(&["scenarios/seed-prefill-tail.json"]);
     assert_eq!(
         pairs_of(&json, 0),
         (0..7).map(|p| (10 + p, 100 + p)).collect::<Vec<_>>()
     );
     assert_eq!(pairs_of(&json, 1), vec![(14, 104), (15, 105), (16, 106)]);
-    let (code, stdout, _) = plan(&["--json", "scenarios/prefix-hit-dcp.json"], None);
-    assert_eq!(code, 0);
-    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let json = plan_json(&["scenarios/prefix-hit-dcp.json"]);
     assert_eq!(pairs_of(&json, 0), vec![(4, 43), (5, 44)]);
     assert_eq!(pairs_of(&json, 1).len(), 7);
 }
