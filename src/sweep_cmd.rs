@@ -77,7 +77,13 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
         if args.json {
             println!(
                 "{}",
-                json!({"prompt_tokens": result.prompt_tokens, "match": result.matched, "error": result.error})
+                json!({
+                    "prompt_tokens": result.prompt_tokens,
+                    "match": result.matched,
+                    "error": result.error,
+                    "read_bytes": result.read_bytes,
+                    "read_runs": result.read_runs,
+                })
             );
         } else {
             let verdict = match (&result.error, result.matched) {
@@ -113,6 +119,7 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
         .map(|result| result.prompt_tokens)
         .collect();
     let idle = stats.iter().all(|leg| leg.is_idle());
+    let read_bytes: u64 = results.iter().map(|result| result.read_bytes).sum();
     if args.json {
         println!(
             "{}",
@@ -123,6 +130,7 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
                 "mismatched": mismatched,
                 "errors": errors,
                 "legs_idle": idle,
+                "read_bytes": read_bytes,
                 "elapsed_ms": elapsed.as_millis() as u64,
             }})
         );
@@ -145,8 +153,9 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
             println!("failed at prompt lengths {errors:?}");
         }
         println!(
-            "{matched}/{} match ({mode} pairing, {:.1} s)",
+            "{matched}/{} match ({mode} pairing, {:.1} KiB read, {:.1} s)",
             results.len(),
+            read_bytes as f64 / 1024.0,
             elapsed.as_secs_f64()
         );
     }

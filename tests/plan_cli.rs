@@ -84,6 +84,19 @@ fn shipped_prefill_tail_and_prefix_hit_scenarios_pair() {
     assert_eq!(pairs_of(&json, 1).len(), 7);
 }
 
+/// N = 449: the decode leg reads tokens 0..=447 (blocks 0..=6, window blocks 5..=6), so a prefill
+/// leg that computed only 448 tokens (7 blocks) pairs with one holding 8.
+#[test]
+fn shipped_prefill_that_stopped_at_n_minus_1_pairs() {
+    let json = plan_json(&["scenarios/prefill-stops-at-n-minus-1.json"]);
+    assert_eq!(
+        pairs_of(&json, 0),
+        (1..=7).map(|p| (p, 100 + p)).collect::<Vec<_>>()
+    );
+    assert_eq!(pairs_of(&json, 1), vec![(6, 106), (7, 107)]);
+    assert_eq!(pairs_of(&json, 2), vec![(9, 20)]);
+}
+
 #[test]
 fn scenario_from_stdin_matches_scenario_from_file() {
     let text = std::fs::read_to_string("scenarios/seed-decode-tail.json").unwrap();
@@ -143,7 +156,7 @@ fn malformed_scenarios_are_refused_with_a_clear_error() {
         ),
         (
             with(r#""num_prompt_tokens": 10"#, r#""num_prompt_tokens": 100"#),
-            "group 0 (full): prefill leg holds 3 blocks, the prompt needs 25",
+            "group 0 (full): prefill leg holds 3 blocks, the exchange needs 25",
         ),
         (
             with(

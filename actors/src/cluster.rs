@@ -164,6 +164,7 @@ impl LocalCluster {
                 node: leg.node.name.clone(),
                 role: leg.node.role,
                 lookahead_tokens: leg.node.lookahead_tokens,
+                prefill_tokens: leg.node.prefill_tokens,
                 limits,
                 model: model.clone(),
                 memory: leg.memory.clone(),

@@ -36,6 +36,30 @@ impl std::fmt::Display for Role {
     }
 }
 
+/// How much of a prompt a prefill leg computes and keeps.
+///
+/// The decode leg recomputes the last prompt token either way, so both pair and give the same
+/// output; `AllButLast` is how vLLM's hybrid (mamba) prefill behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillTokens {
+    /// Every prompt token; the mamba state is kept as it stood after `N - 1` tokens.
+    #[default]
+    All,
+    /// The first `N - 1` tokens only (none for a one-token prompt).
+    AllButLast,
+}
+
+impl PrefillTokens {
+    /// Tokens a prefill leg computes for a `num_prompt_tokens`-token prompt.
+    pub fn computed(self, num_prompt_tokens: u64) -> u64 {
+        match self {
+            PrefillTokens::All => num_prompt_tokens,
+            PrefillTokens::AllButLast => num_prompt_tokens.saturating_sub(1),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ClusterFile {
@@ -143,6 +167,8 @@ struct NodeSection {
     blocks_per_group: u32,
     #[serde(default)]
     prefix_caching: bool,
+    #[serde(default)]
+    prefill_tokens: Option<PrefillTokens>,
 }
 
 /// One node (one leg) of the cluster.
@@ -158,6 +184,8 @@ pub struct NodeConfig {
     pub blocks_per_group: u32,
     /// Whether full-attention groups reuse cached prompt blocks.
     pub prefix_caching: bool,
+    /// How much of a prompt a prefill leg computes (`all` on decode legs).
+    pub prefill_tokens: PrefillTokens,
 }
 
 /// A checked cluster description.
@@ -284,12 +312,19 @@ impl ClusterConfig {
                     "nodes[{index}].blocks_per_group: must be at least 1"
                 )));
             }
+            if node.role == Role::Decode && node.prefill_tokens.is_some() {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].prefill_tokens: only prefill nodes take this key, {:?} is a decode node",
+                    node.name
+                )));
+            }
             nodes.push(NodeConfig {
                 name: NodeId(node.name),
                 role: node.role,
                 lookahead_tokens: node.lookahead_tokens,
                 blocks_per_group: node.blocks_per_group,
                 prefix_caching: node.prefix_caching,
+                prefill_tokens: node.prefill_tokens.unwrap_or_default(),
             });
         }
         for role in [Role::Prefill, Role::Decode] {
@@ -475,6 +510,20 @@ mod tests {
             (
                 with("pairing = \"anchored\"", "pairing = \"sideways\""),
                 "unknown variant `sideways`",
+            ),
+            (
+                with(
+                    "lookahead_tokens = 9",
+                    "lookahead_tokens = 9\nprefill_tokens = \"all_but_last\"",
+                ),
+                "nodes[1].prefill_tokens: only prefill nodes take this key",
+            ),
+            (
+                with(
+                    "lookahead_tokens = 0",
+                    "lookahead_tokens = 0\nprefill_tokens = \"most\"",
+                ),
+                "unknown variant `most`, expected `all` or `all_but_last`",
             ),
         ];
         for (text, expected) in cases {

@@ -1,8 +1,9 @@
 //! The scheduler actor: drives one request at a time through its leg (many may be in flight).
 //!
-//! - Prefill leg: allocate `N + k_P` slots, compute every prompt token (the mamba state is kept
-//!   as it stood after `N - 1` tokens), free window blocks the decode leg will not read, offer,
-//!   pin and grant, and hand back the [`KvParams`].
+//! - Prefill leg: allocate `T + k_P` slots for the `T` tokens it computes (`N`, or `N - 1` with
+//!   `prefill_tokens = "all_but_last"`; the mamba state is kept as it stood after `N - 1`
+//!   tokens either way), free window blocks the decode leg will not read, offer, pin and grant
+//!   the blocks holding tokens up to `N - 2`, and hand back the [`KvParams`].
 //! - Decode leg: allocate `N + k_D` slots (window groups null below the last token's window,
 //!   prefix hits reused), pair with the offer, READ, release the grant, recompute the last prompt
 //!   token and decode.
@@ -28,7 +29,7 @@ use tokio::sync::Notify;
 use crate::allocator::{
     Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseGrant, ReleaseWindow, RenewGrant,
 };
-use crate::config::{Limits, Role};
+use crate::config::{Limits, PrefillTokens, Role};
 use crate::engine::{LegMemory, LogitsDigest, Model, argmax};
 use crate::error::{RequestError, ask};
 use crate::exchange::{ExchangeActor, MakeOffer, PairWithOffer};
@@ -68,6 +69,8 @@ pub struct LegContext {
     pub role: Role,
     /// Slots reserved beyond the prompt.
     pub lookahead_tokens: u64,
+    /// How much of a prompt this leg computes when it prefills.
+    pub prefill_tokens: PrefillTokens,
     /// Bounds.
     pub limits: Limits,
     /// The reference model.
@@ -163,9 +166,9 @@ impl LegContext {
         if num_tokens == 0 {
             return Err(RequestError::EmptyPrompt);
         }
-        let allocation = self
-            .allocate(request, &prompt, num_tokens + self.lookahead_tokens, None)
-            .await?;
+        // A request holds at least one slot, even a one-token prompt computed up to N - 1 = 0.
+        let slots = (self.prefill_tokens.computed(num_tokens) + self.lookahead_tokens).max(1);
+        let allocation = self.allocate(request, &prompt, slots, None).await?;
         let result = self.prefill_allocated(request, &prompt, peer, &allocation).await;
         // The request's own hold ends here; granted blocks stay pinned until released or expired.
         self.finish(request, None).await;
@@ -180,7 +183,8 @@ impl LegContext {
         allocation: &Allocation,
     ) -> Result<KvParams, RequestError> {
         let num_tokens = prompt.len() as u64;
-        for (position, &token) in prompt.iter().enumerate() {
+        let computed = self.prefill_tokens.computed(num_tokens) as usize;
+        for (position, &token) in prompt.iter().enumerate().take(computed) {
             // The mamba state stays as it was after N - 1 tokens: the decode leg recomputes N - 1.
             let commit_state = (position as u64) + 1 < num_tokens;
             self.model.step(

@@ -376,3 +376,206 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant() {
     assert_idle(&cluster).await;
     cluster.shutdown();
 }
+
+/// Bytes a decode leg must read for an `n`-token prompt, from the definition (DESIGN.md, "The
+/// exchange"): per layer, one block per position holding a token it does not recompute
+/// (`0 ..= n - 2`, or `max(0, n - W) ..= n - 2` in a window group), minus prefix hits; one state
+/// per mamba layer. Counted token by token, not through the exchange code.
+fn expected_read_bytes(config: &ClusterConfig, n: u64, cached: &[u64]) -> u64 {
+    use pdkv_core::layout::GroupKind;
+    let d = config.model.d_model as u64;
+    let mut total = 0;
+    for &group in config.layout.layer_groups() {
+        let spec = config.layout.groups()[group];
+        let block_tokens = u64::from(spec.block_size()) * u64::from(spec.dcp());
+        let (first, bytes_per_block) = match spec.kind() {
+            GroupKind::Mamba => {
+                total += d * 4;
+                continue;
+            }
+            GroupKind::Full => (0, block_tokens * 2 * d * 4),
+            GroupKind::SlidingWindow { window } => {
+                (n.saturating_sub(u64::from(window)), block_tokens * 2 * d * 4)
+            }
+        };
+        let positions: std::collections::BTreeSet<u64> = (first..n.saturating_sub(1))
+            .map(|token| token / block_tokens)
+            .filter(|&position| position >= cached.get(group).copied().unwrap_or(0))
+            .collect();
+        total += positions.len() as u64 * bytes_per_block;
+    }
+    total
+}
+
+/// Runs every length P/D and direct, checks equality, the exact bytes read and no leak.
+async fn assert_all_match_reading_exactly(cluster: &LocalCluster, lengths: impl IntoIterator<Item = u64>) {
+    for length in lengths {
+        let result = sweep::compare(cluster, length, 3).await;
+        assert!(result.matched, "prompt length {length}: {result:?}");
+        assert_eq!(
+            result.read_bytes,
+            expected_read_bytes(cluster.config(), length, &[]),
+            "prompt length {length}"
+        );
+    }
+    assert_idle(cluster).await;
+}
+
+const HYBRID_ALL_BUT_LAST: &str = r#"
+    [model]
+    seed = 5
+    d_model = 8
+    vocab = 64
+    layer_groups = [0, 1, 2, 1]
+    [[model.groups]]
+    kind = "full"
+    block_size = 16
+    [[model.groups]]
+    kind = "sliding_window"
+    block_size = 8
+    window = 20
+    [[model.groups]]
+    kind = "mamba"
+    [[nodes]]
+    name = "p"
+    role = "prefill"
+    lookahead_tokens = 0
+    blocks_per_group = 48
+    prefill_tokens = "all_but_last"
+    [[nodes]]
+    name = "d"
+    role = "decode"
+    lookahead_tokens = 9
+    blocks_per_group = 48
+"#;
+
+/// A prefill leg that computes only the first N - 1 tokens (vLLM's hybrid prefill) pairs with
+/// the decode leg at every length 1..=300 of a full + window + mamba layout: P/D equals direct,
+/// the decode leg reads exactly the blocks holding tokens up to N - 2, nothing leaks.
+#[actix_rt::test]
+async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_hybrid_layout() {
+    let config = ClusterConfig::from_toml(HYBRID_ALL_BUT_LAST).unwrap();
+    let cluster = LocalCluster::start(config).unwrap();
+    assert_all_match_reading_exactly(&cluster, 1..=300).await;
+    cluster.shutdown();
+}
+
+/// The same with a DCP = 2 full group (blocks of 2 x 8 tokens) and a decode-side tail.
+#[actix_rt::test]
+async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_dcp_layout() {
+    let text = r#"
+        [model]
+        seed = 9
+        d_model = 8
+        vocab = 64
+        layer_groups = [0, 0]
+        [[model.groups]]
+        kind = "full"
+        block_size = 8
+        dcp = 2
+        [[nodes]]
+        name = "p"
+        role = "prefill"
+        lookahead_tokens = 3
+        blocks_per_group = 48
+        prefill_tokens = "all_but_last"
+        [[nodes]]
+        name = "d"
+        role = "decode"
+        lookahead_tokens = 5
+        blocks_per_group = 48
+    "#;
+    let cluster = LocalCluster::start(ClusterConfig::from_toml(text).unwrap()).unwrap();
+    assert_all_match_reading_exactly(&cluster, 1..=300).await;
+    cluster.shutdown();
+}
+
+/// Whether the prefill leg computes every token or stops at N - 1, the default shipped layout
+/// reads the same bytes and decodes the same output at its boundary lengths.
+#[actix_rt::test]
+async fn both_prefill_token_settings_read_the_same_bytes() {
+    for setting in ["all", "all_but_last"] {
+        let edit = format!("lookahead_tokens = 0\nprefill_tokens = \"{setting}\"");
+        let cluster = LocalCluster::start(config(&[("lookahead_tokens = 0", &edit)])).unwrap();
+        assert_all_match_reading_exactly(&cluster, BOUNDARY_LENGTHS.iter().copied()).await;
+        cluster.shutdown();
+    }
+}
+
+/// A decode leg whose prefix cache holds every block it needs reads no attention bytes: with
+/// N = 129 and B = 64 the needed tokens 0..=127 fill blocks 0 and 1, both cached by the first
+/// request; only the mamba state is read.
+#[actix_rt::test]
+async fn a_prefix_hit_covering_every_needed_block_reads_no_attention_bytes() {
+    let text = r#"
+        [model]
+        seed = 3
+        d_model = 8
+        vocab = 64
+        layer_groups = [0, 1, 0]
+        [[model.groups]]
+        kind = "full"
+        block_size = 64
+        [[model.groups]]
+        kind = "mamba"
+        [[nodes]]
+        name = "p"
+        role = "prefill"
+        blocks_per_group = 16
+        [[nodes]]
+        name = "d"
+        role = "decode"
+        lookahead_tokens = 9
+        blocks_per_group = 16
+        prefix_caching = true
+    "#;
+    let config = ClusterConfig::from_toml(text).unwrap();
+    let mamba_state_bytes = 8 * 4;
+    let cluster = LocalCluster::start(config.clone()).unwrap();
+    let prompt = prompt_tokens(21, 129, 64);
+    let first = cluster.generate(prompt.clone(), 2).await.unwrap();
+    assert_eq!(first.read_bytes, expected_read_bytes(&config, 129, &[]));
+    let again = cluster.generate(prompt.clone(), 2).await.unwrap();
+    assert_eq!(again.cached_blocks, 2);
+    assert_eq!(again.read_bytes, mamba_state_bytes);
+    assert_eq!(again.read_bytes, expected_read_bytes(&config, 129, &[2, 0]));
+    let direct = cluster.direct(prompt, 2, None).await.unwrap();
+    assert_eq!(
+        (again.tokens, again.logits_digest),
+        (direct.tokens, direct.logits_digest)
+    );
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+/// `all_but_last` really stops at N - 1: a prefill leg with one 16-token block per group serves
+/// a 17-token prompt that way, and refuses it when it must compute all 17 tokens.
+#[actix_rt::test]
+async fn a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer() {
+    let one_block = HYBRID_ALL_BUT_LAST
+        .replacen("window = 20", "window = 32", 1)
+        .replacen("block_size = 8", "block_size = 16", 1)
+        .replacen("blocks_per_group = 48", "blocks_per_group = 1", 1);
+    let config = ClusterConfig::from_toml(&one_block).unwrap();
+    let cluster = LocalCluster::start(config.clone()).unwrap();
+    let prompt = prompt_tokens(1, 17, 64);
+    let pd = cluster.generate(prompt.clone(), 2).await.unwrap();
+    // The prefill leg cannot run the prompt alone, so the reference runs on the decode leg.
+    let direct = cluster.direct(prompt, 2, Some(NodeId("d".into()))).await.unwrap();
+    assert_eq!(
+        (pd.tokens, pd.logits_digest),
+        (direct.tokens, direct.logits_digest)
+    );
+    assert_eq!(pd.read_bytes, expected_read_bytes(&config, 17, &[]));
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+    let all = one_block.replacen("prefill_tokens = \"all_but_last\"", "prefill_tokens = \"all\"", 1);
+    let cluster = LocalCluster::start(ClusterConfig::from_toml(&all).unwrap()).unwrap();
+    let error = cluster.generate(prompt_tokens(1, 17, 64), 2).await.unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "allocation failed: group 0 (full): needs 2 blocks, the leg has only 1"
+    );
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}

@@ -3,8 +3,8 @@
 //! Benchmarks live here, apart from the tests: tests never time anything, and `.ci/run` only
 //! compiles the benches (`cargo bench --no-run`).
 
+use pdkv_core::allocator::window_floor;
 use pdkv_core::block::{BlockId, NULL_BLOCK};
-use pdkv_core::exchange::needed_positions;
 use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
 use pdkv_core::plan::RegionLayout;
 
@@ -23,7 +23,8 @@ pub fn dsv4_layout() -> KvLayout {
 }
 
 /// A leg's lists for `num_prompt_tokens` plus `lookahead` tail tokens, contiguous ids from
-/// `first_id`, window positions below the needed window null.
+/// `first_id`, window positions below the last prompt token's window null (as the allocator
+/// leaves them).
 pub fn contiguous_lists(
     layout: &KvLayout,
     num_prompt_tokens: u64,
@@ -36,7 +37,10 @@ pub fn contiguous_lists(
         .map(|spec| {
             let len = spec.blocks_for_tokens(num_prompt_tokens + lookahead) as BlockId;
             let nulls = match spec.kind() {
-                GroupKind::SlidingWindow { .. } => needed_positions(spec, num_prompt_tokens).start as BlockId,
+                GroupKind::SlidingWindow { window } => {
+                    (window_floor(num_prompt_tokens.saturating_sub(1), window) / spec.effective_block_size())
+                        as BlockId
+                }
                 _ => 0,
             };
             (0..len)

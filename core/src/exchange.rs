@@ -1,12 +1,17 @@
 //! The exchange: which prefill block feeds which decode block.
 //!
-//! Both legs describe each group of a request as a position-indexed block list. The exchange runs
-//! four steps, each a pure function of the prompt length, the layout and the lists:
+//! Both legs describe each group of a request as a position-indexed block list. The decode leg
+//! recomputes the last prompt token (position `N - 1`) itself, so the only remote KV it ever uses
+//! is that of tokens `0 ..= N - 2` (full groups) or `max(0, N - W) ..= N - 2` (window groups; the
+//! window counts the attending token). The exchange runs four steps, each a pure function of the
+//! prompt length, the layout and the lists:
 //!
-//! 1. **Trim** every group to the prompt's blocks, `cdiv(N, B_eff)`, so a lookahead tail on either
-//!    leg (speculative slots, first decode steps) can never move anything.
+//! 1. **Trim** every group to the blocks holding those tokens, counted with the effective block
+//!    size `B_eff = B * dcp`, so a lookahead tail on either leg (speculative slots, first decode
+//!    steps) can never move anything, and a prefill leg that computed all `N` tokens pairs exactly
+//!    like one that computed only the first `N - 1` (vLLM's hybrid prefill).
 //! 2. **Clip** window groups to the positions the last prompt token's window needs:
-//!    `floor(max(0, N - W) / B) .. cdiv(N, B)`.
+//!    `floor(max(0, N - W) / B_eff) ..= floor((N - 2) / B_eff)`; nothing when `N = 1` or `W = 1`.
 //! 3. **Anchor**: every [`ExchangeList`] says which position its first entry holds, and
 //!    [`pair`] joins entries by absolute position. A position one side needs and the other lacks
 //!    (or holds as the null block) is an error naming the group and position, never a shift.
@@ -27,20 +32,26 @@ use serde::{Deserialize, Serialize};
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::layout::{GroupKind, GroupSpec, KvLayout};
 
-/// The positions of one group that a decode leg needs to recompute the last prompt token of an
-/// `num_prompt_tokens`-token prompt and decode after it.
+/// The positions of one group whose remote KV a decode leg uses for an `num_prompt_tokens`-token
+/// prompt: the blocks holding the tokens it does not recompute itself.
 ///
-/// Full groups need every prompt block; window groups need the blocks holding tokens
-/// `N - W .. N - 1`; mamba groups need their state (position 0).
+/// Full groups: the blocks holding tokens `0 ..= N - 2`. Window groups: the blocks holding tokens
+/// `max(0, N - W) ..= N - 2` (the last prompt token's window, minus that token). Both are empty
+/// (`0..0`) when there is no such token (`N = 1`, or `W = 1`). Mamba groups: their state,
+/// position 0, always.
 pub fn needed_positions(group: &GroupSpec, num_prompt_tokens: u64) -> Range<u64> {
-    match group.kind() {
-        GroupKind::Mamba => 0..1,
-        GroupKind::Full => 0..group.blocks_for_tokens(num_prompt_tokens),
-        GroupKind::SlidingWindow { window } => {
-            let first_token = num_prompt_tokens.saturating_sub(u64::from(window));
-            first_token / group.effective_block_size()..group.blocks_for_tokens(num_prompt_tokens)
-        }
+    // Tokens `first .. end` (end exclusive) are read; token N - 1 is recomputed locally.
+    let end = num_prompt_tokens.saturating_sub(1);
+    let first = match group.kind() {
+        GroupKind::Mamba => return 0..1,
+        GroupKind::Full => 0,
+        GroupKind::SlidingWindow { window } => num_prompt_tokens.saturating_sub(u64::from(window)),
+    };
+    if first >= end {
+        return 0..0;
     }
+    let block_tokens = group.effective_block_size();
+    first / block_tokens..(end - 1) / block_tokens + 1
 }
 
 /// What one leg offers or needs of one group for one request.
@@ -156,10 +167,13 @@ impl std::fmt::Display for Leg {
     }
 }
 
-/// Builds the prefill leg's offer: trim every group to the prompt's blocks, clip window groups to
-/// the last token's window, anchor each list at its first position.
+/// Builds the prefill leg's offer: per group, exactly the [`needed_positions`] (trimmed to the
+/// tokens a decode leg reads, window groups clipped to the last token's window), anchored at the
+/// first of them.
 ///
-/// `prefill_blocks[g]` is group `g`'s full position-indexed list, lookahead tail included.
+/// `prefill_blocks[g]` is group `g`'s full position-indexed list, lookahead tail included. It may
+/// end at the prompt's last block (`cdiv(N, B_eff)`, every token computed) or one token earlier
+/// (`cdiv(N - 1, B_eff)`, a prefill that stops at `N - 1`): both cover every needed position.
 pub fn offer(
     layout: &KvLayout,
     num_prompt_tokens: u64,
@@ -401,7 +415,8 @@ fn check_request(
     Ok(())
 }
 
-/// Cuts `range` out of a position-indexed list, refusing a short list or a null in the range.
+/// Cuts `range` out of a position-indexed list, refusing a short list, a null in the range or a
+/// block id that appears twice in it (it would be paired twice).
 fn anchored_list(
     leg: Leg,
     group: usize,
@@ -428,11 +443,37 @@ fn anchored_list(
             position: range.start + offset as u64,
         });
     }
+    if let Some((first, second)) = duplicate_positions(slice) {
+        return Err(ExchangeError::DuplicateBlock {
+            group,
+            kind: spec.kind().name(),
+            leg,
+            block: slice[first],
+            first: range.start + first as u64,
+            second: range.start + second as u64,
+        });
+    }
     Ok(ExchangeList {
         spec: *spec,
         first_position: range.start,
         blocks: slice.to_vec(),
     })
+}
+
+/// The indices of the first block id that appears twice in `blocks`, if any.
+///
+/// Allocators hand out ascending runs, so the common case is one pass; anything else is sorted.
+pub fn duplicate_positions(blocks: &[BlockId]) -> Option<(usize, usize)> {
+    if blocks.windows(2).all(|pair| pair[0] < pair[1]) {
+        return None;
+    }
+    let mut sorted: Vec<(BlockId, usize)> = blocks.iter().copied().zip(0..).collect();
+    sorted.sort_unstable();
+    sorted
+        .windows(2)
+        .filter(|pair| pair[0].0 == pair[1].0)
+        .map(|pair| (pair[0].1, pair[1].1))
+        .min()
 }
 
 fn describe_spec_difference(ours: &GroupSpec, theirs: &GroupSpec) -> String {
@@ -467,8 +508,8 @@ pub enum ExchangeError {
         /// Groups in the layout.
         groups: usize,
     },
-    /// A leg's list is shorter than the prompt's blocks.
-    #[error("group {group} ({kind}): {leg} leg holds {len} blocks, the prompt needs {needed}")]
+    /// A leg's list ends before the last needed position.
+    #[error("group {group} ({kind}): {leg} leg holds {len} blocks, the exchange needs {needed}")]
     ListTooShort {
         /// Group index.
         group: usize,
@@ -478,7 +519,7 @@ pub enum ExchangeError {
         leg: Leg,
         /// Blocks held.
         len: usize,
-        /// Blocks the prompt needs.
+        /// Blocks the list must hold (one past the last needed position).
         needed: u64,
     },
     /// A leg holds the null block where a real one is needed.
@@ -492,6 +533,22 @@ pub enum ExchangeError {
         leg: Leg,
         /// Block position.
         position: u64,
+    },
+    /// One leg's list holds the same block at two needed positions.
+    #[error("group {group} ({kind}): {leg} leg holds block {block} at both position {first} and {second}")]
+    DuplicateBlock {
+        /// Group index.
+        group: usize,
+        /// Group kind.
+        kind: &'static str,
+        /// Leg at fault.
+        leg: Leg,
+        /// The repeated block id.
+        block: BlockId,
+        /// First position holding it.
+        first: u64,
+        /// Second position holding it.
+        second: u64,
     },
     /// The decode leg needs a position the offer does not cover.
     #[error(

@@ -1,11 +1,16 @@
-//! Exchange behaviour: the seed's four tail combinations, property tests over layouts and
-//! prompts, and refusals that name what is wrong.
+//! Exchange behaviour: the seed's four tail combinations, fixed edge cases, property tests over
+//! layouts and prompts, and refusals that name what is wrong.
+//!
+//! Expected positions never come from `needed_positions` (the code under test): they come from
+//! [`positions_by_definition`], which walks the tokens DESIGN.md's exchange section says the
+//! decode leg reads and maps each to its block.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use pdkv_core::block::{BlockId, NULL_BLOCK};
-use pdkv_core::exchange::{self, ExchangeError, Pairing, needed_positions};
-use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
+use pdkv_core::exchange::{self, BlockPair, ExchangeError, Pairing, needed_positions};
+use pdkv_core::layout::GroupKind::{Full, Mamba, SlidingWindow};
+use pdkv_core::layout::{GroupSpec, KvLayout};
 use proptest::prelude::*;
 
 const B: u32 = 64;
@@ -19,6 +24,38 @@ fn seed_layout() -> KvLayout {
         GroupSpec::sliding_window(B, W, 1).unwrap(),
     ])
     .unwrap()
+}
+
+/// DESIGN.md, "The exchange", step 2: the decode leg recomputes token `N - 1`, so it reads the KV
+/// of tokens `0 ..= N - 2` (full groups) or `max(0, N - W) ..= N - 2` (window groups), each in
+/// block `token / (B * dcp)`; a mamba group reads its state (position 0). Token by token, no
+/// shortcut.
+fn positions_by_definition(spec: &GroupSpec, num_prompt_tokens: u64) -> Vec<u64> {
+    let block_tokens = u64::from(spec.block_size()) * u64::from(spec.dcp());
+    let first_token = match spec.kind() {
+        Mamba => return vec![0],
+        Full => 0i128,
+        SlidingWindow { window } => (num_prompt_tokens as i128 - i128::from(window)).max(0),
+    };
+    let last_token = num_prompt_tokens as i128 - 2;
+    let mut positions = BTreeSet::new();
+    let mut token = first_token;
+    while token <= last_token {
+        positions.insert(token as u64 / block_tokens);
+        token += 1;
+    }
+    positions.into_iter().collect()
+}
+
+/// The oldest position a window group keeps for the last prompt token (below it the allocator
+/// puts the null block): the block of token `max(0, N - W)`.
+fn window_null_end(spec: &GroupSpec, num_prompt_tokens: u64) -> u64 {
+    match spec.kind() {
+        SlidingWindow { window } => {
+            num_prompt_tokens.saturating_sub(u64::from(window)) / spec.effective_block_size()
+        }
+        _ => 0,
+    }
 }
 
 /// A leg's lists as vLLM builds them: `cdiv(N + k, B)` blocks, ids `base + position`, the window
@@ -39,7 +76,7 @@ fn joins_needed_positions(layout: &KvLayout, pairing: &Pairing) -> bool {
         let shifted = pairs
             .iter()
             .any(|pair| pair.remote_position != pair.local_position);
-        let covered = needed_positions(spec, N).all(|p| {
+        let covered = positions_by_definition(spec, N).into_iter().all(|p| {
             pairs
                 .iter()
                 .any(|pair| pair.local_position == p && pair.remote_position == p)
@@ -139,7 +176,7 @@ fn refusals_name_group_leg_and_position() {
         ),
         (
             exchange::offer(&layout, N, &[vec![1, 2], vec![3]]).map(drop),
-            "group 0 (full): prefill leg holds 2 blocks, the prompt needs 7",
+            "group 0 (full): prefill leg holds 2 blocks, the exchange needs 7",
         ),
         (
             exchange::offer(&layout, 0, &seed_lists(10, 0)).map(drop),
@@ -219,26 +256,24 @@ struct Lists {
     positions: Vec<HashMap<BlockId, u64>>,
 }
 
-/// Lists for `layout` with `lookahead` tail tokens; real ids are distinct, drawn from `ids`,
-/// positions below the window's first needed block are null.
+/// Lists for `layout` covering `held_tokens` token slots (prompt tokens the leg computed plus its
+/// lookahead tail); real ids are distinct, drawn from `ids`; window positions below the last
+/// prompt token's window are null, as the allocator leaves them.
 fn make_lists(
     layout: &KvLayout,
     num_prompt_tokens: u64,
-    lookahead: u64,
+    held_tokens: u64,
     mamba_slots: usize,
     ids: &mut impl Iterator<Item = BlockId>,
 ) -> Lists {
     let mut blocks = Vec::new();
     let mut positions = Vec::new();
     for spec in layout.groups() {
-        let (len, nulls) = match spec.kind() {
-            GroupKind::Mamba => (mamba_slots as u64, 0),
-            GroupKind::Full => (spec.blocks_for_tokens(num_prompt_tokens + lookahead), 0),
-            GroupKind::SlidingWindow { .. } => (
-                spec.blocks_for_tokens(num_prompt_tokens + lookahead),
-                needed_positions(spec, num_prompt_tokens).start,
-            ),
+        let len = match spec.kind() {
+            Mamba => mamba_slots as u64,
+            _ => held_tokens.div_ceil(spec.effective_block_size()),
         };
+        let nulls = window_null_end(spec, num_prompt_tokens);
         let mut list = Vec::new();
         let mut map = HashMap::new();
         for position in 0..len {
@@ -256,12 +291,184 @@ fn make_lists(
     Lists { blocks, positions }
 }
 
+/// One fixed case: a group, a prompt length and the positions the definition gives, worked out
+/// by hand.
+fn check_needed(spec: GroupSpec, num_prompt_tokens: u64, expected: &[u64]) {
+    assert_eq!(
+        positions_by_definition(&spec, num_prompt_tokens),
+        expected,
+        "the hand-worked case disagrees with the definition: {spec:?}, N = {num_prompt_tokens}"
+    );
+    let range = needed_positions(&spec, num_prompt_tokens);
+    assert_eq!(
+        range.collect::<Vec<_>>(),
+        expected,
+        "{spec:?}, N = {num_prompt_tokens}"
+    );
+}
+
+#[test]
+fn needed_positions_at_the_edges() {
+    let full = |b, dcp| GroupSpec::full(b, dcp).unwrap();
+    let window = |b, w| GroupSpec::sliding_window(b, w, 1).unwrap();
+    let cases: Vec<(GroupSpec, u64, Vec<u64>)> = vec![
+        // N = 1: the decode leg recomputes the only token and reads nothing.
+        (full(64, 1), 1, vec![]),
+        (window(64, 128), 1, vec![]),
+        (full(64, 1), 2, vec![0]),
+        // (N - 1) % B == 0: the last block holds only the recomputed token.
+        (full(64, 1), 65, vec![0]),
+        (full(64, 1), 66, vec![0, 1]),
+        (full(64, 1), 129, vec![0, 1]),
+        // DCP: blocks of B * dcp tokens.
+        (full(16, 2), 33, vec![0]),
+        (full(16, 2), 34, vec![0, 1]),
+        (full(16, 4), 65, vec![0]),
+        (full(16, 4), 200, vec![0, 1, 2, 3]),
+        // N <= W: the window reaches back to token 0.
+        (window(64, 128), 128, vec![0, 1]),
+        (window(64, 128), 129, vec![0, 1]),
+        // N - W = 64 = 0 (mod B): the window starts on a block boundary.
+        (window(64, 128), 192, vec![1, 2]),
+        // N - W = 63 = B - 1 (mod B): the window starts on a block's last token.
+        (window(64, 128), 191, vec![0, 1, 2]),
+        // Both: N - W = 65 and N - 1 = 192 = 0 (mod B).
+        (window(64, 128), 193, vec![1, 2]),
+        (window(64, 128), 440, vec![4, 5, 6]),
+        // W = 1: a token attends only to itself, which the decode leg recomputes.
+        (window(64, 1), 500, vec![]),
+        (window(64, 2), 500, vec![7]),
+        (window(64, 2), 1, vec![]),
+        (window(64, 64), 65, vec![0]),
+        (window(64, 64), 66, vec![0, 1]),
+        (window(1, 3), 10, vec![7, 8]),
+        (full(1, 1), 3, vec![0, 1]),
+        (GroupSpec::mamba(), 1, vec![0]),
+        (GroupSpec::mamba(), 1000, vec![0]),
+    ];
+    for (spec, num_prompt_tokens, expected) in cases {
+        check_needed(spec, num_prompt_tokens, &expected);
+    }
+}
+
+#[test]
+fn a_one_token_prompt_reads_only_mamba_state() {
+    let layout = KvLayout::one_layer_per_group(vec![
+        GroupSpec::full(4, 1).unwrap(),
+        GroupSpec::sliding_window(4, 8, 1).unwrap(),
+        GroupSpec::mamba(),
+    ])
+    .unwrap();
+    // A prefill leg that stopped at N - 1 = 0 tokens holds no attention block at all.
+    let offer = exchange::offer(&layout, 1, &[vec![], vec![], vec![5]]).unwrap();
+    let need = exchange::need(&layout, 1, &[vec![1], vec![1], vec![2]], &[]).unwrap();
+    let pairing = exchange::pair(&layout, &offer, &need).unwrap();
+    let pairs: Vec<usize> = pairing.groups.iter().map(Vec::len).collect();
+    assert_eq!(pairs, vec![0, 0, 1]);
+}
+
+#[test]
+fn a_prefill_that_stopped_at_n_minus_1_pairs_like_one_that_computed_n() {
+    let layout = seed_layout();
+    // N = 449: (N - 1) % 64 == 0, so computing N - 1 tokens leaves the prefill leg a block short.
+    let n = 449;
+    let all: Vec<Vec<BlockId>> = vec![(1..=8).collect(), vec![0, 0, 0, 0, 0, 6, 7, 8]];
+    let all_but_last: Vec<Vec<BlockId>> = vec![(1..=7).collect(), vec![0, 0, 0, 0, 0, 6, 7]];
+    let decode: Vec<Vec<BlockId>> = vec![(101..=108).collect(), vec![0, 0, 0, 0, 0, 106, 107, 108]];
+    let need = exchange::need(&layout, n, &decode, &[]).unwrap();
+    let from_all = exchange::pair(&layout, &exchange::offer(&layout, n, &all).unwrap(), &need).unwrap();
+    let from_n_minus_1 = exchange::pair(
+        &layout,
+        &exchange::offer(&layout, n, &all_but_last).unwrap(),
+        &need,
+    )
+    .unwrap();
+    assert_eq!(from_all, from_n_minus_1);
+    let ids: Vec<Vec<(BlockId, BlockId)>> = from_all
+        .groups
+        .iter()
+        .map(|pairs| pairs.iter().map(|pair| (pair.remote, pair.local)).collect())
+        .collect();
+    // Tokens 0..=447 are read: blocks 0..=6; window 321..=447: blocks 5..=6.
+    assert_eq!(
+        ids,
+        vec![
+            (1..=7).map(|p| (p, 100 + p)).collect::<Vec<_>>(),
+            vec![(6, 106), (7, 107)],
+        ]
+    );
+}
+
+#[test]
+fn a_prefix_hit_on_every_needed_block_reads_nothing() {
+    let layout = seed_layout();
+    // N = 129: the decode leg reads tokens 0..=127 (blocks 0 and 1), both prefix hits in the full
+    // group; the window group (tokens 1..=127, not prefix cached) still reads blocks 0 and 1.
+    let need = exchange::need(&layout, 129, &[vec![1, 2, 3], vec![4, 5, 6]], &[2, 0]).unwrap();
+    assert!(need.groups[0].blocks.is_empty());
+    let offer = exchange::offer(&layout, 129, &[vec![7, 8, 9], vec![10, 11, 12]]).unwrap();
+    let pairing = exchange::pair(&layout, &offer, &need).unwrap();
+    assert!(pairing.groups[0].is_empty());
+    let window: Vec<_> = pairing.groups[1]
+        .iter()
+        .map(|pair| (pair.remote, pair.local))
+        .collect();
+    assert_eq!(window, vec![(10, 4), (11, 5)]);
+}
+
+#[test]
+fn a_block_held_twice_is_refused_on_either_leg() {
+    let layout = seed_layout();
+    let decode = vec![
+        (101..=108).collect::<Vec<_>>(),
+        vec![0, 0, 0, 0, 105, 106, 107, 108],
+    ];
+    let error = exchange::offer(
+        &layout,
+        N,
+        &[vec![10, 11, 12, 13, 14, 15, 16], vec![0, 0, 0, 0, 7, 7, 9]],
+    )
+    .unwrap_err();
+    assert_eq!(
+        error,
+        ExchangeError::DuplicateBlock {
+            group: 1,
+            kind: "sliding_window",
+            leg: exchange::Leg::Prefill,
+            block: 7,
+            first: 4,
+            second: 5,
+        }
+    );
+    assert_eq!(
+        error.to_string(),
+        "group 1 (sliding_window): prefill leg holds block 7 at both position 4 and 5"
+    );
+    let mut twice = decode.clone();
+    twice[0][6] = 101;
+    assert!(matches!(
+        exchange::need(&layout, N, &twice, &[]),
+        Err(ExchangeError::DuplicateBlock {
+            group: 0,
+            leg: exchange::Leg::Decode,
+            block: 101,
+            first: 0,
+            second: 6,
+            ..
+        })
+    ));
+    // Out of order but distinct is fine: the allocator may hand out any free ids.
+    let mut shuffled = decode;
+    shuffled[0].swap(0, 3);
+    assert!(exchange::need(&layout, N, &shuffled, &[]).is_ok());
+}
+
 fn layout_strategy() -> impl Strategy<Value = KvLayout> {
     (
-        1u32..=96,
-        1u32..=400,
+        prop_oneof![Just(1u32), 1u32..=8, 1u32..=96],
+        prop_oneof![Just(1u32), 1u32..=8, 1u32..=400],
         prop::sample::select(vec![1u32, 2, 4]),
-        1u32..=96,
+        prop_oneof![Just(1u32), 1u32..=8, 1u32..=96],
     )
         .prop_map(|(block_size, window, dcp, window_block_size)| {
             KvLayout::one_layer_per_group(vec![
@@ -271,6 +478,45 @@ fn layout_strategy() -> impl Strategy<Value = KvLayout> {
             ])
             .unwrap()
         })
+}
+
+/// Prompt lengths weighted toward the edges of `layout`: N = 1, N within one block, block
+/// boundaries of the full group (`N = q * B_eff + r` for r in 0..=2, so `(N - 1) % B_eff == 0`
+/// occurs), N <= W, the window's start on a block boundary or a block's last token
+/// (`N - W = 0, 1, B - 1 mod B`), and anything up to 9000.
+fn prompt_strategy(layout: &KvLayout) -> BoxedStrategy<u64> {
+    let full_block = layout.groups()[0].effective_block_size();
+    let window_spec = layout.groups()[1];
+    let window_block = window_spec.effective_block_size();
+    let window = u64::from(window_spec.kind().window().unwrap_or(1));
+    prop_oneof![
+        Just(1u64),
+        1..=full_block,
+        (0u64..=60, 0u64..=2).prop_map(move |(q, r)| (q * full_block + r).max(1)),
+        1..=window,
+        (0u64..=20, prop::sample::select(vec![0, 1, window_block - 1]))
+            .prop_map(move |(q, r)| window + q * window_block + r),
+        1u64..=9000,
+    ]
+    .boxed()
+}
+
+/// A tail of zero on a leg is a case of its own, not a 1-in-200 draw.
+fn tail_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![Just(0u64), 1u64..=200]
+}
+
+/// A layout with a prompt length drawn for it.
+fn layout_and_prompt() -> impl Strategy<Value = (KvLayout, u64)> {
+    layout_strategy().prop_flat_map(|layout| {
+        let prompt = prompt_strategy(&layout);
+        (Just(layout), prompt)
+    })
+}
+
+/// Fractions of a group's blocks that are prefix hits, none and all included.
+fn hit_fraction() -> impl Strategy<Value = f64> {
+    prop_oneof![Just(0.0f64), Just(1.0f64), 0.0f64..=1.0]
 }
 
 /// Distinct shuffled ids, so a pairing that joined by index could not pass by luck.
@@ -287,31 +533,38 @@ fn id_stream(seed: u64) -> impl Iterator<Item = BlockId> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
-    /// Anchored pairing joins the same absolute position on both legs, covers exactly the needed
-    /// positions minus prefix hits, and never pairs a null block, whatever the tails.
+    /// Anchored pairing joins the same absolute position on both legs, covers exactly the
+    /// positions the definition gives minus prefix hits, and never pairs a null block, whatever
+    /// the tails, and whether the prefill leg computed N tokens or stopped at N - 1.
     #[test]
     fn anchored_pairs_join_equal_positions_and_cover_exactly_the_need(
-        layout in layout_strategy(),
-        num_prompt_tokens in 1u64..=9000,
-        prefill_tail in 0u64..=200,
-        decode_tail in 0u64..=200,
-        cached_fraction in 0.0f64..=1.0,
+        (layout, num_prompt_tokens) in layout_and_prompt(),
+        prefill_tail in tail_strategy(),
+        decode_tail in tail_strategy(),
+        prefill_stops_before_last in any::<bool>(),
+        full_hits in hit_fraction(),
+        window_hits in hit_fraction(),
         mamba_slots in 1usize..=3,
         seed in any::<u64>(),
     ) {
         let mut ids = id_stream(seed);
-        let prefill = make_lists(&layout, num_prompt_tokens, prefill_tail, mamba_slots, &mut ids);
-        let decode = make_lists(&layout, num_prompt_tokens, decode_tail, mamba_slots, &mut ids);
-        let full_blocks = layout.groups()[0].blocks_for_tokens(num_prompt_tokens);
-        let cached = vec![(full_blocks as f64 * cached_fraction) as u64, 0, 0];
+        let computed = num_prompt_tokens - u64::from(prefill_stops_before_last);
+        let prefill = make_lists(&layout, num_prompt_tokens, computed + prefill_tail, mamba_slots, &mut ids);
+        let decode = make_lists(&layout, num_prompt_tokens, num_prompt_tokens + decode_tail, mamba_slots, &mut ids);
+        let hits = |group: usize, fraction: f64| {
+            (decode.blocks[group].len() as f64 * fraction) as u64
+        };
+        let cached = vec![hits(0, full_hits), hits(1, window_hits), 0];
         let offer = exchange::offer(&layout, num_prompt_tokens, &prefill.blocks).unwrap();
         let need = exchange::need(&layout, num_prompt_tokens, &decode.blocks, &cached).unwrap();
         let pairing = exchange::pair(&layout, &offer, &need).unwrap();
         for (group, (spec, pairs)) in layout.groups().iter().zip(&pairing.groups).enumerate() {
-            let range = needed_positions(spec, num_prompt_tokens);
-            let expected: Vec<u64> = (range.start.max(cached[group])..range.end).collect();
+            let expected: Vec<u64> = positions_by_definition(spec, num_prompt_tokens)
+                .into_iter()
+                .filter(|&position| position >= cached[group])
+                .collect();
             let mut joined = Vec::new();
             for pair in pairs {
                 prop_assert_ne!(pair.remote, NULL_BLOCK);
@@ -319,56 +572,80 @@ proptest! {
                 let remote = prefill.positions[group][&pair.remote];
                 let local = decode.positions[group][&pair.local];
                 prop_assert_eq!(remote, local, "group {} joined different positions", group);
+                prop_assert_eq!(remote, pair.remote_position);
                 joined.push(local);
             }
             prop_assert_eq!(joined, expected, "group {}", group);
         }
     }
 
-    /// A needed prefill block lost to the null block is refused, never paired around.
+    /// A needed block lost to the null block, on either attention group, is refused, never
+    /// paired around.
     #[test]
     fn a_needed_null_is_refused(
-        layout in layout_strategy(),
-        num_prompt_tokens in 1u64..=9000,
+        (layout, num_prompt_tokens) in layout_and_prompt(),
+        group in 0usize..=1,
         pick in any::<prop::sample::Index>(),
         seed in any::<u64>(),
     ) {
+        let positions = positions_by_definition(&layout.groups()[group], num_prompt_tokens);
+        prop_assume!(!positions.is_empty());
         let mut ids = id_stream(seed);
-        let mut prefill = make_lists(&layout, num_prompt_tokens, 0, 1, &mut ids);
-        let range = needed_positions(&layout.groups()[1], num_prompt_tokens);
-        let position = range.start + pick.index((range.end - range.start) as usize) as u64;
-        prefill.blocks[1][position as usize] = NULL_BLOCK;
+        let mut prefill = make_lists(&layout, num_prompt_tokens, num_prompt_tokens, 1, &mut ids);
+        let position = positions[pick.index(positions.len())];
+        prefill.blocks[group][position as usize] = NULL_BLOCK;
         let error = exchange::offer(&layout, num_prompt_tokens, &prefill.blocks).unwrap_err();
-        prop_assert!(matches!(error, ExchangeError::NullAtNeededPosition { group: 1, position: p, .. } if p == position), "{}", error);
+        prop_assert!(matches!(error, ExchangeError::NullAtNeededPosition { group: g, position: p, .. } if p == position && g == group), "{}", error);
     }
 
-    /// With no tail on either leg and no prefix hit, legacy pairing equals anchored pairing apart
-    /// from null-to-null pairs below the window ("no change when both legs hold the same number
-    /// of blocks").
+    /// A prefill leg that holds one block fewer than the last needed position is refused.
+    #[test]
+    fn a_prefill_list_ending_before_the_need_is_refused(
+        (layout, num_prompt_tokens) in layout_and_prompt(),
+        seed in any::<u64>(),
+    ) {
+        let positions = positions_by_definition(&layout.groups()[0], num_prompt_tokens);
+        prop_assume!(!positions.is_empty());
+        let mut ids = id_stream(seed);
+        let mut prefill = make_lists(&layout, num_prompt_tokens, num_prompt_tokens, 1, &mut ids);
+        let end = positions.last().unwrap() + 1;
+        prefill.blocks[0].truncate(end as usize - 1);
+        let error = exchange::offer(&layout, num_prompt_tokens, &prefill.blocks).unwrap_err();
+        prop_assert!(matches!(error, ExchangeError::ListTooShort { group: 0, needed, .. } if needed == end), "{}", error);
+    }
+
+    /// With no tail on either leg and no prefix hit, legacy pairing equals anchored pairing on
+    /// every position the decode leg uses ("no change when both legs hold the same number of
+    /// blocks"); beyond them legacy reads only null-to-null pairs and the last prompt block, which
+    /// the decode leg recomputes.
     #[test]
     fn legacy_equals_anchored_without_tails(
-        layout in layout_strategy(),
-        num_prompt_tokens in 1u64..=9000,
+        (layout, num_prompt_tokens) in layout_and_prompt(),
         seed in any::<u64>(),
     ) {
         let mut ids = id_stream(seed);
-        let prefill = make_lists(&layout, num_prompt_tokens, 0, 1, &mut ids);
-        let decode = make_lists(&layout, num_prompt_tokens, 0, 1, &mut ids);
+        let prefill = make_lists(&layout, num_prompt_tokens, num_prompt_tokens, 1, &mut ids);
+        let decode = make_lists(&layout, num_prompt_tokens, num_prompt_tokens, 1, &mut ids);
         let offer = exchange::offer(&layout, num_prompt_tokens, &prefill.blocks).unwrap();
         let need = exchange::need(&layout, num_prompt_tokens, &decode.blocks, &[]).unwrap();
         let anchored = exchange::pair(&layout, &offer, &need).unwrap();
         let legacy = exchange::legacy_pair(&layout, &prefill.blocks, &decode.blocks, 1).unwrap();
-        for (group, (anchored, legacy)) in anchored.groups.iter().zip(&legacy.groups).enumerate() {
-            let legacy_real: Vec<_> = legacy
-                .iter()
-                .filter(|pair| !(pair.remote == NULL_BLOCK && pair.local == NULL_BLOCK))
-                .collect();
+        for (group, (spec, (anchored, legacy))) in layout.groups().iter().zip(anchored.groups.iter().zip(&legacy.groups)).enumerate() {
+            let used = positions_by_definition(spec, num_prompt_tokens);
+            let last_prompt_block = (num_prompt_tokens - 1) / spec.effective_block_size();
             for pair in legacy.iter().filter(|pair| pair.remote == NULL_BLOCK || pair.local == NULL_BLOCK) {
                 prop_assert!(pair.remote == pair.local, "group {}: legacy paired null with a real block", group);
             }
-            prop_assert_eq!(legacy_real.len(), anchored.len(), "group {}", group);
-            for (legacy, anchored) in legacy_real.iter().zip(anchored) {
+            let (legacy_used, legacy_rest): (Vec<&BlockPair>, Vec<&BlockPair>) = legacy
+                .iter()
+                .filter(|pair| pair.remote != NULL_BLOCK)
+                .partition(|pair| used.contains(&pair.local_position));
+            prop_assert_eq!(legacy_used.len(), anchored.len(), "group {}", group);
+            for (legacy, anchored) in legacy_used.iter().zip(anchored) {
                 prop_assert_eq!(**legacy, *anchored, "group {}", group);
+            }
+            for pair in legacy_rest {
+                prop_assert_eq!(pair.local_position, last_prompt_block, "group {}", group);
             }
         }
     }
