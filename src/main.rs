@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod certs_cmd;
+mod errors;
 mod gpus_cmd;
 mod plan_cmd;
 mod sweep_cmd;
@@ -53,14 +54,16 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", errors::render(&error));
             ExitCode::FAILURE
         }
     }
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `warn`).
+/// Logs to stderr, filtered by `RUST_LOG` (default `warn`); colours only when stderr is a
+/// terminal, so log files and pipes get plain text.
 fn init_tracing() {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::builder()
         .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
@@ -68,5 +71,6 @@ fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }

@@ -52,25 +52,33 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         (Err(error), true) => {
-            println!("{}", json!({ "error": format!("{error:#}") }));
+            println!("{}", json!({ "error": crate::errors::render(&error) }));
             Ok(ExitCode::FAILURE)
         }
         (Err(error), false) => Err(error),
     }
 }
 
+/// Largest scenario read, from a file or standard input (64 MiB); a larger one is refused, never
+/// cut silently.
+pub const MAX_SCENARIO_BYTES: u64 = 64 << 20;
+
 fn load(args: &PlanArgs) -> anyhow::Result<Scenario> {
+    let from_stdin =
+        || read_bounded(std::io::stdin().lock()).context("cannot read scenario from standard input");
     let (name, text) = match args.scenario.as_deref() {
-        None => ("<stdin>".to_string(), read_stdin()?),
-        Some(path) if path.as_os_str() == "-" => ("<stdin>".to_string(), read_stdin()?),
-        Some(path) => (
-            path.display().to_string(),
-            std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read scenario {}", path.display()))?,
-        ),
+        None => ("<stdin>".to_string(), from_stdin()?),
+        Some(path) if path.as_os_str() == "-" => ("<stdin>".to_string(), from_stdin()?),
+        Some(path) => {
+            let file = std::fs::File::open(path)
+                .with_context(|| format!("cannot read scenario {}", path.display()))?;
+            let text =
+                read_bounded(file).with_context(|| format!("cannot read scenario {}", path.display()))?;
+            (path.display().to_string(), text)
+        }
     };
     let mut deserializer = serde_json::Deserializer::from_str(&text);
-    let file: ScenarioFile = serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
+    let at = |error: serde_path_to_error::Error<serde_json::Error>| {
         let path = error.path().to_string();
         let inner = error.into_inner();
         if path == "." {
@@ -78,7 +86,12 @@ fn load(args: &PlanArgs) -> anyhow::Result<Scenario> {
         } else {
             anyhow::anyhow!("{name}: {path}: {inner}")
         }
-    })?;
+    };
+    let file: ScenarioFile = serde_path_to_error::deserialize(&mut deserializer).map_err(at)?;
+    // One scenario per input: anything after it (but white space) is a mistake, not ignored.
+    deserializer
+        .end()
+        .map_err(|error| anyhow::anyhow!("{name}: after the scenario: {error}"))?;
     let mut scenario = file
         .validate()
         .with_context(|| format!("{name}: invalid scenario"))?;
@@ -88,13 +101,19 @@ fn load(args: &PlanArgs) -> anyhow::Result<Scenario> {
     Ok(scenario)
 }
 
-fn read_stdin() -> anyhow::Result<String> {
-    let mut text = String::new();
-    std::io::stdin()
-        .take(64 << 20)
-        .read_to_string(&mut text)
-        .context("cannot read scenario from standard input")?;
-    Ok(text)
+/// Reads all of `source` as UTF-8, refusing more than [`MAX_SCENARIO_BYTES`].
+fn read_bounded(source: impl Read) -> anyhow::Result<String> {
+    let mut bytes = Vec::new();
+    source
+        .take(MAX_SCENARIO_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .context("read failed")?;
+    if bytes.len() as u64 > MAX_SCENARIO_BYTES {
+        anyhow::bail!(
+            "scenario is larger than {MAX_SCENARIO_BYTES} bytes (64 MiB), the most pdkv plan reads"
+        );
+    }
+    String::from_utf8(bytes).context("scenario is not UTF-8 text")
 }
 
 /// The `--json` shape: one object per group with its `[remote, local]` pairs.

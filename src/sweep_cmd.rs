@@ -52,6 +52,12 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
             anyhow::bail!("--lengths is required, e.g. --lengths 1..1100 or --lengths 251,377,440")
         }
     };
+    // Refuse before starting the cluster or building a prompt: no length may outgrow the legs.
+    if let Some(&longest) = lengths.iter().max() {
+        config
+            .check_prompt_tokens(longest)
+            .map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
+    }
     let system = actix::System::new();
     system.block_on(async move { sweep_cluster(config, &lengths, &args).await })
 }

@@ -184,9 +184,24 @@ fn malformed_scenarios_are_refused_with_a_clear_error() {
             with(r#""block_size": 4}"#, r#""block_size": 4, "dcp": 0}"#),
             "groups[0]: dcp must be at least 1, got 0",
         ),
+        (
+            with(r#"[[1,2,3], [7,2,3]]"#, r#"[[1,2,2], [7,2,3]]"#),
+            "prefill.blocks[0]: block 2 appears at both index 1 and 2",
+        ),
+        (
+            with(r#"[[4,5,6], [8,5,6]]"#, r#"[[4,5,6], [8,8,6]]"#),
+            "decode.blocks[1]: block 8 appears at both index 0 and 1",
+        ),
+        (format!("{base} {{}}"), "after the scenario: trailing characters"),
+        (
+            format!("{base}garbage"),
+            "after the scenario: trailing characters",
+        ),
         ("{not json".to_string(), "key must be a string"),
         (String::new(), "EOF while parsing"),
     ];
+    // White space after the scenario is fine.
+    assert_eq!(plan(&["--json"], Some(&format!("{base}\n\n"))).0, 0);
     for (scenario, expected) in cases {
         let (code, stdout, stderr) = plan(&["--json"], Some(&scenario));
         assert_eq!(code, 1, "{scenario}\nstdout: {stdout}\nstderr: {stderr}");
@@ -206,5 +221,86 @@ fn missing_file_is_a_clear_error_without_json() {
     assert!(
         stderr.contains("cannot read scenario scenarios/does-not-exist.json"),
         "{stderr}"
+    );
+}
+
+/// An error's cause is printed once, not once per layer of the error chain.
+#[test]
+fn errors_print_their_text_once() {
+    let scenario = r#"{"groups": [{"kind": "full", "block_size": 4, "dcp": 0}], "num_prompt_tokens": 4,
+                       "prefill": {"blocks": [[1]]}, "decode": {"blocks": [[2]]}}"#;
+    let (code, stdout, _) = plan(&["--json"], Some(scenario));
+    assert_eq!(code, 1);
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        json["error"],
+        "<stdin>: invalid scenario: groups[0]: dcp must be at least 1, got 0"
+    );
+    let (code, _, stderr) = plan(&[], Some(scenario));
+    assert_eq!(code, 1);
+    assert_eq!(
+        stderr.trim_end(),
+        "error: <stdin>: invalid scenario: groups[0]: dcp must be at least 1, got 0"
+    );
+}
+
+/// A 100 KB value quoted back by the parser is cut, not echoed whole.
+#[test]
+fn errors_do_not_echo_huge_inputs() {
+    let kind = "z".repeat(100_000);
+    let scenario = format!(
+        r#"{{"groups": [{{"kind": "{kind}", "block_size": 4}}], "num_prompt_tokens": 4,
+             "prefill": {{"blocks": [[1]]}}, "decode": {{"blocks": [[2]]}}}}"#
+    );
+    let (code, stdout, stderr) = plan(&["--json"], Some(&scenario));
+    assert_eq!(code, 1, "{stderr}");
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    let error = json["error"].as_str().unwrap();
+    assert!(
+        error.starts_with("<stdin>: invalid scenario: groups[0]: unknown kind \"zzz"),
+        "{}",
+        &error[..80]
+    );
+    assert!(error.len() < 1200, "{} bytes", error.len());
+    assert!(
+        error.ends_with("more bytes not shown)"),
+        "{}",
+        &error[error.len() - 60..]
+    );
+}
+
+/// More than 64 MiB on standard input is refused with the limit named, not cut silently.
+#[test]
+fn oversized_standard_input_is_refused() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["plan", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("pdkv runs");
+    let mut input = child.stdin.take().expect("stdin is piped");
+    // A valid scenario followed by white space up to one byte past the limit: only the size is
+    // wrong. pdkv may stop reading and exit before all is written, so write errors are expected.
+    let writer = std::thread::spawn(move || {
+        let head = std::fs::read("scenarios/seed-decode-tail.json").unwrap();
+        let _ = input.write_all(&head);
+        let chunk = vec![b' '; 1 << 20];
+        let mut left = (64u64 << 20) + 1 - head.len() as u64;
+        while left > 0 {
+            let len = left.min(chunk.len() as u64) as usize;
+            if input.write_all(&chunk[..len]).is_err() {
+                return;
+            }
+            left -= len as u64;
+        }
+    });
+    let output = child.wait_with_output().expect("pdkv exits");
+    writer.join().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let json: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(
+        json["error"],
+        "cannot read scenario from standard input: scenario is larger than 67108864 bytes (64 MiB), the most pdkv plan reads"
     );
 }

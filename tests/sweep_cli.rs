@@ -90,3 +90,49 @@ fn bad_inputs_are_refused_with_the_key_named() {
     );
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Lengths no leg can hold are refused before the cluster starts or a prompt is built (they
+/// used to panic with `capacity overflow` or grow past 10 GB), and a spec's cap is on the total.
+#[test]
+fn absurd_lengths_are_refused_before_any_work() {
+    for length in [
+        "18446744073709551615",
+        "9223372036854775807",
+        "2305843009213693952",
+        "1000000000",
+        "100000000",
+        "4088",
+    ] {
+        let (code, stdout, stderr) = pdkv(&["sweep", "--lengths", length]);
+        assert_eq!(code, 1, "{length}: {stdout}\n{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "--lengths: prompt of {length} tokens is longer than the cluster's limit of 4087 tokens: node decode-0 holds 4096 token slots (64 blocks of 64 tokens in group 0) and reserves 9 for lookahead"
+            )),
+            "{stderr}"
+        );
+        assert!(stdout.is_empty(), "nothing ran: {stdout}");
+    }
+    let spec = vec!["1..1000001"; 300].join(",");
+    let (code, _, stderr) = pdkv(&["sweep", "--lengths", &spec]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("--lengths: the spec names more than 1000000 lengths in all"),
+        "{stderr}"
+    );
+}
+
+/// Logs written to a pipe or file carry no ANSI colour codes.
+#[test]
+fn logs_to_a_pipe_are_plain_text() {
+    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["sweep", "--lengths", "5"])
+        .env("RUST_LOG", "pdkv_actors=debug")
+        .output()
+        .expect("pdkv runs");
+    assert_eq!(output.status.code(), Some(0));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(stderr.contains("prefilled"), "debug logs reach stderr: {stderr}");
+    assert!(!stderr.contains('\u{1b}'), "colour codes in {stderr:?}");
+}

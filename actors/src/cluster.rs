@@ -29,6 +29,45 @@ use crate::router::{Generate, GenerateDirect, Router};
 use crate::scheduler::{GrantPeer, LegContext, Output, Scheduler};
 use crate::transfer::TransferActor;
 
+/// Where Linux states how many memory mappings one process may hold.
+const MAX_MAP_COUNT_PATH: &str = "/proc/sys/vm/max_map_count";
+
+/// Linux's default `vm.max_map_count`, assumed when the file cannot be read.
+const DEFAULT_MAX_MAP_COUNT: u64 = 65_530;
+
+fn read_max_map_count() -> u64 {
+    std::fs::read_to_string(MAX_MAP_COUNT_PATH)
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(DEFAULT_MAX_MAP_COUNT)
+}
+
+/// Refuses, before any region is created, a shared-memory cluster in one process whose legs
+/// would map more regions than `max_map_count` leaves room for: every leg maps its own regions,
+/// and every decode leg maps every prefill leg's regions read-only.
+pub fn check_map_count(config: &ClusterConfig, max_map_count: u64) -> Result<(), RequestError> {
+    let regions = (config.layout.num_layers() + config.layout.groups().len()) as u64;
+    let prefill = config.nodes_with_role(Role::Prefill).count() as u64;
+    let decode = config.nodes_with_role(Role::Decode).count() as u64;
+    let nodes = config.nodes.len() as u64;
+    let needed = regions * nodes + regions * prefill * decode;
+    // Libraries, heap arenas, and a stack plus guard for each leg's threads.
+    let reserved = 4096 + 16 * nodes;
+    let usable = max_map_count.saturating_sub(reserved);
+    if needed > usable {
+        return Err(RequestError::MapLimit {
+            needed,
+            decode,
+            prefill,
+            regions,
+            limit: max_map_count,
+            reserved,
+            usable,
+        });
+    }
+    Ok(())
+}
+
 /// Handles to one running leg.
 pub struct LegHandle {
     /// The node's configuration.
@@ -65,6 +104,9 @@ struct Built {
 impl LocalCluster {
     /// Starts every leg and the router. Call inside a running actix `System`.
     pub fn start(config: ClusterConfig) -> Result<Self, RequestError> {
+        if config.transport.read_engine == ReadEngineKind::Shm {
+            check_map_count(&config, read_max_map_count())?;
+        }
         let model = Arc::new(Model::new(config.model, config.layout.clone()));
         let fabric = LocalFabric::new();
         let groups = config.layout.groups().len();
@@ -194,6 +236,7 @@ impl LocalCluster {
             prefill_schedulers,
             decode_schedulers,
             Duration::from_millis(config.limits.request_timeout_ms),
+            config.prompt_limit(),
             config.limits.mailbox,
         )
         .start();
@@ -285,5 +328,48 @@ impl LocalCluster {
         for arbiter in self.arbiters {
             let _ = arbiter.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DEFAULT_CLUSTER_TOML;
+
+    fn cluster(prefill: usize, decode: usize) -> ClusterConfig {
+        let base = DEFAULT_CLUSTER_TOML;
+        let mut text = base[..base.find("[[nodes]]").unwrap()].to_string();
+        for (role, count) in [("prefill", prefill), ("decode", decode)] {
+            for index in 0..count {
+                text.push_str(&format!(
+                    "[[nodes]]\nname = \"{role}-{index}\"\nrole = \"{role}\"\nblocks_per_group = 8\n"
+                ));
+            }
+        }
+        ClusterConfig::from_toml(&text).unwrap()
+    }
+
+    /// 4 layers + 2 generation tables = 6 regions a leg. 112 x 112 legs need
+    /// 6 * 224 + 6 * 112 * 112 = 76 608 mappings, more than Linux's default 65 530 allows; 96 x 96
+    /// need 56 448, which fit (and run: `pdkv sweep` on such a cluster was tried by hand).
+    #[test]
+    fn shm_clusters_beyond_max_map_count_are_refused_with_the_limit_named() {
+        assert!(check_map_count(&cluster(1, 1), 65_530).is_ok());
+        assert!(check_map_count(&cluster(96, 96), 65_530).is_ok());
+        let error = check_map_count(&cluster(112, 112), 65_530).unwrap_err();
+        assert_eq!(
+            error,
+            RequestError::MapLimit {
+                needed: 76_608,
+                decode: 112,
+                prefill: 112,
+                regions: 6,
+                limit: 65_530,
+                reserved: 4096 + 16 * 224,
+                usable: 65_530 - 4096 - 16 * 224,
+            }
+        );
+        assert!(error.to_string().contains("vm.max_map_count = 65530"), "{error}");
+        assert!(check_map_count(&cluster(112, 112), 1 << 20).is_ok());
     }
 }

@@ -290,16 +290,22 @@ impl ClusterConfig {
                     node.name
                 )));
             }
+            if RESERVED_NODE_NAMES.contains(&node.name.as_str()) {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].name: {:?} is reserved (pdkv certs init writes the cluster CA as ca.pem and ca.key)",
+                    node.name
+                )));
+            }
             if !names.insert(node.name.clone()) {
                 return Err(ConfigError::Invalid(format!(
                     "nodes[{index}].name: duplicate node name {:?}",
                     node.name
                 )));
             }
-            let leg_bytes = leg_kv_bytes(&layout, u64::from(file.model.d_model), node.blocks_per_group);
+            let leg_bytes = leg_memory_bytes(&layout, u64::from(file.model.d_model), node.blocks_per_group);
             if leg_bytes.is_none_or(|bytes| bytes > limits.max_leg_bytes) {
                 return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].blocks_per_group: {} blocks per group need {} of KV memory, above limits.max_leg_bytes ({} bytes)",
+                    "nodes[{index}].blocks_per_group: {} blocks per group need {} of KV memory and block bookkeeping, above limits.max_leg_bytes ({} bytes)",
                     node.blocks_per_group,
                     leg_bytes.map_or("more than 2^64 bytes".to_string(), |bytes| format!(
                         "{bytes} bytes"
@@ -310,6 +316,13 @@ impl ClusterConfig {
             if node.blocks_per_group == 0 {
                 return Err(ConfigError::Invalid(format!(
                     "nodes[{index}].blocks_per_group: must be at least 1"
+                )));
+            }
+            let capacity = token_capacity(&layout, node.blocks_per_group);
+            if node.lookahead_tokens >= capacity.tokens {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].lookahead_tokens: {} tokens leave no room for a prompt: the node holds {}",
+                    node.lookahead_tokens, capacity
                 )));
             }
             if node.role == Role::Decode && node.prefill_tokens.is_some() {
@@ -359,7 +372,126 @@ impl ClusterConfig {
     pub fn nodes_with_role(&self, role: Role) -> impl Iterator<Item = &NodeConfig> {
         self.nodes.iter().filter(move |node| node.role == role)
     }
+
+    /// The longest prompt every node can hold with its lookahead tail, and the node that sets it.
+    /// A longer prompt could never be served, so it is refused before any work. A prefill node
+    /// with `prefill_tokens = "all_but_last"` holds one prompt token fewer.
+    pub fn prompt_limit(&self) -> PromptLimit {
+        self.nodes
+            .iter()
+            .map(|node| {
+                let capacity = token_capacity(&self.layout, node.blocks_per_group);
+                let skips_last =
+                    node.role == Role::Prefill && node.prefill_tokens == PrefillTokens::AllButLast;
+                PromptLimit {
+                    // Checked at load: lookahead < capacity.
+                    max_tokens: capacity.tokens - node.lookahead_tokens + u64::from(skips_last),
+                    node: node.name.clone(),
+                    capacity,
+                    lookahead_tokens: node.lookahead_tokens,
+                }
+            })
+            .min_by_key(|limit| limit.max_tokens)
+            // Checked at load: at least one prefill and one decode node.
+            .expect("a cluster has nodes")
+    }
+
+    /// Refuses a prompt length no node could hold, saying which node limits it and why.
+    pub fn check_prompt_tokens(&self, num_prompt_tokens: u64) -> Result<(), PromptTooLong> {
+        let limit = self.prompt_limit();
+        if num_prompt_tokens > limit.max_tokens {
+            return Err(PromptTooLong {
+                num_prompt_tokens,
+                limit,
+            });
+        }
+        Ok(())
+    }
 }
+
+/// The longest prompt the reference engine takes whatever the memory: it computes token by token
+/// with O(N^2) attention, so longer prompts would run for hours.
+pub const MAX_PROMPT_TOKENS: u64 = 1 << 20;
+
+/// How many tokens one node can hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenCapacity {
+    /// Token slots (prompt plus lookahead) a request can have on the node.
+    pub tokens: u64,
+    /// The group that bounds it (`None`: the reference engine's [`MAX_PROMPT_TOKENS`]).
+    pub group: Option<usize>,
+    /// Blocks per group.
+    pub blocks: u32,
+    /// Tokens per block of that group.
+    pub block_tokens: u64,
+}
+
+impl std::fmt::Display for TokenCapacity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.group {
+            Some(group) => write!(
+                f,
+                "{} token slots ({} blocks of {} tokens in group {group})",
+                self.tokens, self.blocks, self.block_tokens
+            ),
+            None => write!(f, "{} token slots (the reference engine's limit)", self.tokens),
+        }
+    }
+}
+
+/// Token slots a node with `blocks` blocks per group holds: the smallest attention group's
+/// `blocks * B_eff`, at most [`MAX_PROMPT_TOKENS`] (mamba groups hold a state, not tokens).
+pub fn token_capacity(layout: &KvLayout, blocks: u32) -> TokenCapacity {
+    let engine_limit = TokenCapacity {
+        tokens: MAX_PROMPT_TOKENS,
+        group: None,
+        blocks,
+        block_tokens: 0,
+    };
+    layout
+        .groups()
+        .iter()
+        .enumerate()
+        .filter(|(_, spec)| spec.kind() != pdkv_core::layout::GroupKind::Mamba)
+        .map(|(group, spec)| TokenCapacity {
+            tokens: u64::from(blocks) * spec.effective_block_size(),
+            group: Some(group),
+            blocks,
+            block_tokens: spec.effective_block_size(),
+        })
+        .chain(std::iter::once(engine_limit))
+        .min_by_key(|capacity| capacity.tokens)
+        .unwrap_or(engine_limit)
+}
+
+/// The longest prompt a cluster serves and where that limit comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptLimit {
+    /// Longest prompt, in tokens.
+    pub max_tokens: u64,
+    /// The node that sets the limit.
+    pub node: NodeId,
+    /// That node's token capacity.
+    pub capacity: TokenCapacity,
+    /// That node's lookahead tail.
+    pub lookahead_tokens: u64,
+}
+
+/// A prompt longer than any node of the cluster can hold.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "prompt of {num_prompt_tokens} tokens is longer than the cluster's limit of {} tokens: node {} holds {} and reserves {} for lookahead",
+    limit.max_tokens, limit.node, limit.capacity, limit.lookahead_tokens
+)]
+pub struct PromptTooLong {
+    /// Prompt length asked for.
+    pub num_prompt_tokens: u64,
+    /// The limit it exceeds.
+    pub limit: PromptLimit,
+}
+
+/// Names a node may not take: `pdkv certs init` writes files under these names.
+pub const RESERVED_NODE_NAMES: &[&str] = &["ca"];
 
 /// Most nodes one cluster.toml may describe.
 const MAX_NODES: usize = 256;
@@ -378,11 +510,20 @@ fn reference_weight_count(layout: &KvLayout, d_model: u64, vocab: u64) -> Option
     vocab.checked_mul(d_model)?.checked_mul(2)?.checked_add(layers)
 }
 
-/// KV bytes a leg registers: every layer's region of `blocks + 1` blocks (the same sizes as
-/// `engine::Model::bytes_per_block`), plus the generation tables; `None` on overflow.
-fn leg_kv_bytes(layout: &KvLayout, d_model: u64, blocks: u32) -> Option<u64> {
+/// Bookkeeping the allocator keeps per block of each group: reference count, generation, prefix
+/// hash, LRU tick, free-set and cache-map entries. Measured at 117 bytes per block with every
+/// block cached (the worst case); rounded up.
+pub const ALLOCATOR_BYTES_PER_BLOCK: u64 = 128;
+
+/// Memory a leg needs for `blocks` blocks per group: every layer's region of `blocks + 1` blocks
+/// (the same sizes as `engine::Model::bytes_per_block`), the generation tables, and the
+/// allocator's bookkeeping; `None` on overflow.
+pub fn leg_memory_bytes(layout: &KvLayout, d_model: u64, blocks: u32) -> Option<u64> {
     let blocks = u64::from(blocks) + 1;
-    let mut total = blocks.checked_mul(4)?.checked_mul(layout.groups().len() as u64)?;
+    let per_group_block = 4 + ALLOCATOR_BYTES_PER_BLOCK;
+    let mut total = blocks
+        .checked_mul(per_group_block)?
+        .checked_mul(layout.groups().len() as u64)?;
     for &group in layout.layer_groups() {
         let spec = layout.groups()[group];
         let block_bytes = match spec.kind() {
@@ -492,6 +633,18 @@ mod tests {
                 "nodes[0].blocks_per_group: 4000000000 blocks per group need",
             ),
             (
+                with("lookahead_tokens = 9", "lookahead_tokens = 18446744073709551566"),
+                "nodes[1].lookahead_tokens: 18446744073709551566 tokens leave no room for a prompt: the node holds 4096 token slots (64 blocks of 64 tokens in group 0)",
+            ),
+            (
+                with("lookahead_tokens = 9", "lookahead_tokens = 4096"),
+                "nodes[1].lookahead_tokens: 4096 tokens leave no room for a prompt",
+            ),
+            (
+                with("name = \"decode-0\"", "name = \"ca\""),
+                "nodes[1].name: \"ca\" is reserved",
+            ),
+            (
                 with("vocab = 256", "vocab = 4000000000"),
                 "needs more than the reference engine's",
             ),
@@ -530,5 +683,52 @@ mod tests {
             let error = ClusterConfig::from_toml(&text).unwrap_err().to_string();
             assert!(error.contains(expected), "{error:?} should contain {expected:?}");
         }
+    }
+
+    /// The allocator's per-block bookkeeping counts against `max_leg_bytes`: one byte-sized
+    /// block of a one-float model is 8 bytes of KV, but 700 million of them also need 90 GB of
+    /// bookkeeping, so the node is refused at load instead of aborting at 7 GB RSS.
+    #[test]
+    fn block_bookkeeping_counts_against_max_leg_bytes() {
+        let text = |blocks: u32| {
+            format!(
+                "[model]\nseed = 1\nd_model = 1\nvocab = 2\nlayer_groups = [0]\n\
+                 [[model.groups]]\nkind = \"full\"\nblock_size = 1\n\
+                 [[nodes]]\nname = \"p\"\nrole = \"prefill\"\nblocks_per_group = {blocks}\n\
+                 [[nodes]]\nname = \"d\"\nrole = \"decode\"\nblocks_per_group = 8\n"
+            )
+        };
+        let error = ClusterConfig::from_toml(&text(700_000_000))
+            .unwrap_err()
+            .to_string();
+        let expected = (700_000_000u64 + 1) * (8 + 4 + ALLOCATOR_BYTES_PER_BLOCK);
+        assert_eq!(
+            error,
+            format!(
+                "cluster.toml: nodes[0].blocks_per_group: 700000000 blocks per group need {expected} bytes of KV memory and block bookkeeping, above limits.max_leg_bytes (8589934592 bytes)"
+            )
+        );
+        assert!(ClusterConfig::from_toml(&text(1000)).is_ok());
+    }
+
+    /// The shipped cluster serves prompts up to 4096 - 9 tokens: the decode leg's 64 blocks of
+    /// 64 tokens, minus its 9-token lookahead.
+    #[test]
+    fn prompt_limit_names_the_node_that_sets_it() {
+        let config = ClusterConfig::embedded_default();
+        assert_eq!(config.prompt_limit().max_tokens, 4087);
+        assert!(config.check_prompt_tokens(4087).is_ok());
+        let error = config.check_prompt_tokens(u64::MAX).unwrap_err();
+        assert_eq!(error.num_prompt_tokens, u64::MAX);
+        assert_eq!(
+            error.to_string(),
+            "prompt of 18446744073709551615 tokens is longer than the cluster's limit of 4087 tokens: node decode-0 holds 4096 token slots (64 blocks of 64 tokens in group 0) and reserves 9 for lookahead"
+        );
+        let mamba_only = "[model]\nseed = 1\nd_model = 2\nvocab = 4\nlayer_groups = [0]\n\
+            [[model.groups]]\nkind = \"mamba\"\n\
+            [[nodes]]\nname = \"p\"\nrole = \"prefill\"\nblocks_per_group = 2\n\
+            [[nodes]]\nname = \"d\"\nrole = \"decode\"\nblocks_per_group = 2\n";
+        let config = ClusterConfig::from_toml(mamba_only).unwrap();
+        assert_eq!(config.prompt_limit().max_tokens, MAX_PROMPT_TOKENS);
     }
 }

@@ -7,6 +7,7 @@ use pdkv_core::grant::GrantError;
 use pdkv_core::plan::PlanError;
 use pdkv_transport::engine::EngineError as ReadEngineError;
 
+use crate::config::PromptTooLong;
 use crate::engine::EngineError;
 
 /// Why a request failed. Every variant says which step and what was wrong; none is retried
@@ -16,6 +17,17 @@ pub enum RequestError {
     /// A prompt must hold at least one token.
     #[error("empty prompt: at least one token is required")]
     EmptyPrompt,
+    /// No node of the cluster can hold the prompt with its lookahead tail.
+    #[error(transparent)]
+    PromptTooLong(#[from] PromptTooLong),
+    /// A prompt plus the leg's lookahead tail does not fit in 64 bits of token slots.
+    #[error("{tokens} prompt tokens plus {lookahead_tokens} lookahead tokens overflow the slot count")]
+    SlotOverflow {
+        /// Prompt tokens the leg computes.
+        tokens: u64,
+        /// The leg's lookahead.
+        lookahead_tokens: u64,
+    },
     /// The allocator refused.
     #[error("allocation failed: {0}")]
     Alloc(#[from] AllocError),
@@ -83,6 +95,26 @@ pub enum RequestError {
     /// The request names a node the cluster does not know.
     #[error("unknown node {0}")]
     UnknownNode(String),
+    /// An in-process cluster on shared memory would map more regions than the kernel allows.
+    #[error(
+        "read_engine = \"shm\" in one process needs {needed} memory mappings ({decode} decode legs x {prefill} prefill legs x {regions} regions, plus each leg's own {regions}), more than the {usable} that vm.max_map_count = {limit} leaves after {reserved} for the rest of the process: use fewer nodes, read_engine = \"local\", or raise vm.max_map_count"
+    )]
+    MapLimit {
+        /// Mappings the cluster needs.
+        needed: u64,
+        /// Decode legs.
+        decode: u64,
+        /// Prefill legs.
+        prefill: u64,
+        /// Regions per leg (layers and generation tables).
+        regions: u64,
+        /// `vm.max_map_count`.
+        limit: u64,
+        /// Mappings kept for libraries, thread stacks and heap.
+        reserved: u64,
+        /// What is left for KV regions.
+        usable: u64,
+    },
     /// The KV parameters do not fit this decode leg.
     #[error("bad kv params: {0}")]
     BadParams(String),

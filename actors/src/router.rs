@@ -11,6 +11,7 @@ use std::time::Duration;
 use actix::{Actor, Addr, Context, Handler, Message, ResponseFuture};
 use pdkv_core::wire::{NodeId, RequestId};
 
+use crate::config::{PromptLimit, PromptTooLong};
 use crate::error::{RequestError, ask};
 use crate::scheduler::{Decode, Direct, Output, Prefill, Scheduler};
 
@@ -22,9 +23,26 @@ pub struct RouterContext {
     next_prefill: AtomicUsize,
     next_decode: AtomicUsize,
     request_timeout: Duration,
+    prompt_limit: PromptLimit,
 }
 
 impl RouterContext {
+    /// Refuses a prompt no leg can hold before any leg does work for it.
+    fn check_prompt(&self, prompt: &[u32]) -> Result<(), RequestError> {
+        let num_prompt_tokens = prompt.len() as u64;
+        if num_prompt_tokens == 0 {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if num_prompt_tokens > self.prompt_limit.max_tokens {
+            return Err(PromptTooLong {
+                num_prompt_tokens,
+                limit: self.prompt_limit.clone(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
     fn pick(legs: &[(NodeId, Addr<Scheduler>)], next: &AtomicUsize) -> Option<(NodeId, Addr<Scheduler>)> {
         if legs.is_empty() {
             return None;
@@ -34,6 +52,7 @@ impl RouterContext {
     }
 
     async fn generate(&self, prompt: Arc<[u32]>, max_tokens: u32) -> Result<Output, RequestError> {
+        self.check_prompt(&prompt)?;
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let (prefill_node, prefill) = Self::pick(&self.prefill, &self.next_prefill)
             .ok_or_else(|| RequestError::UnknownNode("no prefill leg".into()))?;
@@ -68,6 +87,7 @@ impl RouterContext {
         max_tokens: u32,
         node: Option<NodeId>,
     ) -> Result<Output, RequestError> {
+        self.check_prompt(&prompt)?;
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
         let scheduler = match node {
             Some(node) => self
@@ -109,6 +129,7 @@ impl Router {
         prefill: Vec<(NodeId, Addr<Scheduler>)>,
         decode: Vec<(NodeId, Addr<Scheduler>)>,
         request_timeout: Duration,
+        prompt_limit: PromptLimit,
         mailbox: usize,
     ) -> Self {
         Router {
@@ -119,6 +140,7 @@ impl Router {
                 next_prefill: AtomicUsize::new(0),
                 next_decode: AtomicUsize::new(0),
                 request_timeout,
+                prompt_limit,
             }),
             mailbox,
         }

@@ -147,6 +147,16 @@ impl LegContext {
         }
     }
 
+    /// Token slots a request of `tokens` computed tokens holds here: plus the lookahead tail.
+    fn slots_for(&self, tokens: u64) -> Result<u64, RequestError> {
+        tokens
+            .checked_add(self.lookahead_tokens)
+            .ok_or(RequestError::SlotOverflow {
+                tokens,
+                lookahead_tokens: self.lookahead_tokens,
+            })
+    }
+
     fn has_window_groups(&self) -> bool {
         self.model
             .layout()
@@ -167,7 +177,7 @@ impl LegContext {
             return Err(RequestError::EmptyPrompt);
         }
         // A request holds at least one slot, even a one-token prompt computed up to N - 1 = 0.
-        let slots = (self.prefill_tokens.computed(num_tokens) + self.lookahead_tokens).max(1);
+        let slots = self.slots_for(self.prefill_tokens.computed(num_tokens))?.max(1);
         let allocation = self.allocate(request, &prompt, slots, None).await?;
         let result = self.prefill_allocated(request, &prompt, peer, &allocation).await;
         // The request's own hold ends here; granted blocks stay pinned until released or expired.
@@ -261,7 +271,7 @@ impl LegContext {
                 .allocate(
                     request,
                     &prompt,
-                    num_tokens + self.lookahead_tokens,
+                    self.slots_for(num_tokens)?,
                     Some(num_tokens - 1),
                 )
                 .await?;
@@ -283,6 +293,7 @@ impl LegContext {
                 return Err(error);
             }
         };
+        // The allocation above succeeded with this many slots, so the sum did not overflow.
         let slots = num_tokens + self.lookahead_tokens;
         let generated = self
             .generate(
@@ -443,7 +454,7 @@ impl LegContext {
         if num_tokens == 0 {
             return Err(RequestError::EmptyPrompt);
         }
-        let slots = num_tokens + self.lookahead_tokens;
+        let slots = self.slots_for(num_tokens)?;
         let allocation = self.allocate(request, &prompt, slots, None).await?;
         let result = async {
             for (position, &token) in prompt.iter().enumerate().take(prompt.len() - 1) {

@@ -30,9 +30,14 @@ pub fn demo_lengths() -> Vec<u64> {
     (0..102u64).map(|i| 1 + i * 1100 / 101).collect()
 }
 
-/// Parses `SPEC`: comma-separated lengths and inclusive-exclusive ranges `a..b` (or `a..=b`).
+/// Most prompt lengths one spec may name in all (8 MB of lengths).
+pub const MAX_LENGTHS: u64 = 1_000_000;
+
+/// Parses `SPEC`: comma-separated lengths and inclusive-exclusive ranges `a..b` (or `a..=b`),
+/// at most [`MAX_LENGTHS`] lengths in all.
 pub fn parse_lengths(spec: &str) -> Result<Vec<u64>, String> {
     let mut lengths = Vec::new();
+    let too_many = || format!("the spec names more than {MAX_LENGTHS} lengths in all");
     for part in spec.split(',').map(str::trim).filter(|part| !part.is_empty()) {
         let range: Option<RangeInclusive<u64>> = if let Some((a, b)) = part.split_once("..=") {
             Some(parse_one(a)?..=parse_one(b)?)
@@ -50,12 +55,18 @@ pub fn parse_lengths(spec: &str) -> Result<Vec<u64>, String> {
                 if range.is_empty() {
                     return Err(format!("range {part:?} is empty"));
                 }
-                if range.end() - range.start() >= 1_000_000 {
-                    return Err(format!("range {part:?} holds more than 1000000 lengths"));
+                let count = range.end() - range.start() + 1;
+                if count > MAX_LENGTHS - lengths.len() as u64 {
+                    return Err(too_many());
                 }
                 lengths.extend(range);
             }
-            None => lengths.push(parse_one(part)?),
+            None => {
+                if lengths.len() as u64 >= MAX_LENGTHS {
+                    return Err(too_many());
+                }
+                lengths.push(parse_one(part)?);
+            }
         }
     }
     if lengths.is_empty() {
@@ -75,9 +86,14 @@ fn parse_one(text: &str) -> Result<u64, String> {
         .map_err(|_| format!("{text:?} is not a prompt length (a whole number)"))
 }
 
-/// Runs one length P/D and direct on `cluster` and compares.
+/// Runs one length P/D and direct on `cluster` and compares. A length no node can hold fails
+/// before its prompt is built.
 pub async fn compare(cluster: &LocalCluster, prompt_len: u64, max_tokens: u32) -> Comparison {
+    if let Err(error) = cluster.config().check_prompt_tokens(prompt_len) {
+        return judge(prompt_len, Err(error.clone().into()), Err(error.into()));
+    }
     let params = cluster.config().model;
+    // Bounded by the check above (at most MAX_PROMPT_TOKENS), so it fits in usize.
     let prompt = prompt_tokens(params.seed, prompt_len as usize, params.vocab);
     let pd = cluster.generate(prompt.clone(), max_tokens).await;
     let direct = cluster.direct(prompt, max_tokens, None).await;
@@ -150,6 +166,26 @@ mod tests {
             "prompt length 0 at entry 0: lengths must be at least 1"
         );
         assert_eq!(parse_lengths("").unwrap_err(), "no prompt lengths given");
+        assert_eq!(
+            parse_lengths("18446744073709551616").unwrap_err(),
+            "\"18446744073709551616\" is not a prompt length (a whole number)"
+        );
+        assert_eq!(parse_lengths("1..1000001").unwrap().len(), 1_000_000);
+        assert_eq!(
+            parse_lengths("1..1000002").unwrap_err(),
+            "the spec names more than 1000000 lengths in all"
+        );
+        // The cap is on the total, not per range.
+        let many = vec!["1..1000"; 1002].join(",");
+        assert_eq!(
+            parse_lengths(&many).unwrap_err(),
+            "the spec names more than 1000000 lengths in all"
+        );
+        let singles = vec!["7"; 1_000_001].join(",");
+        assert_eq!(
+            parse_lengths(&singles).unwrap_err(),
+            "the spec names more than 1000000 lengths in all"
+        );
     }
 
     #[test]

@@ -194,11 +194,12 @@ async fn a_leg_too_small_for_a_prompt_fails_clearly_and_leaks_nothing() {
     )]))
     .unwrap();
     let error = cluster.generate(prompt_tokens(1, 300, 256), 4).await.unwrap_err();
+    assert!(matches!(error, RequestError::PromptTooLong(_)), "{error}");
     assert_eq!(
         error.to_string(),
-        "allocation failed: group 0 (full): needs 5 blocks, the leg has only 4"
+        "prompt of 300 tokens is longer than the cluster's limit of 247 tokens: node decode-0 holds 256 token slots (4 blocks of 64 tokens in group 0) and reserves 9 for lookahead"
     );
-    // The prefill leg's grant was released by the decode leg, not left to its lease.
+    // Refused at the router, before any leg allocated or granted anything.
     assert_idle(&cluster).await;
     assert!(sweep::compare(&cluster, 100, 4).await.matched);
     cluster.shutdown();
@@ -574,7 +575,7 @@ async fn a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer() {
     let error = cluster.generate(prompt_tokens(1, 17, 64), 2).await.unwrap_err();
     assert_eq!(
         error.to_string(),
-        "allocation failed: group 0 (full): needs 2 blocks, the leg has only 1"
+        "prompt of 17 tokens is longer than the cluster's limit of 16 tokens: node p holds 16 token slots (1 blocks of 16 tokens in group 0) and reserves 0 for lookahead"
     );
     assert_idle(&cluster).await;
     cluster.shutdown();

@@ -7,8 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::block::BlockId;
-use crate::exchange::{self, ExchangeError, Pairing, PairingMode};
+use crate::block::{BlockId, NULL_BLOCK};
+use crate::exchange::{self, ExchangeError, Leg, Pairing, PairingMode};
 use crate::layout::{GroupKind, GroupSpec, KvLayout, LayoutError};
 
 /// One group as written in a scenario (or in `cluster.toml`).
@@ -111,6 +111,29 @@ impl ScenarioFile {
             .map(|(index, entry)| entry.to_spec(index))
             .collect::<Result<Vec<_>, _>>()?;
         let layout = KvLayout::one_layer_per_group(groups).map_err(ScenarioError::Layout)?;
+        for (leg, lists) in [
+            (Leg::Prefill, &self.prefill.blocks),
+            (Leg::Decode, &self.decode.blocks),
+        ] {
+            for (group, list) in lists.iter().enumerate() {
+                let real: Vec<(usize, BlockId)> = list
+                    .iter()
+                    .copied()
+                    .enumerate()
+                    .filter(|&(_, id)| id != NULL_BLOCK)
+                    .collect();
+                let ids: Vec<BlockId> = real.iter().map(|&(_, id)| id).collect();
+                if let Some((first, second)) = exchange::duplicate_positions(&ids) {
+                    return Err(ScenarioError::DuplicateBlock {
+                        leg,
+                        group,
+                        block: ids[first],
+                        first: real[first].0,
+                        second: real[second].0,
+                    });
+                }
+            }
+        }
         Ok(Scenario {
             layout,
             num_prompt_tokens: self.num_prompt_tokens,
@@ -208,4 +231,18 @@ pub enum ScenarioError {
     /// The layout as a whole is invalid.
     #[error("{0}")]
     Layout(LayoutError),
+    /// One leg's list holds a block id twice: it would be read or written twice.
+    #[error("{leg}.blocks[{group}]: block {block} appears at both index {first} and {second}")]
+    DuplicateBlock {
+        /// Leg whose list it is.
+        leg: Leg,
+        /// Group index.
+        group: usize,
+        /// The repeated id.
+        block: BlockId,
+        /// First index holding it.
+        first: usize,
+        /// Second index holding it.
+        second: usize,
+    },
 }
