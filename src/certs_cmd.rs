@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use pdkv_actors::config::ClusterConfig;
+use pdkv_transport::tls::Existing;
 
 /// `pdkv certs` subcommands.
 #[derive(Debug, Subcommand)]
@@ -41,14 +42,13 @@ fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         None => ClusterConfig::embedded_default(),
     };
     let ca_key = args.out.join("ca.key");
-    if ca_key.exists() && !args.force {
-        anyhow::bail!(
-            "{} exists: a CA is already there (pass --force to replace it and every node certificate)",
-            ca_key.display()
-        );
-    }
     let names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
-    pdkv_transport::tls::write_cluster_certs(&args.out, "pdkv", &names)
+    let existing = if args.force {
+        Existing::Replace
+    } else {
+        Existing::Refuse
+    };
+    pdkv_transport::tls::write_cluster_certs(&args.out, "pdkv", &names, existing)
         .with_context(|| format!("cannot write certificates to {}", args.out.display()))?;
     println!(
         "wrote {} (CA certificate) and {} (CA key, keep it off the nodes)",

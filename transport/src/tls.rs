@@ -100,34 +100,102 @@ impl ClusterCa {
     }
 }
 
+/// File names `pdkv certs init` writes for the CA; no node may take this name.
+pub const CA_FILE_STEM: &str = "ca";
+
+/// Whether [`write_cluster_certs`] may replace files that are already there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Existing {
+    /// Refuse if any output file (or a symlink in its place) exists.
+    Refuse,
+    /// Replace every output file atomically (a new file renamed over the old, never written
+    /// through a symlink or into an existing inode).
+    Replace,
+}
+
 /// Writes a CA and one certificate per node into `dir` (`ca.pem`, `ca.key`, `<node>.pem`,
-/// `<node>.key`); keys are created with mode 0600.
-pub fn write_cluster_certs(dir: &Path, cluster: &str, nodes: &[&str]) -> Result<(), TlsError> {
-    std::fs::create_dir_all(dir).map_err(|error| TlsError::Io(format!("{}: {error}", dir.display())))?;
+/// `<node>.key`).
+///
+/// Every file is created fresh with `O_CREAT | O_EXCL | O_NOFOLLOW`, keys with mode 0600 from the
+/// first byte (certificates 0644), so no key is ever world-readable, written through a symlink or
+/// into a file someone else opened. With [`Existing::Refuse`] any existing output is an error
+/// naming it; with [`Existing::Replace`] each file is written beside its target and renamed over
+/// it. Node names must be distinct, valid DNS names, and not [`CA_FILE_STEM`].
+pub fn write_cluster_certs(
+    dir: &Path,
+    cluster: &str,
+    nodes: &[&str],
+    existing: Existing,
+) -> Result<(), TlsError> {
+    let mut seen = std::collections::HashSet::new();
+    for &node in nodes {
+        if node == CA_FILE_STEM {
+            return Err(TlsError::ReservedNodeName(node.to_string()));
+        }
+        ServerName::try_from(node.to_string()).map_err(|_| TlsError::BadNodeName(node.to_string()))?;
+        if node.contains('/') || !seen.insert(node) {
+            return Err(TlsError::BadNodeName(node.to_string()));
+        }
+    }
+    let io = |path: &Path, error: std::io::Error| TlsError::Io(format!("{}: {error}", path.display()));
+    std::fs::create_dir_all(dir).map_err(|error| io(dir, error))?;
+    let outputs: Vec<(std::path::PathBuf, bool)> = std::iter::once(CA_FILE_STEM)
+        .chain(nodes.iter().copied())
+        .flat_map(|stem| {
+            [
+                (dir.join(format!("{stem}.pem")), false),
+                (dir.join(format!("{stem}.key")), true),
+            ]
+        })
+        .collect();
+    if existing == Existing::Refuse {
+        if let Some((path, _)) = outputs.iter().find(|(path, _)| path.symlink_metadata().is_ok()) {
+            return Err(TlsError::Exists(path.display().to_string()));
+        }
+    }
     let ca = ClusterCa::generate(cluster)?;
-    write_file(&dir.join("ca.pem"), ca.cert_pem(), false)?;
-    write_file(&dir.join("ca.key"), ca.key_pem(), true)?;
+    let mut contents = vec![ca.cert_pem().to_string(), ca.key_pem().to_string()];
     for node in nodes {
         let pem = ca.issue(node)?;
-        write_file(&dir.join(format!("{node}.pem")), &pem.cert_pem, false)?;
-        write_file(&dir.join(format!("{node}.key")), &pem.key_pem, true)?;
+        contents.push(pem.cert_pem);
+        contents.push(pem.key_pem);
+    }
+    for ((path, secret), text) in outputs.iter().zip(&contents) {
+        let mode = if *secret { 0o600 } else { 0o644 };
+        match existing {
+            Existing::Refuse => write_new_file(path, text, mode).map_err(|error| io(path, error))?,
+            Existing::Replace => {
+                let name = path
+                    .file_name()
+                    .map(|name| name.to_string_lossy())
+                    .unwrap_or_default();
+                let mut suffix = [0u8; 8];
+                getrandom::fill(&mut suffix).map_err(|error| TlsError::Io(error.to_string()))?;
+                let temporary = dir.join(format!(".{name}.{}.tmp", u64::from_le_bytes(suffix)));
+                write_new_file(&temporary, text, mode).map_err(|error| io(&temporary, error))?;
+                if let Err(error) = std::fs::rename(&temporary, path) {
+                    let _ = std::fs::remove_file(&temporary);
+                    return Err(io(path, error));
+                }
+            }
+        }
     }
     Ok(())
 }
 
-fn write_file(path: &Path, contents: &str, secret: bool) -> Result<(), TlsError> {
+/// Creates `path`, which must not exist (a symlink counts as existing), with `mode`, and writes
+/// `contents` to it.
+fn write_new_file(path: &Path, contents: &str, mode: u32) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    if secret {
-        options.mode(0o600);
-    }
-    let mut file = options
-        .open(path)
-        .map_err(|error| TlsError::Io(format!("{}: {error}", path.display())))?;
-    file.write_all(contents.as_bytes())
-        .map_err(|error| TlsError::Io(format!("{}: {error}", path.display())))
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(mode)
+        .open(path)?;
+    file.write_all(contents.as_bytes())?;
+    file.sync_all()
 }
 
 /// What a node presents and trusts.
@@ -286,7 +354,39 @@ pub enum TlsError {
     /// A file could not be read or written.
     #[error("{0}")]
     Io(String),
+    /// An output file is already there and replacing was not asked for.
+    #[error("{0} exists (pass --force to replace the CA and every node certificate)")]
+    Exists(String),
+    /// A node may not take a name the CA's files use.
+    #[error("node name {0:?} is reserved for the cluster CA's files (ca.pem, ca.key)")]
+    ReservedNodeName(String),
     /// rustls, quinn or rcgen refused the configuration.
     #[error("TLS configuration: {0}")]
     Config(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Names that would collide with the CA's files, or with each other, or leave the directory
+    /// are refused before anything is written.
+    #[test]
+    fn colliding_or_unsafe_node_names_are_refused_before_writing() {
+        let dir = std::env::temp_dir().join(format!("pdkv-tls-names-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cases: [(&[&str], TlsError); 4] = [
+            (&["ca"], TlsError::ReservedNodeName("ca".into())),
+            (&["a", "a"], TlsError::BadNodeName("a".into())),
+            (&["../x"], TlsError::BadNodeName("../x".into())),
+            (&[""], TlsError::BadNodeName(String::new())),
+        ];
+        for (nodes, expected) in cases {
+            assert_eq!(
+                write_cluster_certs(&dir, "t", nodes, Existing::Refuse).unwrap_err(),
+                expected
+            );
+            assert!(!dir.exists(), "nothing written for {nodes:?}");
+        }
+    }
 }

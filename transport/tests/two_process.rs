@@ -20,7 +20,7 @@ use pdkv_transport::engine::{EngineError, EngineKey, EngineKind, ReadEngine, Rea
 use pdkv_transport::mapped::MappedEngine;
 use pdkv_transport::net::NetEngine;
 use pdkv_transport::region::Region;
-use pdkv_transport::tls::{ClusterCa, NodeIdentity, write_cluster_certs};
+use pdkv_transport::tls::{ClusterCa, Existing, NodeIdentity, write_cluster_certs};
 
 #[path = "support/peer_protocol.rs"]
 mod peer_protocol;
@@ -39,7 +39,13 @@ struct Peer {
 impl Peer {
     fn spawn(test: &str) -> Peer {
         let certs = std::env::temp_dir().join(format!("pdkv-two-process-{test}-{}", std::process::id()));
-        write_cluster_certs(&certs, "test", &["prefill-0", "decode-0", "outsider"]).unwrap();
+        write_cluster_certs(
+            &certs,
+            "test",
+            &["prefill-0", "decode-0", "outsider"],
+            Existing::Replace,
+        )
+        .unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_pdkv-transport-peer"))
             .args([
                 "--certs",
