@@ -148,10 +148,10 @@ pub fn write_cluster_certs(
             ]
         })
         .collect();
-    if existing == Existing::Refuse {
-        if let Some((path, _)) = outputs.iter().find(|(path, _)| path.symlink_metadata().is_ok()) {
-            return Err(TlsError::Exists(path.display().to_string()));
-        }
+    if existing == Existing::Refuse
+        && let Some((path, _)) = outputs.iter().find(|(path, _)| path.symlink_metadata().is_ok())
+    {
+        return Err(TlsError::Exists(path.display().to_string()));
     }
     let ca = ClusterCa::generate(cluster)?;
     let mut contents = vec![ca.cert_pem().to_string(), ca.key_pem().to_string()];
