@@ -25,7 +25,7 @@ use crate::config::{ClusterConfig, NodeConfig, ReadEngineKind, Role};
 use crate::engine::{LegMemory, Model};
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
-use crate::router::{Generate, GenerateDirect, Router};
+use crate::router::{Generate, GenerateDirect, PrefillRoute, Router};
 use crate::scheduler::{GrantPeer, LegContext, Output, Scheduler};
 use crate::transfer::TransferActor;
 
@@ -220,7 +220,11 @@ impl LocalCluster {
             let scheduler =
                 Scheduler::start_in_arbiter(&leg.arbiter.handle(), move |_| Scheduler::new(context));
             match leg.node.role {
-                Role::Prefill => prefill_schedulers.push((leg.node.name.clone(), scheduler.clone())),
+                Role::Prefill => prefill_schedulers.push(PrefillRoute {
+                    node: leg.node.name.clone(),
+                    scheduler: scheduler.clone(),
+                    release: leg.allocator.clone().recipient(),
+                }),
                 Role::Decode => decode_schedulers.push((leg.node.name.clone(), scheduler.clone())),
             }
             legs.push(LegHandle {

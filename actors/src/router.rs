@@ -1,23 +1,37 @@
 //! The router: sends a request to a prefill leg, then its KV parameters to a decode leg.
 //!
 //! Legs are picked round-robin per role. The whole request is bounded by
-//! `limits.request_timeout_ms`; a request cut short here still releases everything it held on
-//! the legs (the decode leg releases its grant; a lapsed lease releases one never read).
+//! `limits.request_timeout_ms`, a deadline both legs are told: a prefill leg hands out no grant
+//! after it, a decode leg stops waiting and releases by then. A request cut short here releases
+//! what it held at once: a grant that arrives after the router gave up on the prefill stage is
+//! released by the router itself, not left to its lease.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use actix::{Actor, Addr, Context, Handler, Message, ResponseFuture};
+use actix::{Actor, Addr, Context, Handler, Message, Recipient, ResponseFuture};
 use pdkv_core::wire::{NodeId, RequestId};
 
+use crate::allocator::ReleaseGrant;
 use crate::config::{PromptLimit, PromptTooLong};
 use crate::error::{RequestError, ask};
-use crate::scheduler::{Decode, Direct, Output, Prefill, Scheduler};
+use crate::scheduler::{Deadline, Decode, Direct, Output, Prefill, Scheduler};
+
+/// A prefill leg as the router sees it.
+#[derive(Clone)]
+pub struct PrefillRoute {
+    /// Its name.
+    pub node: NodeId,
+    /// Its scheduler.
+    pub scheduler: Addr<Scheduler>,
+    /// Where to release a grant nobody will read.
+    pub release: Recipient<ReleaseGrant>,
+}
 
 /// Immutable routing state shared by in-flight requests.
 pub struct RouterContext {
-    prefill: Vec<(NodeId, Addr<Scheduler>)>,
+    prefill: Vec<PrefillRoute>,
     decode: Vec<(NodeId, Addr<Scheduler>)>,
     next_request: AtomicU64,
     next_prefill: AtomicUsize,
@@ -43,7 +57,7 @@ impl RouterContext {
         Ok(())
     }
 
-    fn pick(legs: &[(NodeId, Addr<Scheduler>)], next: &AtomicUsize) -> Option<(NodeId, Addr<Scheduler>)> {
+    fn pick<T: Clone>(legs: &[T], next: &AtomicUsize) -> Option<T> {
         if legs.is_empty() {
             return None;
         }
@@ -54,31 +68,39 @@ impl RouterContext {
     async fn generate(&self, prompt: Arc<[u32]>, max_tokens: u32) -> Result<Output, RequestError> {
         self.check_prompt(&prompt)?;
         let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let (prefill_node, prefill) = Self::pick(&self.prefill, &self.next_prefill)
+        let route = Self::pick(&self.prefill, &self.next_prefill)
             .ok_or_else(|| RequestError::UnknownNode("no prefill leg".into()))?;
         let (decode_node, decode) = Self::pick(&self.decode, &self.next_decode)
             .ok_or_else(|| RequestError::UnknownNode("no decode leg".into()))?;
-        let deadline = tokio::time::Instant::now() + self.request_timeout;
-        let timeout_ms = self.request_timeout.as_millis() as u64;
+        let deadline = Deadline::after(self.request_timeout);
         let message = Prefill {
             request,
             prompt,
             peer: decode_node.clone(),
+            deadline,
         };
-        let params = tokio::time::timeout_at(deadline, ask(&prefill, message, "prefill scheduler"))
+        // Spawned, so that an answer arriving after the deadline is still seen (and released).
+        let scheduler = route.scheduler.clone();
+        let mut prefill = actix::spawn(async move { ask(&scheduler, message, "prefill scheduler").await });
+        let params = match tokio::time::timeout_at(deadline.at.into(), &mut prefill).await {
+            Ok(joined) => joined.map_err(|error| RequestError::Mailbox {
+                actor: "prefill scheduler",
+                detail: error.to_string(),
+            })???,
+            Err(_) => {
+                release_late_grant(prefill, route.release.clone(), decode_node, request);
+                return Err(deadline.passed("prefill"));
+            }
+        };
+        tracing::debug!(%request, prefill = %route.node, decode = %decode_node, "prefilled");
+        let message = Decode {
+            params,
+            max_tokens,
+            deadline,
+        };
+        tokio::time::timeout_at(deadline.at.into(), ask(&decode, message, "decode scheduler"))
             .await
-            .map_err(|_| RequestError::Timeout {
-                stage: "prefill",
-                after_ms: timeout_ms,
-            })???;
-        tracing::debug!(%request, prefill = %prefill_node, decode = %decode_node, "prefilled");
-        let message = Decode { params, max_tokens };
-        tokio::time::timeout_at(deadline, ask(&decode, message, "decode scheduler"))
-            .await
-            .map_err(|_| RequestError::Timeout {
-                stage: "decode",
-                after_ms: timeout_ms,
-            })??
+            .map_err(|_| deadline.passed("decode"))??
     }
 
     async fn direct(
@@ -93,14 +115,15 @@ impl RouterContext {
             Some(node) => self
                 .prefill
                 .iter()
-                .chain(&self.decode)
-                .find(|(name, _)| *name == node)
+                .map(|route| (&route.node, &route.scheduler))
+                .chain(self.decode.iter().map(|(name, addr)| (name, addr)))
+                .find(|(name, _)| **name == node)
                 .map(|(_, addr)| addr.clone())
                 .ok_or_else(|| RequestError::UnknownNode(node.to_string()))?,
             None => {
                 Self::pick(&self.prefill, &self.next_prefill)
                     .ok_or_else(|| RequestError::UnknownNode("no prefill leg".into()))?
-                    .1
+                    .scheduler
             }
         };
         let message = Direct {
@@ -117,6 +140,31 @@ impl RouterContext {
     }
 }
 
+/// Waits (in the background) for a prefill the router stopped waiting for, and releases the
+/// grant it hands back, so blocks are not pinned until the lease lapses. The prefill leg itself
+/// grants nothing past the deadline, so this covers an answer already on its way.
+fn release_late_grant(
+    prefill: tokio::task::JoinHandle<Result<Result<pdkv_core::wire::KvParams, RequestError>, RequestError>>,
+    release: Recipient<ReleaseGrant>,
+    peer: NodeId,
+    request: RequestId,
+) {
+    actix::spawn(async move {
+        let Ok(Ok(Ok(params))) = prefill.await else {
+            return;
+        };
+        let message = ReleaseGrant {
+            grant: params.grant,
+            peer,
+        };
+        match release.send(message).await {
+            Ok(Ok(())) => tracing::debug!(%request, "released a grant that arrived after the deadline"),
+            Ok(Err(error)) => tracing::warn!(%request, %error, "late grant release refused"),
+            Err(error) => tracing::warn!(%request, %error, "late grant release not delivered"),
+        }
+    });
+}
+
 /// The router actor.
 pub struct Router {
     context: Arc<RouterContext>,
@@ -126,7 +174,7 @@ pub struct Router {
 impl Router {
     /// A router over the given legs.
     pub fn new(
-        prefill: Vec<(NodeId, Addr<Scheduler>)>,
+        prefill: Vec<PrefillRoute>,
         decode: Vec<(NodeId, Addr<Scheduler>)>,
         request_timeout: Duration,
         prompt_limit: PromptLimit,

@@ -35,6 +35,38 @@ use crate::error::{RequestError, ask};
 use crate::exchange::{ExchangeActor, MakeOffer, PairWithOffer};
 use crate::transfer::{Read, TransferActor};
 
+/// The moment a request is over for the router; legs stop waiting and release by then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadline {
+    /// When it passes.
+    pub at: Instant,
+    /// The whole request's bound, for error messages.
+    pub budget_ms: u64,
+}
+
+impl Deadline {
+    /// A deadline `budget` from now.
+    pub fn after(budget: Duration) -> Self {
+        Deadline {
+            at: Instant::now() + budget,
+            budget_ms: budget.as_millis() as u64,
+        }
+    }
+
+    /// Whether it has passed.
+    pub fn is_past(&self) -> bool {
+        Instant::now() >= self.at
+    }
+
+    /// The error of a request that ran out of time in `stage`.
+    pub fn passed(&self, stage: &'static str) -> RequestError {
+        RequestError::Timeout {
+            stage,
+            after_ms: self.budget_ms,
+        }
+    }
+}
+
 /// A finished request's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Output {
@@ -92,16 +124,20 @@ pub struct LegContext {
 }
 
 impl LegContext {
-    /// Allocates, waiting (bounded in count and time) while the leg is out of blocks.
+    /// Allocates, waiting (bounded in count and time) while the leg is out of blocks: at most
+    /// `alloc_wait_ms`, and never past the request's `deadline`.
     async fn allocate(
         &self,
         request: RequestId,
         prompt: &Arc<[u32]>,
         slots: u64,
         attending_token: Option<u64>,
+        deadline: Deadline,
+        stage: &'static str,
     ) -> Result<Allocation, RequestError> {
         let started = Instant::now();
-        let deadline = started + Duration::from_millis(self.limits.alloc_wait_ms);
+        let alloc_deadline = started + Duration::from_millis(self.limits.alloc_wait_ms);
+        let wait_until = alloc_deadline.min(deadline.at);
         loop {
             let notified = self.freed.notified();
             tokio::pin!(notified);
@@ -124,9 +160,12 @@ impl LegContext {
                     capacity: self.limits.wait_queue,
                 });
             }
-            let woken = tokio::time::timeout_at(deadline.into(), notified).await;
+            let woken = tokio::time::timeout_at(wait_until.into(), notified).await;
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             if woken.is_err() {
+                if wait_until < alloc_deadline {
+                    return Err(deadline.passed(stage));
+                }
                 return Err(RequestError::AllocTimeout {
                     waited_ms: started.elapsed().as_millis() as u64,
                     last,
@@ -165,12 +204,14 @@ impl LegContext {
             .any(|group| matches!(group.kind(), GroupKind::SlidingWindow { .. }))
     }
 
-    /// Prefill leg: compute the prompt, offer its KV and grant `peer` a READ of it.
+    /// Prefill leg: compute the prompt, offer its KV and grant `peer` a READ of it, unless the
+    /// request's deadline passes first: then nothing stays granted.
     async fn prefill(
         &self,
         request: RequestId,
         prompt: Arc<[u32]>,
         peer: NodeId,
+        deadline: Deadline,
     ) -> Result<KvParams, RequestError> {
         let num_tokens = prompt.len() as u64;
         if num_tokens == 0 {
@@ -178,11 +219,27 @@ impl LegContext {
         }
         // A request holds at least one slot, even a one-token prompt computed up to N - 1 = 0.
         let slots = self.slots_for(self.prefill_tokens.computed(num_tokens))?.max(1);
-        let allocation = self.allocate(request, &prompt, slots, None).await?;
-        let result = self.prefill_allocated(request, &prompt, peer, &allocation).await;
+        let allocation = self
+            .allocate(request, &prompt, slots, None, deadline, "prefill")
+            .await?;
+        let result = self
+            .prefill_allocated(request, &prompt, peer.clone(), &allocation, deadline)
+            .await;
         // The request's own hold ends here; granted blocks stay pinned until released or expired.
         self.finish(request, None).await;
-        result
+        let params = result?;
+        if deadline.is_past() {
+            // Nobody waits for these parameters any more: unpin now rather than at lease end.
+            let release = ReleaseGrant {
+                grant: params.grant,
+                peer,
+            };
+            if let Err(error) = ask(&self.allocator, release, "allocator").await? {
+                tracing::warn!(node = %self.node, %request, %error, "release of a late grant failed");
+            }
+            return Err(deadline.passed("prefill"));
+        }
+        Ok(params)
     }
 
     async fn prefill_allocated(
@@ -191,6 +248,7 @@ impl LegContext {
         prompt: &Arc<[u32]>,
         peer: NodeId,
         allocation: &Allocation,
+        deadline: Deadline,
     ) -> Result<KvParams, RequestError> {
         let num_tokens = prompt.len() as u64;
         let computed = self.prefill_tokens.computed(num_tokens) as usize;
@@ -204,6 +262,9 @@ impl LegContext {
                 token,
                 commit_state,
             )?;
+        }
+        if deadline.is_past() {
+            return Err(deadline.passed("prefill"));
         }
         let release = ReleaseWindow {
             request,
@@ -241,18 +302,29 @@ impl LegContext {
         })
     }
 
-    /// Decode leg: READ the offered KV, recompute the last prompt token and decode.
-    async fn decode(&self, params: KvParams, max_tokens: u32) -> Result<Output, RequestError> {
+    /// Decode leg: READ the offered KV, recompute the last prompt token and decode, or stop at
+    /// the request's deadline with everything released.
+    async fn decode(
+        &self,
+        params: KvParams,
+        max_tokens: u32,
+        deadline: Deadline,
+    ) -> Result<Output, RequestError> {
         let params = Arc::new(params);
         let request = params.request;
-        let result = self.decode_granted(&params, max_tokens).await;
+        let result = self.decode_granted(&params, max_tokens, deadline).await;
         if let Err(error) = &result {
             tracing::warn!(node = %self.node, %request, %error, "decode failed");
         }
         result
     }
 
-    async fn decode_granted(&self, params: &Arc<KvParams>, max_tokens: u32) -> Result<Output, RequestError> {
+    async fn decode_granted(
+        &self,
+        params: &Arc<KvParams>,
+        max_tokens: u32,
+        deadline: Deadline,
+    ) -> Result<Output, RequestError> {
         let request = params.request;
         let prompt: Arc<[u32]> = params.prompt.clone().into();
         let num_tokens = prompt.len() as u64;
@@ -273,6 +345,8 @@ impl LegContext {
                     &prompt,
                     self.slots_for(num_tokens)?,
                     Some(num_tokens - 1),
+                    deadline,
+                    "decode",
                 )
                 .await?;
             let read = self.read(params, &allocation).await;
@@ -286,6 +360,15 @@ impl LegContext {
         }
         self.release_grant(params);
         let (allocation, read) = read?;
+        // A READ in flight is never abandoned (its bytes would land in blocks freed for others);
+        // the deadline is checked once it is over.
+        let read = read.and_then(|report| {
+            if deadline.is_past() {
+                Err(deadline.passed("decode"))
+            } else {
+                Ok(report)
+            }
+        });
         let report = match read {
             Ok(report) => report,
             Err(error) => {
@@ -303,6 +386,7 @@ impl LegContext {
                 slots,
                 max_tokens,
                 Some(num_tokens - 1),
+                deadline,
             )
             .await;
         match generated {
@@ -404,7 +488,9 @@ impl LegContext {
     /// Computes the last prompt token and `max_tokens - 1` more, greedily. `lists` cover `slots`
     /// slots; more blocks are taken as decoding passes them, window blocks freed as it moves.
     /// `windows_released_for` is the attending token the window groups were last trimmed for
-    /// (`None`: never), so the allocator is asked only when a block falls out of a window.
+    /// (`None`: never), so the allocator is asked only when a block falls out of a window. Stops
+    /// between tokens once `deadline` has passed.
+    #[allow(clippy::too_many_arguments)]
     async fn generate(
         &self,
         request: RequestId,
@@ -413,6 +499,7 @@ impl LegContext {
         mut slots: u64,
         max_tokens: u32,
         mut windows_released_for: Option<u64>,
+        deadline: Deadline,
     ) -> Result<(Vec<u32>, u64), RequestError> {
         let first_position = prompt.len() as u64 - 1;
         let mut token = prompt[prompt.len() - 1];
@@ -420,6 +507,9 @@ impl LegContext {
         let mut tokens = Vec::with_capacity(max_tokens as usize);
         let windows = self.has_window_groups();
         for position in first_position..first_position + u64::from(max_tokens.max(1)) {
+            if deadline.is_past() {
+                return Err(deadline.passed("decode"));
+            }
             if position >= slots {
                 slots = position + 1;
                 lists = ask(&self.allocator, Extend { request, slots }, "allocator").await??;
@@ -455,7 +545,10 @@ impl LegContext {
             return Err(RequestError::EmptyPrompt);
         }
         let slots = self.slots_for(num_tokens)?;
-        let allocation = self.allocate(request, &prompt, slots, None).await?;
+        let deadline = Deadline::after(Duration::from_millis(self.limits.request_timeout_ms));
+        let allocation = self
+            .allocate(request, &prompt, slots, None, deadline, "direct")
+            .await?;
         let result = async {
             for (position, &token) in prompt.iter().enumerate().take(prompt.len() - 1) {
                 self.model
@@ -468,6 +561,7 @@ impl LegContext {
                 slots,
                 max_tokens,
                 None,
+                deadline,
             )
             .await
         }
@@ -515,6 +609,8 @@ pub struct Prefill {
     pub prompt: Arc<[u32]>,
     /// The decode leg that will read.
     pub peer: NodeId,
+    /// When the router stops waiting: no grant is handed out after it.
+    pub deadline: Deadline,
 }
 
 impl Handler<Prefill> for Scheduler {
@@ -522,7 +618,7 @@ impl Handler<Prefill> for Scheduler {
 
     fn handle(&mut self, msg: Prefill, _ctx: &mut Self::Context) -> Self::Result {
         let leg = self.leg.clone();
-        Box::pin(async move { leg.prefill(msg.request, msg.prompt, msg.peer).await })
+        Box::pin(async move { leg.prefill(msg.request, msg.prompt, msg.peer, msg.deadline).await })
     }
 }
 
@@ -534,6 +630,9 @@ pub struct Decode {
     pub params: KvParams,
     /// Tokens to generate.
     pub max_tokens: u32,
+    /// When the router stops waiting: the leg releases the grant and its blocks by then (or as
+    /// soon as a READ already in flight ends).
+    pub deadline: Deadline,
 }
 
 impl Handler<Decode> for Scheduler {
@@ -541,7 +640,7 @@ impl Handler<Decode> for Scheduler {
 
     fn handle(&mut self, msg: Decode, _ctx: &mut Self::Context) -> Self::Result {
         let leg = self.leg.clone();
-        Box::pin(async move { leg.decode(msg.params, msg.max_tokens).await })
+        Box::pin(async move { leg.decode(msg.params, msg.max_tokens, msg.deadline).await })
     }
 }
 

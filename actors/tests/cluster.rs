@@ -11,7 +11,7 @@ use pdkv_actors::config::{ClusterConfig, DEFAULT_CLUSTER_TOML};
 use pdkv_actors::engine::prompt_tokens;
 use pdkv_actors::error::RequestError;
 use pdkv_actors::router::Generate;
-use pdkv_actors::scheduler::{Decode, Prefill};
+use pdkv_actors::scheduler::{Deadline, Decode, Prefill};
 use pdkv_actors::sweep::{self, legacy_predicted_failure};
 use pdkv_core::wire::{NodeId, RequestId};
 
@@ -299,6 +299,7 @@ fn prefill_only(request: u64) -> Prefill {
         request: RequestId(request),
         prompt: prompt_tokens(1, 300, 256).into(),
         peer: NodeId("decode-0".into()),
+        deadline: Deadline::after(Duration::from_secs(30)),
     }
 }
 
@@ -331,6 +332,7 @@ async fn a_read_after_the_lease_lapsed_fails_closed() {
         .send(Decode {
             params,
             max_tokens: 4,
+            deadline: Deadline::after(Duration::from_secs(30)),
         })
         .await
         .unwrap()
@@ -578,5 +580,62 @@ async fn a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer() {
         "prompt of 17 tokens is longer than the cluster's limit of 16 tokens: node p holds 16 token slots (1 blocks of 16 tokens in group 0) and reserves 0 for lookahead"
     );
     assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+/// A request that times out in its prefill stage releases the grant at once: the prefill leg
+/// grants nothing past the deadline, and a grant already on its way is released by the router.
+/// The lease is a minute long, so only an explicit release frees the blocks within the wait.
+#[actix_rt::test]
+async fn a_request_timing_out_in_prefill_leaves_no_grant_pinned() {
+    let cluster = LocalCluster::start(config(&[
+        ("request_timeout_ms = 30000", "request_timeout_ms = 1"),
+        ("lease_ms = 10000", "lease_ms = 60000"),
+    ]))
+    .unwrap();
+    for length in [300, 1000] {
+        let error = cluster
+            .generate(prompt_tokens(8, length, 256), 2)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error,
+            RequestError::Timeout {
+                stage: "prefill",
+                after_ms: 1
+            }
+        );
+    }
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+/// A decode leg still waiting for blocks when the deadline passes stops waiting, releases the
+/// grant and fails with the stage named, instead of renewing the lease until `alloc_wait_ms`.
+#[actix_rt::test]
+async fn a_request_timing_out_in_decode_releases_its_grant_by_the_deadline() {
+    let cluster = LocalCluster::start(config(&[
+        ("request_timeout_ms = 30000", "request_timeout_ms = 300"),
+        ("lease_ms = 10000", "lease_ms = 60000"),
+        ("alloc_wait_ms = 5000", "alloc_wait_ms = 60000"),
+    ]))
+    .unwrap();
+    hold_every_decode_block(&cluster).await;
+    let error = cluster.generate(prompt_tokens(9, 200, 256), 2).await.unwrap_err();
+    assert_eq!(
+        error,
+        RequestError::Timeout {
+            stage: "decode",
+            after_ms: 300
+        }
+    );
+    // The decode leg gives up at the same deadline; only its grant release is left in flight.
+    let prefill = cluster.leg("prefill-0").unwrap();
+    let stats = cluster.wait_idle(Duration::from_secs(2)).await.unwrap();
+    let prefill_stats = stats.iter().find(|leg| leg.node == prefill.node.name).unwrap();
+    assert!(prefill_stats.is_idle(), "grant still pinned: {prefill_stats:?}");
+    release_decode_blocks(&cluster).await;
+    assert_idle(&cluster).await;
+    assert!(sweep::compare(&cluster, 100, 2).await.matched);
     cluster.shutdown();
 }
