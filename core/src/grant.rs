@@ -9,7 +9,7 @@
 //! A served READ asks [`GrantTable::check_read`] whether a block lies inside a live grant held by
 //! the asking peer; anything else is refused before a byte moves.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -46,12 +46,33 @@ impl Grant {
     }
 }
 
+/// How a grant ended, remembered for a while so a late reader learns why it was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Its peer released it.
+    Released,
+    /// Its lease lapsed.
+    Expired,
+    /// The prefill leg revoked it (local failure handling, shutdown).
+    Revoked,
+}
+
+/// How many ended grants a table remembers per live-grant slot (at least [`MIN_ENDED`]).
+const ENDED_PER_SLOT: usize = 4;
+
+/// Fewest ended grants a table remembers.
+const MIN_ENDED: usize = 1024;
+
 /// The live grants of one prefill leg.
 #[derive(Debug, Clone)]
 pub struct GrantTable {
     grants: HashMap<GrantId, Grant>,
     /// Expiry index: (expires_at_ms, id).
     deadlines: BTreeMap<(u64, GrantId), ()>,
+    /// Recently ended grants, oldest first, bounded by `ended_capacity`.
+    ended: VecDeque<GrantId>,
+    ended_how: HashMap<GrantId, Ending>,
+    ended_capacity: usize,
     next_id: u64,
     max_grants: usize,
 }
@@ -63,6 +84,9 @@ impl GrantTable {
         GrantTable {
             grants: HashMap::new(),
             deadlines: BTreeMap::new(),
+            ended: VecDeque::new(),
+            ended_how: HashMap::new(),
+            ended_capacity: max_grants.saturating_mul(ENDED_PER_SLOT).max(MIN_ENDED),
             next_id: 1,
             max_grants,
         }
@@ -114,12 +138,17 @@ impl GrantTable {
 
     /// Extends a grant's lease to `now_ms + lease_ms`; only its peer may renew it.
     pub fn renew(&mut self, id: GrantId, peer: &NodeId, now_ms: u64) -> Result<u64, GrantError> {
-        let grant = self.grants.get_mut(&id).ok_or(GrantError::Unknown(id))?;
+        let missing = self.missing(id);
+        let grant = self.grants.get_mut(&id).ok_or(missing)?;
         if &grant.peer != peer {
             return Err(GrantError::WrongPeer {
                 id,
                 peer: peer.clone(),
             });
+        }
+        if now_ms >= grant.expires_at_ms {
+            // Lapsed but not yet swept: too late to renew.
+            return Err(GrantError::Expired(id));
         }
         self.deadlines.remove(&(grant.expires_at_ms, id));
         grant.expires_at_ms = now_ms.saturating_add(grant.lease_ms);
@@ -130,7 +159,7 @@ impl GrantTable {
     /// Ends a grant; the caller unpins the returned blocks. Only its peer may release it.
     pub fn release(&mut self, id: GrantId, peer: &NodeId) -> Result<Grant, GrantError> {
         match self.grants.get(&id) {
-            None => return Err(GrantError::Unknown(id)),
+            None => return Err(self.missing(id)),
             Some(grant) if &grant.peer != peer => {
                 return Err(GrantError::WrongPeer {
                     id,
@@ -139,12 +168,12 @@ impl GrantTable {
             }
             Some(_) => {}
         }
-        self.remove(id).ok_or(GrantError::Unknown(id))
+        self.remove(id, Ending::Released).ok_or(GrantError::Unknown(id))
     }
 
     /// Ends a grant regardless of peer (local failure handling, shutdown).
     pub fn revoke(&mut self, id: GrantId) -> Option<Grant> {
-        self.remove(id)
+        self.remove(id, Ending::Revoked)
     }
 
     /// Removes and returns every grant whose lease lapsed at or before `now_ms`.
@@ -154,7 +183,9 @@ impl GrantTable {
             .range(..=(now_ms, GrantId(u64::MAX)))
             .map(|(&(_, id), _)| id)
             .collect();
-        due.into_iter().filter_map(|id| self.remove(id)).collect()
+        due.into_iter()
+            .filter_map(|id| self.remove(id, Ending::Expired))
+            .collect()
     }
 
     /// The earliest lease expiry, if any grant lives.
@@ -171,7 +202,7 @@ impl GrantTable {
         block: BlockId,
         now_ms: u64,
     ) -> Result<(), GrantError> {
-        let grant = self.grants.get(&id).ok_or(GrantError::Unknown(id))?;
+        let grant = self.grants.get(&id).ok_or_else(|| self.missing(id))?;
         if &grant.peer != peer {
             return Err(GrantError::WrongPeer {
                 id,
@@ -202,9 +233,29 @@ impl GrantTable {
         self.grants.is_empty()
     }
 
-    fn remove(&mut self, id: GrantId) -> Option<Grant> {
+    /// Why `id` names no live grant: never issued, or how it ended if that is still remembered.
+    pub fn missing(&self, id: GrantId) -> GrantError {
+        if id.0 == 0 || id.0 >= self.next_id {
+            return GrantError::NeverIssued(id);
+        }
+        match self.ended_how.get(&id) {
+            Some(Ending::Released) => GrantError::Released(id),
+            Some(Ending::Expired) => GrantError::Expired(id),
+            Some(Ending::Revoked) => GrantError::Revoked(id),
+            None => GrantError::Unknown(id),
+        }
+    }
+
+    fn remove(&mut self, id: GrantId, ending: Ending) -> Option<Grant> {
         let grant = self.grants.remove(&id)?;
         self.deadlines.remove(&(grant.expires_at_ms, id));
+        if self.ended.len() >= self.ended_capacity
+            && let Some(oldest) = self.ended.pop_front()
+        {
+            self.ended_how.remove(&oldest);
+        }
+        self.ended.push_back(id);
+        self.ended_how.insert(id, ending);
         Some(grant)
     }
 }
@@ -212,9 +263,18 @@ impl GrantTable {
 /// Why a grant operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum GrantError {
-    /// No live grant has this id (never issued, released or expired).
-    #[error("grant {} is not live (released, expired or never issued)", .0.0)]
+    /// No live grant has this id, and it ended too long ago to say how.
+    #[error("grant {} is not live (ended long ago)", .0.0)]
     Unknown(GrantId),
+    /// No grant with this id was ever issued here.
+    #[error("grant {} is not live: it was never issued", .0.0)]
+    NeverIssued(GrantId),
+    /// Its peer released the grant.
+    #[error("grant {} is not live: it was released", .0.0)]
+    Released(GrantId),
+    /// The prefill leg revoked the grant.
+    #[error("grant {} is not live: it was revoked", .0.0)]
+    Revoked(GrantId),
     /// The grant belongs to another peer.
     #[error("grant {} does not belong to peer {peer}", id.0)]
     WrongPeer {
@@ -224,7 +284,7 @@ pub enum GrantError {
         peer: NodeId,
     },
     /// The lease lapsed.
-    #[error("grant {} expired", .0.0)]
+    #[error("grant {} is not live: its lease expired", .0.0)]
     Expired(GrantId),
     /// The block is not part of the grant.
     #[error("grant {} does not cover block {block} of group {group}", id.0)]
@@ -301,8 +361,63 @@ mod tests {
         assert!(table.is_empty());
         assert_eq!(
             table.check_read(id, &peer("d0"), 0, 3, 0),
-            Err(GrantError::Unknown(id))
+            Err(GrantError::Expired(id))
         );
+        assert_eq!(table.renew(id, &peer("d0"), 200), Err(GrantError::Expired(id)));
+    }
+
+    /// A grant past its lease but not yet swept cannot be renewed back to life.
+    #[test]
+    fn a_renewal_after_the_lease_lapsed_is_refused() {
+        let mut table = GrantTable::new(4);
+        let id = table
+            .issue(RequestId(1), peer("d0"), vec![vec![3]], 100, 0)
+            .unwrap();
+        assert_eq!(table.renew(id, &peer("d0"), 100), Err(GrantError::Expired(id)));
+        assert_eq!(table.expire(100).len(), 1);
+    }
+
+    /// Released, expired, revoked and never-issued grants are refused with distinct errors, and
+    /// the memory of ended grants is bounded.
+    #[test]
+    fn an_ended_grant_says_how_it_ended() {
+        let mut table = GrantTable::new(4);
+        let issue = |table: &mut GrantTable| {
+            table
+                .issue(RequestId(1), peer("d0"), vec![vec![3]], 100, 0)
+                .unwrap()
+        };
+        let (released, expired, revoked) = (issue(&mut table), issue(&mut table), issue(&mut table));
+        table.release(released, &peer("d0")).unwrap();
+        table.revoke(revoked).unwrap();
+        table.renew(released, &peer("d0"), 10).unwrap_err();
+        assert_eq!(table.expire(100).len(), 1);
+        let read = |table: &GrantTable, id| table.check_read(id, &peer("d0"), 0, 3, 50).unwrap_err();
+        assert_eq!(read(&table, released), GrantError::Released(released));
+        assert_eq!(read(&table, expired), GrantError::Expired(expired));
+        assert_eq!(read(&table, revoked), GrantError::Revoked(revoked));
+        assert_eq!(read(&table, GrantId(99)), GrantError::NeverIssued(GrantId(99)));
+        assert_eq!(read(&table, GrantId(0)), GrantError::NeverIssued(GrantId(0)));
+        assert_eq!(
+            read(&table, released).to_string(),
+            "grant 1 is not live: it was released"
+        );
+        assert_eq!(
+            read(&table, expired).to_string(),
+            "grant 2 is not live: its lease expired"
+        );
+        assert_eq!(
+            table.release(released, &peer("d0")).unwrap_err(),
+            GrantError::Released(released)
+        );
+        // Past MIN_ENDED more endings, the first is forgotten (bounded memory).
+        for _ in 0..MIN_ENDED {
+            let id = issue(&mut table);
+            table.release(id, &peer("d0")).unwrap();
+        }
+        assert_eq!(read(&table, released), GrantError::Unknown(released));
+        assert_eq!(table.ended.len(), MIN_ENDED);
+        assert_eq!(table.ended_how.len(), MIN_ENDED);
     }
 
     #[test]

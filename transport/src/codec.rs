@@ -216,6 +216,40 @@ mod tests {
         });
     }
 
+    /// A caller's own limit (the data hello's 4096 bytes) holds exactly: a frame of `limit` bytes
+    /// is read, one of `limit + 1` is refused before its payload is read.
+    #[test]
+    fn the_callers_limit_is_exact() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(async {
+            for limit in [0usize, 1, 4096] {
+                let at_limit = frame(&vec![7u8; limit]);
+                assert_eq!(
+                    read_frame(&mut at_limit.as_slice(), limit).await,
+                    Ok(vec![7u8; limit])
+                );
+                // Only the header of the oversize frame is present: refusing must not need more.
+                let over = ((limit + 1) as u32).to_le_bytes();
+                assert_eq!(
+                    read_frame(&mut over.as_slice(), limit).await,
+                    Err(CodecError::Oversize {
+                        len: limit as u64 + 1,
+                        max: limit
+                    })
+                );
+            }
+            // The global bound applies even when a caller asks for more.
+            let over = ((MAX_FRAME_BYTES + 1) as u32).to_le_bytes();
+            assert_eq!(
+                read_frame(&mut over.as_slice(), usize::MAX).await,
+                Err(CodecError::Oversize {
+                    len: MAX_FRAME_BYTES as u64 + 1,
+                    max: MAX_FRAME_BYTES
+                })
+            );
+        });
+    }
+
     proptest! {
         /// Arbitrary bytes never panic the decoder, and a length claim inside the payload can
         /// never make it allocate past the frame limit.

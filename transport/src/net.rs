@@ -13,7 +13,7 @@
 //!
 //! The bytes are not encrypted (neither are RDMA READs); the control plane is.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ use pdkv_core::wire::{GrantId, NodeId};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
 use crate::codec::{self, PROTOCOL_VERSION};
 use crate::engine::{
@@ -217,7 +217,7 @@ impl ReadAuthorizer for GrantAuthorizer {
         let grants = self.grants.lock().unwrap_or_else(PoisonError::into_inner);
         let grant = grants
             .get(grant)
-            .ok_or_else(|| format!("grant {} is not live", grant.0))?;
+            .ok_or_else(|| grants.missing(grant).to_string())?;
         if &grant.peer != peer {
             return Err(format!("grant {} does not belong to peer {peer}", grant.id.0));
         }
@@ -259,26 +259,39 @@ enum DataRequest {
     },
 }
 
-#[derive(Debug, Serialize, Deserialize)]
-enum DataReply {
+/// A memory server's answer on a data connection (part of the data-plane protocol).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataReply {
+    /// The hello was accepted.
     Welcome,
     /// `len` raw bytes follow.
     Data {
+        /// Bytes that follow the frame.
         len: u64,
     },
+    /// Generation words, in the order asked for.
     Words(Vec<u32>),
+    /// The request (or the hello) was refused, and why.
     Refused(String),
 }
 
 /// Largest request frame a memory server accepts (64 Ki runs).
 const MAX_REQUEST_BYTES: usize = 1 << 20;
 
+/// Largest data hello (protocol version, node name, ticket) a memory server reads.
+pub const MAX_HELLO_BYTES: usize = 4096;
+
 /// Bounds of a memory server.
 #[derive(Debug, Clone, Copy)]
 pub struct MemoryServerLimits {
-    /// Concurrent data connections.
+    /// Concurrent authenticated data connections (default 64); one more is refused after its
+    /// hello with "memory server full".
     pub max_connections: usize,
-    /// Time a new connection has to present its ticket.
+    /// Connections that have not yet presented a ticket (default 16). When one more arrives,
+    /// the oldest of them is dropped, so idle or slow strangers can delay a real peer by at most
+    /// the time it takes to send its hello, never lock it out.
+    pub max_unauthenticated: usize,
+    /// Time a new connection has to present its ticket (default 2 s).
     pub hello_timeout: Duration,
     /// A connection idle this long is closed.
     pub idle_timeout: Duration,
@@ -288,7 +301,8 @@ impl Default for MemoryServerLimits {
     fn default() -> Self {
         MemoryServerLimits {
             max_connections: 64,
-            hello_timeout: Duration::from_secs(5),
+            max_unauthenticated: 16,
+            hello_timeout: Duration::from_secs(2),
             idle_timeout: Duration::from_secs(60),
         }
     }
@@ -331,6 +345,8 @@ impl MemoryServer {
         });
         let accept_task = runtime.spawn(async move {
             let slots = Arc::new(Semaphore::new(limits.max_connections));
+            // One sender per connection still in its hello; dropping one evicts that connection.
+            let mut unauthenticated: VecDeque<oneshot::Sender<()>> = VecDeque::new();
             loop {
                 let (stream, remote) = match listener.accept().await {
                     Ok(accepted) => accepted,
@@ -341,14 +357,16 @@ impl MemoryServer {
                         continue;
                     }
                 };
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    tracing::warn!(%remote, "memory server full, dropping data connection");
-                    continue;
-                };
-                let shared = shared.clone();
+                unauthenticated.retain(|evict| !evict.is_closed());
+                while unauthenticated.len() >= limits.max_unauthenticated.max(1) {
+                    tracing::debug!(%remote, "dropping the oldest data connection still in its hello");
+                    unauthenticated.pop_front();
+                }
+                let (evict, evicted) = oneshot::channel();
+                unauthenticated.push_back(evict);
+                let (shared, slots) = (shared.clone(), slots.clone());
                 tokio::spawn(async move {
-                    let _permit = permit;
-                    if let Err(error) = serve_data(stream, shared).await {
+                    if let Err(error) = serve_data(stream, shared, evicted, slots).await {
                         tracing::warn!(%remote, %error, "data connection closed");
                     }
                 });
@@ -379,14 +397,34 @@ struct ServerState {
     limits: MemoryServerLimits,
 }
 
-async fn serve_data(mut stream: TcpStream, state: Arc<ServerState>) -> Result<(), NetError> {
+async fn serve_data(
+    mut stream: TcpStream,
+    state: Arc<ServerState>,
+    mut evicted: oneshot::Receiver<()>,
+    slots: Arc<Semaphore>,
+) -> Result<(), NetError> {
     stream
         .set_nodelay(true)
         .map_err(|error| NetError::Io(error.to_string()))?;
-    let hello: DataHello =
-        tokio::time::timeout(state.limits.hello_timeout, codec::read_message(&mut stream, 4096))
-            .await
-            .map_err(|_| NetError::Timeout("data hello"))??;
+    let hello = tokio::time::timeout(
+        state.limits.hello_timeout,
+        codec::read_message::<_, DataHello>(&mut stream, MAX_HELLO_BYTES),
+    );
+    let hello = tokio::select! {
+        hello = hello => hello.map_err(|_| NetError::Timeout("data hello"))?,
+        _ = &mut evicted => return Err(NetError::Evicted),
+    };
+    let hello = match hello {
+        Ok(hello) => hello,
+        Err(error) => {
+            // Say why before closing (best effort: the peer may be gone already).
+            let reason = format!("bad data hello: {error}");
+            let _ = codec::write_message(&mut stream, &DataReply::Refused(reason)).await;
+            return Err(error.into());
+        }
+    };
+    // Out of the unauthenticated set: its sender now reports closed.
+    drop(evicted);
     if hello.protocol_version != PROTOCOL_VERSION {
         let reason = format!(
             "protocol version differs: ours {PROTOCOL_VERSION}, theirs {}",
@@ -395,6 +433,15 @@ async fn serve_data(mut stream: TcpStream, state: Arc<ServerState>) -> Result<()
         codec::write_message(&mut stream, &DataReply::Refused(reason.clone())).await?;
         return Err(NetError::BadTicket(reason));
     }
+    // A slot is taken before the ticket is spent, so a peer refused for lack of room keeps it.
+    let _permit: OwnedSemaphorePermit = match slots.try_acquire_owned() {
+        Ok(permit) => permit,
+        Err(_) => {
+            let error = NetError::Full(state.limits.max_connections);
+            codec::write_message(&mut stream, &DataReply::Refused(error.to_string())).await?;
+            return Err(error);
+        }
+    };
     if let Err(error) = state.tickets.redeem(&hello.ticket, &hello.node) {
         codec::write_message(&mut stream, &DataReply::Refused(error.to_string())).await?;
         return Err(error);
@@ -790,4 +837,10 @@ pub enum NetError {
     /// A socket failed.
     #[error("{0}")]
     Io(String),
+    /// Newer connections arrived while this one had not presented its ticket.
+    #[error("dropped before its hello: newer unauthenticated connections arrived")]
+    Evicted,
+    /// Every authenticated data connection slot is taken.
+    #[error("memory server full: {0} data connections")]
+    Full(usize),
 }

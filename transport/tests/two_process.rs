@@ -13,12 +13,13 @@ use std::time::{Duration, Instant};
 use pdkv_core::plan::ReadRun;
 use pdkv_core::wire::{GrantId, NodeId};
 use pdkv_transport::codec::PROTOCOL_VERSION;
+use pdkv_transport::codec::decode as decode_frame;
 use pdkv_transport::control::{
     ControlClient, ControlError, EngineAdvert, Hello, PeerConnection, TransportRuntime,
 };
 use pdkv_transport::engine::{EngineError, EngineKey, EngineKind, ReadEngine, ReadOp};
 use pdkv_transport::mapped::MappedEngine;
-use pdkv_transport::net::NetEngine;
+use pdkv_transport::net::{DataReply, NetEngine};
 use pdkv_transport::region::Region;
 use pdkv_transport::tls::{ClusterCa, Existing, NodeIdentity, write_cluster_certs};
 
@@ -42,7 +43,7 @@ impl Peer {
         write_cluster_certs(
             &certs,
             "test",
-            &["prefill-0", "decode-0", "outsider"],
+            &["prefill-0", "decode-0", "decode-1", "outsider"],
             Existing::Replace,
         )
         .unwrap();
@@ -53,7 +54,7 @@ impl Peer {
                 "--name",
                 "prefill-0",
                 "--cluster",
-                "prefill-0,decode-0",
+                "prefill-0,decode-0,decode-1",
             ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -109,22 +110,32 @@ fn hello(node: &str) -> Hello {
 }
 
 struct Decode {
+    name: &'static str,
     runtime: TransportRuntime,
     connection: PeerConnection,
 }
 
 fn connect(peer: &Peer) -> Decode {
+    connect_as(peer, "decode-0")
+}
+
+/// Connects to the peer as cluster member `name`.
+fn connect_as(peer: &Peer, name: &'static str) -> Decode {
     let runtime = TransportRuntime::new(2).unwrap();
     let client = ControlClient::new(
         &runtime.handle(),
         "127.0.0.1:0".parse().unwrap(),
-        &peer.identity("decode-0"),
+        &peer.identity(name),
     )
     .unwrap();
     let connection = runtime
-        .block_on(client.connect(peer.address, "prefill-0", &hello("decode-0"), TIMEOUT))
+        .block_on(client.connect(peer.address, "prefill-0", &hello(name), TIMEOUT))
         .unwrap();
-    Decode { runtime, connection }
+    Decode {
+        name,
+        runtime,
+        connection,
+    }
 }
 
 impl Decode {
@@ -150,14 +161,14 @@ impl Decode {
     }
 
     fn net_engine(&self) -> (NetEngine, Arc<Region>) {
-        let engine = NetEngine::new(EngineKey("decode-0".into()), self.runtime.handle(), String::new());
+        let engine = NetEngine::new(EngineKey(self.name.into()), self.runtime.handle(), String::new());
         let destination = Arc::new(Region::heap(((BLOCKS + 1) as u64 * BLOCK_BYTES) as usize));
         engine.register(0, destination.clone()).unwrap();
         let advert = self.advert(EngineKind::Net);
         engine.register_remote(&advert.engine, &advert.regions).unwrap();
         let ticket = self.runtime.block_on(self.connection.ticket(TIMEOUT)).unwrap();
         self.runtime
-            .block_on(engine.connect(&advert.engine.key, &NodeId("decode-0".into()), ticket, TIMEOUT))
+            .block_on(engine.connect(&advert.engine.key, &NodeId(self.name.into()), ticket, TIMEOUT))
             .unwrap();
         (engine, destination)
     }
@@ -271,18 +282,18 @@ fn reads_outside_a_live_grant_are_refused_and_move_no_bytes() {
         is_zero(&destination, 3) && is_zero(&destination, 4),
         "a refused read lands nothing"
     );
-    assert!(
-        read_blocks(&net, GrantId(99), 0, 3, 1)
-            .unwrap_err()
-            .to_string()
-            .contains("grant 99 is not live")
+    assert_eq!(
+        read_blocks(&net, GrantId(99), 0, 3, 1).unwrap_err(),
+        EngineError::Refused("grant 99 is not live: it was never issued".into())
     );
     assert_eq!(read_blocks(&net, grant, 0, 3, 1).unwrap(), BLOCK_BYTES);
 
     // Release revokes.
     decode.ask(PeerRequest::Release { grant }).unwrap();
-    let error = read_blocks(&net, grant, 0, 3, 1).unwrap_err();
-    assert!(error.to_string().contains("is not live"), "{error}");
+    assert_eq!(
+        read_blocks(&net, grant, 0, 3, 1).unwrap_err(),
+        EngineError::Refused(format!("grant {} is not live: it was released", grant.0))
+    );
 
     // Expiry revokes: a 50 ms lease, polled for at most 5 s.
     let (short, _) = decode.grant(vec![7], 50);
@@ -294,7 +305,10 @@ fn reads_outside_a_live_grant_are_refused_and_move_no_bytes() {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
-    assert!(error.to_string().contains("expired"), "{error}");
+    assert_eq!(
+        error,
+        EngineError::Refused(format!("grant {} is not live: its lease expired", short.0))
+    );
 
     // One-sided shm reads cannot be refused; reuse is caught by the generation word instead.
     let (grant, generations) = decode.grant(vec![9], 10_000);
@@ -400,7 +414,16 @@ fn malformed_frames_close_the_connection_not_the_node() {
     use std::io::Read;
     let fresh = connect(&peer);
     let data_address: SocketAddr = fresh.advert(EngineKind::Net).engine.address.parse().unwrap();
-    for bytes in [vec![0xFF, 0xFF, 0xFF, 0xFF, 1, 2, 3], vec![5, 0, 0, 0, 9], vec![]] {
+    let cases: [(Vec<u8>, &str); 4] = [
+        (
+            vec![0xFF, 0xFF, 0xFF, 0xFF, 1, 2, 3],
+            "bad data hello: frame of 4294967295 bytes exceeds the 4096-byte limit",
+        ),
+        (vec![5, 0, 0, 0, 9], "bad data hello: stream ended inside a frame"),
+        (vec![], "bad data hello: stream ended inside a frame"),
+        (vec![3, 0, 0, 0, 9, 9, 9], "bad data hello: malformed message"),
+    ];
+    for (bytes, expected) in cases {
         let mut stream = std::net::TcpStream::connect(data_address).unwrap();
         stream.set_read_timeout(Some(TIMEOUT)).unwrap();
         // The server may close as soon as it sees a bad length, before we finish writing.
@@ -408,7 +431,13 @@ fn malformed_frames_close_the_connection_not_the_node() {
         let _ = stream.shutdown(std::net::Shutdown::Write);
         let mut reply = Vec::new();
         let _ = stream.read_to_end(&mut reply);
-        assert!(reply.len() < 64, "no data for a malformed hello");
+        assert!(reply.len() > 4, "{bytes:?}: a refusal frame, got {reply:?}");
+        match decode_frame::<DataReply>(&reply[4..]) {
+            Ok(DataReply::Refused(reason)) => {
+                assert!(reason.starts_with(expected), "{bytes:?}: {reason}")
+            }
+            other => panic!("{bytes:?}: expected a refusal, got {other:?}"),
+        }
     }
     let forged_engine = NetEngine::new(
         EngineKey("decode-0".into()),
@@ -434,4 +463,173 @@ fn malformed_frames_close_the_connection_not_the_node() {
     let (grant, _) = fresh.grant(vec![1, 2], 10_000);
     assert_eq!(read_blocks(&net, grant, 1, 1, 2).unwrap(), 2 * BLOCK_BYTES);
     assert_holds_pattern(&destination, 1, 1, 2);
+}
+
+/// Fills a region with 0xAA so that any byte a refused READ landed would show.
+fn poison(region: &Region) {
+    region.write(0, &vec![0xAA; region.len()]).unwrap();
+}
+
+fn is_poisoned(region: &Region) -> bool {
+    let mut bytes = vec![0u8; region.len()];
+    region.read(0, &mut bytes).unwrap();
+    bytes.iter().all(|&byte| byte == 0xAA)
+}
+
+/// A cluster member cannot read under another member's grant: data and generation words are
+/// both refused, nothing lands, and the grant still serves its owner.
+#[test]
+fn a_members_grant_is_refused_to_another_member() {
+    let peer = Peer::spawn("foreign");
+    let owner = connect(&peer);
+    let (grant, generations) = owner.grant(vec![3, 4], 10_000);
+    let other = connect_as(&peer, "decode-1");
+    let (net, destination) = other.net_engine();
+    poison(&destination);
+    assert_eq!(
+        read_blocks(&net, grant, 0, 3, 2).unwrap_err(),
+        EngineError::Refused(format!("grant {} does not belong to peer decode-1", grant.0))
+    );
+    assert!(is_poisoned(&destination), "a refused read lands nothing");
+    let words = other.runtime.block_on(net.read_remote_words(
+        &EngineKey("prefill-0".into()),
+        grant,
+        LAYERS as u32,
+        &[3, 4],
+    ));
+    assert_eq!(
+        words,
+        Err(EngineError::Refused(format!(
+            "grant {} does not belong to peer decode-1",
+            grant.0
+        )))
+    );
+    let (owned, owner_destination) = owner.net_engine();
+    moves_blocks_3_to_5_or_fewer(&owner, &owned, &owner_destination, grant, &generations);
+}
+
+/// The owner reads blocks 3 and 4 of layer 0 and their generations.
+fn moves_blocks_3_to_5_or_fewer(
+    decode: &Decode,
+    engine: &dyn ReadEngine,
+    destination: &Region,
+    grant: GrantId,
+    generations: &[u32],
+) {
+    assert_eq!(read_blocks(engine, grant, 0, 3, 2).unwrap(), 2 * BLOCK_BYTES);
+    assert_holds_pattern(destination, 0, 3, 2);
+    let words = decode
+        .runtime
+        .block_on(engine.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[3, 4]))
+        .unwrap();
+    assert_eq!(words, generations);
+}
+
+/// A READ of several runs is checked run by run before any byte is sent: one run outside the
+/// grant (here the last) refuses the whole READ and the destination stays as it was.
+#[test]
+fn a_multi_run_read_with_one_run_outside_the_grant_lands_nothing() {
+    let peer = Peer::spawn("multirun");
+    let decode = connect(&peer);
+    let (grant, _) = decode.grant(vec![3, 4, 5], 10_000);
+    let (net, destination) = decode.net_engine();
+    poison(&destination);
+    let run = |block: u64| ReadRun {
+        local_offset: block * BLOCK_BYTES,
+        remote_offset: block * BLOCK_BYTES,
+        len_bytes: BLOCK_BYTES,
+    };
+    for outside in [9u64, 2, 6] {
+        let op = ReadOp {
+            grant,
+            local_region: 0,
+            remote_engine: EngineKey("prefill-0".into()),
+            remote_region: 1,
+            runs: vec![run(3), run(4), run(5), run(outside)],
+        };
+        let error = net
+            .batch_read(vec![op])
+            .and_then(|handle| handle.wait_blocking(TIMEOUT))
+            .unwrap_err();
+        assert_eq!(
+            error,
+            EngineError::Refused(format!(
+                "grant {} does not cover block {outside} of group 0",
+                grant.0
+            ))
+        );
+        assert!(is_poisoned(&destination), "run {outside}: nothing lands");
+    }
+}
+
+/// The data hello is read with a 4096-byte limit: a hello claiming 4097 bytes is refused with
+/// that reason, and the node keeps serving.
+#[test]
+fn an_oversize_data_hello_is_refused_with_the_limit_named() {
+    use std::io::Read;
+    let peer = Peer::spawn("hello-limit");
+    let decode = connect(&peer);
+    let data_address: SocketAddr = decode.advert(EngineKind::Net).engine.address.parse().unwrap();
+    let mut stream = std::net::TcpStream::connect(data_address).unwrap();
+    stream.set_read_timeout(Some(TIMEOUT)).unwrap();
+    stream.write_all(&4097u32.to_le_bytes()).unwrap();
+    let mut reply = Vec::new();
+    let _ = stream.read_to_end(&mut reply);
+    assert!(reply.len() > 4, "a refusal frame: {reply:?}");
+    let refusal: DataReply = decode_frame(&reply[4..]).unwrap();
+    assert_eq!(
+        refusal,
+        DataReply::Refused("bad data hello: frame of 4097 bytes exceeds the 4096-byte limit".into())
+    );
+    let (net, _) = decode.net_engine();
+    let (grant, _) = decode.grant(vec![1], 10_000);
+    assert_eq!(read_blocks(&net, grant, 0, 1, 1).unwrap(), BLOCK_BYTES);
+}
+
+/// Idle connections that never send a hello cannot lock a real peer out of the data port: the
+/// oldest of them is dropped when a new one arrives, and the peer gets in at once (well inside
+/// the 2 s hello timeout that would otherwise free their slots).
+#[test]
+fn idle_unauthenticated_connections_cannot_fill_the_data_port() {
+    use std::io::Read;
+    let peer = Peer::spawn("preauth");
+    let decode = connect(&peer);
+    let data_address: SocketAddr = decode.advert(EngineKind::Net).engine.address.parse().unwrap();
+    // More idle strangers than the 64 authenticated slots and the 16 pre-auth slots together.
+    let idle: Vec<std::net::TcpStream> = (0..100)
+        .map(|_| std::net::TcpStream::connect(data_address).unwrap())
+        .collect();
+    let started = Instant::now();
+    let (net, destination) = decode.net_engine();
+    let (grant, _) = decode.grant(vec![2], 10_000);
+    assert_eq!(read_blocks(&net, grant, 1, 2, 1).unwrap(), BLOCK_BYTES);
+    assert_holds_pattern(&destination, 1, 2, 1);
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "admitted before any hello timeout freed a slot ({:?})",
+        started.elapsed()
+    );
+    // All but the newest 16 idle connections were closed by the server (evicted) as newer ones
+    // arrived, long before the 2 s hello timeout could have closed them.
+    for stream in &idle {
+        stream.set_nonblocking(true).unwrap();
+    }
+    let closed = || {
+        idle.iter()
+            .filter(|stream| {
+                let mut byte = [0u8; 1];
+                matches!((&**stream).read(&mut byte), Ok(0))
+            })
+            .count()
+    };
+    let mut seen = closed();
+    while seen < 100 - 16 && started.elapsed() < Duration::from_millis(1500) {
+        std::thread::sleep(Duration::from_millis(10));
+        seen = closed();
+    }
+    assert!(
+        seen >= 100 - 16,
+        "only {seen} of 100 idle connections were closed within {:?}",
+        started.elapsed()
+    );
 }
