@@ -390,7 +390,12 @@ mod tests {
             .unwrap();
         assert_eq!(words, vec![42, 0]);
         let heap_only = MappedEngine::shm(EngineKey("x".into())).unwrap();
-        assert!(heap_only.register(0, Arc::new(Region::heap(64))).is_err());
+        assert_eq!(
+            heap_only.register(0, Arc::new(Region::heap(64))).unwrap_err(),
+            EngineError::Refused(
+                "region 0 is not in shared memory; shm engines register Region::shared regions".into()
+            )
+        );
     }
 
     #[test]

@@ -320,8 +320,22 @@ mod tests {
         let mut out = [0u8; 4];
         b.read(60, &mut out).unwrap();
         assert_eq!(out, [1, 2, 3, 4]);
-        assert!(b.copy_from(61, &a, 8, 4).is_err());
-        assert!(a.read(u64::MAX, &mut out).is_err());
+        assert_eq!(
+            b.copy_from(61, &a, 8, 4),
+            Err(RegionError::OutOfBounds {
+                offset: 61,
+                len: 4,
+                region_len: 64
+            })
+        );
+        assert_eq!(
+            a.read(u64::MAX, &mut out),
+            Err(RegionError::OutOfBounds {
+                offset: u64::MAX,
+                len: 4,
+                region_len: 64
+            })
+        );
         assert_eq!(a.copy_from(0, &a, 2, 4), Err(RegionError::Overlap));
     }
 
@@ -336,8 +350,9 @@ mod tests {
         peer.read(100, &mut out).unwrap();
         assert_eq!(out, [5, 6, 7]);
         assert_eq!(peer.write(0, &[1]), Err(RegionError::ReadOnly));
-        assert!(
-            Region::map_peer(Path::new(&path), 8192).is_err(),
+        assert_eq!(
+            Region::map_peer(Path::new(&path), 8192).unwrap_err(),
+            RegionError::Io(format!("{path}: holds 4096 bytes, descriptor says 8192")),
             "a descriptor longer than the memfd is refused"
         );
     }
@@ -347,6 +362,13 @@ mod tests {
         let region = Region::heap(12);
         region.store_u32(2, 7).unwrap();
         assert_eq!(region.load_u32(2).unwrap(), 7);
-        assert!(region.load_u32(3).is_err());
+        assert_eq!(
+            region.load_u32(3),
+            Err(RegionError::OutOfBounds {
+                offset: 12,
+                len: 4,
+                region_len: 12
+            })
+        );
     }
 }
