@@ -730,6 +730,51 @@ mod tests {
         assert!(allocator.is_idle());
     }
 
+    /// Eviction takes the least recently used cached blocks first: of two cached prompts, the
+    /// one touched last survives a request that needs room.
+    #[test]
+    fn eviction_follows_least_recent_use() {
+        // Block size 4; capacity 6 in the full group. A 9-token prompt holds 3 blocks, of which
+        // 2 are full prompt blocks that can be cached (the block of the last token never is).
+        let mut allocator = Allocator::new(&layout(), &[6, 16, 4], true).unwrap();
+        let a: Vec<u32> = (0..9).collect();
+        let b: Vec<u32> = (100..109).collect();
+        let run = |allocator: &mut Allocator, id: u64, prompt: &[u32]| {
+            let allocation = allocator.allocate(RequestId(id), prompt, 9, None).unwrap();
+            allocator.finish(RequestId(id), Some(prompt)).unwrap();
+            allocation
+        };
+        let first_a = run(&mut allocator, 1, &a);
+        run(&mut allocator, 2, &b);
+        // Touch A again: now B is the least recently used.
+        assert_eq!(run(&mut allocator, 3, &a).cached_blocks[0], 2);
+        allocator.poll_freed();
+        // 4 blocks needed, 2 free: the other 2 come from the LRU cached prompt, B.
+        let fresh: Vec<u32> = (200..216).collect();
+        let taken = allocator.allocate(RequestId(4), &fresh, 16, None).unwrap();
+        let evicted: Vec<BlockId> = allocator
+            .poll_freed()
+            .iter()
+            .filter(|freed| freed.group == 0)
+            .map(|freed| freed.block)
+            .collect();
+        assert_eq!(evicted.len(), 2);
+        assert!(evicted.iter().all(|block| taken.blocks[0].contains(block)));
+        assert!(
+            evicted
+                .iter()
+                .all(|block| !first_a.blocks[0][..2].contains(block)),
+            "A's cached blocks survive"
+        );
+        allocator.finish(RequestId(4), None).unwrap();
+        let again_a = allocator.allocate(RequestId(5), &a, 9, None).unwrap();
+        assert_eq!(again_a.cached_blocks[0], 2);
+        assert_eq!(again_a.blocks[0][..2], first_a.blocks[0][..2]);
+        allocator.finish(RequestId(5), None).unwrap();
+        let again_b = allocator.allocate(RequestId(6), &b, 9, None).unwrap();
+        assert_eq!(again_b.cached_blocks[0], 0, "B was evicted");
+    }
+
     #[test]
     fn fewer_slots_than_cached_prompt_blocks_is_not_an_underflow() {
         let mut allocator = Allocator::new(&layout(), &[16, 16, 4], true).unwrap();

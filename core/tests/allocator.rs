@@ -1,7 +1,9 @@
 //! The allocator under random operation sequences: a block is never handed to a new owner while
-//! a request or a pin holds it (except shared prefix-cache hits), generations only grow and are
-//! bumped whenever a block goes back to the pool, and once every request finishes and every pin
-//! is dropped each group's free count is back at its capacity.
+//! a request or a pin holds it, except as a prefix-cache hit (a leading full block of a full
+//! group, at the same position in every holder); `extend` grows exactly to the slots asked for or
+//! changes nothing; generations only grow and are bumped whenever a block goes back to the pool;
+//! free blocks plus held blocks always equal the capacity; and once every request finishes and
+//! every pin is dropped each group's free count is back at its capacity.
 
 use std::collections::{HashMap, HashSet};
 
@@ -73,6 +75,14 @@ struct Live {
     id: RequestId,
     prompt: Vec<u32>,
     slots: u64,
+    /// Leading positions per group that were prefix-cache hits at allocation.
+    cached: Vec<u64>,
+}
+
+/// A pin and the request whose lists it pinned.
+struct Pin {
+    owner: RequestId,
+    lists: Vec<Vec<BlockId>>,
 }
 
 proptest! {
@@ -84,7 +94,7 @@ proptest! {
         let capacity = [40u32, 40, 8];
         let mut allocator = Allocator::new(&layout, &capacity, true).unwrap();
         let mut live: Vec<Live> = Vec::new();
-        let mut pins: Vec<Vec<Vec<BlockId>>> = Vec::new();
+        let mut pins: Vec<Pin> = Vec::new();
         let mut generations: HashMap<(usize, BlockId), u32> = HashMap::new();
         let mut next = 1u64;
         for op in ops {
@@ -103,7 +113,7 @@ proptest! {
                                 prop_assert_eq!(list.len(), expected);
                                 prop_assert!(list[allocation.cached_blocks[group] as usize..].iter().all(|&b| b as usize <= capacity[group] as usize));
                             }
-                            live.push(Live { id, prompt, slots });
+                            live.push(Live { id, prompt, slots, cached: allocation.cached_blocks.clone() });
                         }
                         Err(AllocError::OutOfBlocks { .. } | AllocError::NeverFits { .. }) => {}
                         Err(error) => prop_assert!(false, "unexpected refusal: {}", error),
@@ -112,8 +122,22 @@ proptest! {
                 Op::Extend { pick, extra } if !live.is_empty() => {
                     let index = pick.index(live.len());
                     let request = &mut live[index];
-                    if allocator.extend(request.id, request.slots + extra).is_ok() {
-                        request.slots += extra;
+                    let before = allocator.blocks(request.id).unwrap().to_vec();
+                    let wanted = request.slots + extra;
+                    match allocator.extend(request.id, wanted) {
+                        Ok(lists) => {
+                            for (group, (list, old)) in lists.iter().zip(&before).enumerate() {
+                                let expected = (layout.groups()[group].blocks_for_tokens(wanted) as usize).max(old.len());
+                                prop_assert_eq!(list.len(), expected, "group {} after extend", group);
+                                prop_assert_eq!(&list[..old.len()], &old[..], "group {}: extend moved held blocks", group);
+                                prop_assert!(list[old.len()..].iter().all(|&b| b != NULL_BLOCK), "group {}: extend handed out the null block", group);
+                            }
+                            request.slots = wanted;
+                        }
+                        Err(AllocError::OutOfBlocks { .. }) => {
+                            prop_assert_eq!(allocator.blocks(request.id).unwrap(), &before[..], "a refused extend changed the lists");
+                        }
+                        Err(error) => prop_assert!(false, "unexpected refusal: {}", error),
                     }
                 }
                 Op::ReleaseWindow { pick, advance } if !live.is_empty() => {
@@ -125,11 +149,11 @@ proptest! {
                     let request = &live[pick.index(live.len())];
                     let lists = allocator.blocks(request.id).unwrap().to_vec();
                     allocator.pin(&lists).unwrap();
-                    pins.push(lists);
+                    pins.push(Pin { owner: request.id, lists });
                 }
                 Op::Unpin { pick } if !pins.is_empty() => {
-                    let lists = pins.remove(pick.index(pins.len()));
-                    allocator.unpin(&lists).unwrap();
+                    let pin = pins.remove(pick.index(pins.len()));
+                    allocator.unpin(&pin.lists).unwrap();
                 }
                 Op::Finish { pick, cache } if !live.is_empty() => {
                     let request = live.remove(pick.index(live.len()));
@@ -141,28 +165,46 @@ proptest! {
                 let previous = generations.insert((freed.group, freed.block), freed.generation).unwrap_or(0);
                 prop_assert!(freed.generation > previous, "generation of {:?} went {} -> {}", (freed.group, freed.block), previous, freed.generation);
             }
-            // Held or pinned blocks belong to exactly the holders the model knows about: outside
-            // the prefix cache's shared full-group blocks, no block has two holders.
+            // A block with more than one holder (live requests and pins of other requests) is a
+            // prefix-cache hit in every live holder: a full group, a leading cached position, the
+            // same position everywhere. And free + held == capacity: every block is one or the other.
             for group in 0..layout.groups().len() {
-                let mut held: HashSet<BlockId> = HashSet::new();
-                let shareable = layout.groups()[group].kind() == GroupKind::Full;
+                // block -> (position, request) for every live holder
+                let mut holders: HashMap<BlockId, Vec<(usize, RequestId)>> = HashMap::new();
                 for request in &live {
-                    for &block in &allocator.blocks(request.id).unwrap()[group] {
+                    for (position, &block) in allocator.blocks(request.id).unwrap()[group].iter().enumerate() {
                         if block != NULL_BLOCK {
-                            prop_assert!(held.insert(block) || shareable, "group {} block {} held twice", group, block);
+                            holders.entry(block).or_default().push((position, request.id));
                         }
                     }
                 }
-                let pinned: HashSet<BlockId> = pins.iter().flat_map(|lists| lists[group].iter().copied()).filter(|&b| b != NULL_BLOCK).collect();
-                let holders = held.union(&pinned).count();
-                prop_assert!(allocator.free_blocks(group) + holders <= capacity[group] as usize, "group {}: free + held exceeds capacity", group);
+                let mut pinned_by: HashMap<BlockId, HashSet<RequestId>> = HashMap::new();
+                for pin in &pins {
+                    for &block in pin.lists[group].iter().filter(|&&b| b != NULL_BLOCK) {
+                        pinned_by.entry(block).or_default().insert(pin.owner);
+                    }
+                }
+                for (&block, holding) in &holders {
+                    let foreign_pin = pinned_by.get(&block).is_some_and(|owners| owners.iter().any(|owner| holding.iter().all(|(_, id)| id != owner)));
+                    if holding.len() < 2 && !foreign_pin {
+                        continue;
+                    }
+                    prop_assert_eq!(layout.groups()[group].kind(), GroupKind::Full, "group {} block {} has several holders", group, block);
+                    for &(position, id) in holding {
+                        let cached = live.iter().find(|request| request.id == id).unwrap().cached[group];
+                        prop_assert!((position as u64) < cached, "group {} block {} is shared but not a prefix hit of {} (position {}, {} hits)", group, block, id, position, cached);
+                        prop_assert_eq!(position, holding[0].0, "group {} block {} shared at different positions", group, block);
+                    }
+                }
+                let held: HashSet<BlockId> = holders.keys().copied().chain(pinned_by.keys().copied()).collect();
+                prop_assert_eq!(allocator.free_blocks(group) + held.len(), capacity[group] as usize, "group {}: free + held != capacity", group);
             }
         }
         for request in live {
             allocator.finish(request.id, None).unwrap();
         }
-        for lists in pins {
-            allocator.unpin(&lists).unwrap();
+        for pin in pins {
+            allocator.unpin(&pin.lists).unwrap();
         }
         prop_assert!(allocator.is_idle(), "blocks leaked: free {:?}", (0..3).map(|g| allocator.free_blocks(g)).collect::<Vec<_>>());
     }

@@ -345,7 +345,10 @@ fn strangers_and_incompatible_peers_are_refused() {
     // The client refuses the server's certificate first: it does not chain to its CA either.
     match dial(&foreign, hello("decode-0")) {
         Err(ControlError::Connect(reason)) => {
-            assert!(reason.ends_with("invalid peer certificate: UnknownIssuer"), "{reason}")
+            assert!(
+                reason.ends_with("invalid peer certificate: UnknownIssuer"),
+                "{reason}"
+            )
         }
         other => panic!("a foreign CA's certificate: {other:?}"),
     }
