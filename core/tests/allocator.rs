@@ -168,7 +168,7 @@ proptest! {
             // A block with more than one holder (live requests and pins of other requests) is a
             // prefix-cache hit in every live holder: a full group, a leading cached position, the
             // same position everywhere. And free + held == capacity: every block is one or the other.
-            for group in 0..layout.groups().len() {
+            for (group, &group_capacity) in capacity.iter().enumerate() {
                 // block -> (position, request) for every live holder
                 let mut holders: HashMap<BlockId, Vec<(usize, RequestId)>> = HashMap::new();
                 for request in &live {
@@ -197,7 +197,7 @@ proptest! {
                     }
                 }
                 let held: HashSet<BlockId> = holders.keys().copied().chain(pinned_by.keys().copied()).collect();
-                prop_assert_eq!(allocator.free_blocks(group) + held.len(), capacity[group] as usize, "group {}: free + held != capacity", group);
+                prop_assert_eq!(allocator.free_blocks(group) + held.len(), group_capacity as usize, "group {}: free + held != capacity", group);
             }
         }
         for request in live {
