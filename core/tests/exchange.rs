@@ -70,6 +70,15 @@ fn seed_lists(base: BlockId, lookahead: u64) -> Vec<Vec<BlockId>> {
     vec![full, window]
 }
 
+/// Each group's pairs as (prefill block, decode block).
+fn block_ids(pairing: &Pairing) -> Vec<Vec<(BlockId, BlockId)>> {
+    pairing
+        .groups
+        .iter()
+        .map(|pairs| pairs.iter().map(|pair| (pair.remote, pair.local)).collect())
+        .collect()
+}
+
 /// Whether a pairing reads every needed position into the same position and nothing shifted.
 fn joins_needed_positions(layout: &KvLayout, pairing: &Pairing) -> bool {
     layout.groups().iter().zip(&pairing.groups).all(|(spec, pairs)| {
@@ -94,11 +103,7 @@ fn four_tail_combinations_anchored_pairs_every_needed_position() {
         let offer = exchange::offer(&layout, N, &prefill).unwrap();
         let need = exchange::need(&layout, N, &decode, &[]).unwrap();
         let pairing = exchange::pair(&layout, &offer, &need).unwrap();
-        let ids: Vec<Vec<(BlockId, BlockId)>> = pairing
-            .groups
-            .iter()
-            .map(|pairs| pairs.iter().map(|pair| (pair.remote, pair.local)).collect())
-            .collect();
+        let ids = block_ids(&pairing);
         assert_eq!(
             ids,
             vec![
@@ -384,11 +389,7 @@ fn a_prefill_that_stopped_at_n_minus_1_pairs_like_one_that_computed_n() {
     )
     .unwrap();
     assert_eq!(from_all, from_n_minus_1);
-    let ids: Vec<Vec<(BlockId, BlockId)>> = from_all
-        .groups
-        .iter()
-        .map(|pairs| pairs.iter().map(|pair| (pair.remote, pair.local)).collect())
-        .collect();
+    let ids = block_ids(&from_all);
     // Tokens 0..=447 are read: blocks 0..=6; window 321..=447: blocks 5..=6.
     assert_eq!(
         ids,

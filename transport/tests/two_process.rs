@@ -501,7 +501,7 @@ fn is_poisoned(region: &Region) -> bool {
 fn a_members_grant_is_refused_to_another_member() {
     let peer = Peer::spawn("foreign");
     let owner = connect(&peer);
-    let (grant, generations) = owner.grant(vec![3, 4], 10_000);
+    let (grant, generations) = owner.grant(vec![3, 4, 5], 10_000);
     let other = connect_as(&peer, "decode-1");
     let (net, destination) = other.net_engine();
     poison(&destination);
@@ -524,24 +524,7 @@ fn a_members_grant_is_refused_to_another_member() {
         )))
     );
     let (owned, owner_destination) = owner.net_engine();
-    moves_blocks_3_to_5_or_fewer(&owner, &owned, &owner_destination, grant, &generations);
-}
-
-/// The owner reads blocks 3 and 4 of layer 0 and their generations.
-fn moves_blocks_3_to_5_or_fewer(
-    decode: &Decode,
-    engine: &dyn ReadEngine,
-    destination: &Region,
-    grant: GrantId,
-    generations: &[u32],
-) {
-    assert_eq!(read_blocks(engine, grant, 0, 3, 2).unwrap(), 2 * BLOCK_BYTES);
-    assert_holds_pattern(destination, 0, 3, 2);
-    let words = decode
-        .runtime
-        .block_on(engine.read_remote_words(&EngineKey("prefill-0".into()), grant, LAYERS as u32, &[3, 4]))
-        .unwrap();
-    assert_eq!(words, generations);
+    moves_blocks_3_to_5(&owner, &owned, &owner_destination, grant, &generations);
 }
 
 /// A READ of several runs is checked run by run before any byte is sent: one run outside the
