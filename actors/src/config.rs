@@ -641,6 +641,10 @@ mod tests {
                 "nodes[1].lookahead_tokens: 4096 tokens leave no room for a prompt",
             ),
             (
+                with("lookahead_tokens = 0", "lookahead_tokens = 18446744073709551615"),
+                "nodes[0].lookahead_tokens: 18446744073709551615 tokens leave no room for a prompt: the node holds 4096 token slots",
+            ),
+            (
                 with("name = \"decode-0\"", "name = \"ca\""),
                 "nodes[1].name: \"ca\" is reserved",
             ),

@@ -640,6 +640,47 @@ mod tests {
         assert!(allocator.is_idle());
     }
 
+    /// Allocation prefers the lowest run of free ids long enough for the request (plans then
+    /// coalesce into few READs), and falls back to the lowest ids only when no run is long enough.
+    #[test]
+    fn allocation_prefers_the_lowest_contiguous_run() {
+        let mut allocator = Allocator::new(&layout(), &[8, 16, 8], false).unwrap();
+        for (id, tokens) in [(1, 4), (2, 4), (3, 4), (4, 4), (5, 16)] {
+            allocator
+                .allocate(RequestId(id), &vec![1; tokens], tokens as u64, None)
+                .unwrap();
+        }
+        for id in [2, 4, 5] {
+            allocator.finish(RequestId(id), None).unwrap();
+        }
+        // Free ids of the full group: 2, 4, 5, 6, 7, 8.
+        let run = allocator.allocate(RequestId(6), &[1; 12], 12, None).unwrap();
+        assert_eq!(run.blocks[0], vec![4, 5, 6]);
+        // Free: 2, 7, 8. No run of 3: the lowest ids.
+        let scattered = allocator.allocate(RequestId(7), &[1; 12], 12, None).unwrap();
+        assert_eq!(scattered.blocks[0], vec![2, 7, 8]);
+    }
+
+    /// A request that needs exactly the blocks left gets them, by allocation or by extension.
+    #[test]
+    fn the_last_free_blocks_can_be_taken() {
+        let mut allocator = Allocator::new(&layout(), &[4, 4, 4], false).unwrap();
+        allocator.allocate(RequestId(1), &[1; 8], 8, None).unwrap();
+        let allocation = allocator.allocate(RequestId(2), &[1; 4], 4, None).unwrap();
+        assert_eq!(allocation.blocks[0], vec![3]);
+        assert_eq!(allocator.extend(RequestId(2), 8).unwrap()[0], vec![3, 4]);
+        assert_eq!(allocator.free_blocks(0), 0);
+        assert_eq!(
+            allocator.extend(RequestId(2), 9).unwrap_err(),
+            AllocError::OutOfBlocks {
+                group: 0,
+                kind: "full",
+                needed: 1,
+                free: 0
+            }
+        );
+    }
+
     #[test]
     fn running_out_names_the_group_and_allocates_nothing() {
         let mut allocator = Allocator::new(&layout(), &[4, 16, 4], false).unwrap();
