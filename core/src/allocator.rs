@@ -661,6 +661,66 @@ mod tests {
         assert_eq!(scattered.blocks[0], vec![2, 7, 8]);
     }
 
+    /// The accessors a shell reports from: capacity, request count, idleness, generations.
+    #[test]
+    fn accessors_report_the_pools() {
+        let mut allocator = Allocator::new(&layout(), &[16, 12, 4], false).unwrap();
+        assert_eq!(
+            (
+                allocator.capacity(0),
+                allocator.capacity(1),
+                allocator.capacity(2)
+            ),
+            (16, 12, 4)
+        );
+        assert_eq!(allocator.capacity(3), 0);
+        assert!(allocator.is_idle());
+        allocator.allocate(RequestId(1), &[1; 8], 8, None).unwrap();
+        assert_eq!(allocator.num_requests(), 1);
+        assert!(!allocator.is_idle(), "a request holds blocks");
+        allocator.finish(RequestId(1), None).unwrap();
+        assert_eq!(allocator.num_requests(), 0);
+        assert_eq!(allocator.generation(0, 1), Some(1));
+        assert_eq!(allocator.generation(0, 3), Some(0));
+        assert_eq!(allocator.generation(0, 17), None);
+        assert!(allocator.is_idle());
+        // Idle needs every group back: a pin alone keeps it busy.
+        let held = allocator.allocate(RequestId(2), &[1; 1], 1, None).unwrap();
+        allocator.pin(&held.blocks).unwrap();
+        allocator.finish(RequestId(2), None).unwrap();
+        assert_eq!(allocator.num_requests(), 0);
+        assert!(!allocator.is_idle(), "pinned blocks are not free");
+        allocator.unpin(&held.blocks).unwrap();
+        assert!(allocator.is_idle());
+    }
+
+    /// Two requests that computed the same prompt at once: the first to finish caches its
+    /// blocks, the second's go back to the free pool (generation bumped), never a second entry.
+    #[test]
+    fn a_prompt_computed_twice_is_cached_once() {
+        let mut allocator = Allocator::new(&layout(), &[16, 16, 4], true).unwrap();
+        let prompt: Vec<u32> = (0..9).collect();
+        let first = allocator.allocate(RequestId(1), &prompt, 9, None).unwrap();
+        let second = allocator.allocate(RequestId(2), &prompt, 9, None).unwrap();
+        assert_eq!(second.cached_blocks[0], 0, "nothing cached yet");
+        allocator.finish(RequestId(1), Some(&prompt)).unwrap();
+        allocator.poll_freed();
+        allocator.finish(RequestId(2), Some(&prompt)).unwrap();
+        let freed: Vec<BlockId> = allocator
+            .poll_freed()
+            .iter()
+            .filter(|freed| freed.group == 0)
+            .map(|freed| freed.block)
+            .collect();
+        assert_eq!(
+            freed, second.blocks[0],
+            "the duplicate's blocks are freed, not cached"
+        );
+        let third = allocator.allocate(RequestId(3), &prompt, 9, None).unwrap();
+        assert_eq!(third.cached_blocks[0], 2);
+        assert_eq!(third.blocks[0][..2], first.blocks[0][..2]);
+    }
+
     /// A request that needs exactly the blocks left gets them, by allocation or by extension.
     #[test]
     fn the_last_free_blocks_can_be_taken() {

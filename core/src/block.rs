@@ -10,8 +10,3 @@ pub type BlockId = u32;
 
 /// The null block: a placeholder for a position whose block was freed or never allocated.
 pub const NULL_BLOCK: BlockId = 0;
-
-/// Whether `id` stands for a real block.
-pub fn is_real(id: BlockId) -> bool {
-    id != NULL_BLOCK
-}

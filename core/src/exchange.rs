@@ -625,3 +625,32 @@ pub enum ExchangeError {
     #[error("unknown pairing mode {0:?}, expected \"anchored\" or \"legacy\"")]
     UnknownPairingMode(String),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairing_modes_parse_by_name() {
+        assert_eq!("anchored".parse::<PairingMode>(), Ok(PairingMode::Anchored));
+        assert_eq!("legacy".parse::<PairingMode>(), Ok(PairingMode::Legacy));
+        assert_eq!(
+            "Legacy".parse::<PairingMode>().unwrap_err().to_string(),
+            "unknown pairing mode \"Legacy\", expected \"anchored\" or \"legacy\""
+        );
+    }
+
+    #[test]
+    fn num_pairs_counts_every_group() {
+        let pair = BlockPair {
+            remote_position: 0,
+            local_position: 0,
+            remote: 1,
+            local: 2,
+        };
+        let pairing = Pairing {
+            groups: vec![vec![pair; 3], vec![], vec![pair; 2]],
+        };
+        assert_eq!(pairing.num_pairs(), 5);
+    }
+}
