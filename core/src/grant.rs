@@ -366,6 +366,25 @@ mod tests {
         assert_eq!(table.renew(id, &peer("d0"), 200), Err(GrantError::Expired(id)));
     }
 
+    #[test]
+    fn the_table_counts_and_finds_live_grants() {
+        let mut table = GrantTable::new(4);
+        assert!(table.is_empty());
+        let id = table
+            .issue(RequestId(7), peer("d0"), vec![vec![3]], 100, 0)
+            .unwrap();
+        assert_eq!(table.len(), 1);
+        assert!(!table.is_empty());
+        assert_eq!(table.get(id).map(|grant| grant.request), Some(RequestId(7)));
+        table
+            .issue(RequestId(8), peer("d0"), vec![vec![4]], 100, 0)
+            .unwrap();
+        assert_eq!(table.len(), 2);
+        table.release(id, &peer("d0")).unwrap();
+        assert_eq!(table.get(id), None);
+        assert_eq!(table.len(), 1);
+    }
+
     /// A grant past its lease but not yet swept cannot be renewed back to life.
     #[test]
     fn a_renewal_after_the_lease_lapsed_is_refused() {

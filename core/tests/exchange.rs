@@ -215,6 +215,26 @@ fn mismatched_layouts_between_legs_are_refused() {
         exchange::pair(&layout, &offer, &need).unwrap_err().to_string(),
         "group 1: prefill leg's spec differs from the layout: window 128 vs 256"
     );
+    for (spec, detail) in [
+        (
+            GroupSpec::sliding_window(32, W, 1).unwrap(),
+            "block_size 64 vs 32",
+        ),
+        (GroupSpec::full(B, 1).unwrap(), "kind sliding_window vs full"),
+    ] {
+        let mut other = offer.clone();
+        other.groups[1].spec = spec;
+        assert_eq!(
+            exchange::pair(&layout, &other, &need).unwrap_err().to_string(),
+            format!("group 1: prefill leg's spec differs from the layout: {detail}")
+        );
+    }
+    let mut sharded = need.clone();
+    sharded.groups[0].spec = GroupSpec::full(B, 2).unwrap();
+    assert_eq!(
+        exchange::pair(&layout, &offer, &sharded).unwrap_err().to_string(),
+        "group 0: decode leg's spec differs from the layout: dcp 1 vs 2"
+    );
     let mut short = offer.clone();
     short.groups.pop();
     assert!(matches!(
@@ -427,7 +447,7 @@ fn a_block_held_twice_is_refused_on_either_leg() {
     let error = exchange::offer(
         &layout,
         N,
-        &[vec![10, 11, 12, 13, 14, 15, 16], vec![0, 0, 0, 0, 7, 7, 9]],
+        &[vec![10, 11, 12, 13, 14, 15, 16], vec![0, 0, 0, 0, 6, 7, 7]],
     )
     .unwrap_err();
     assert_eq!(
@@ -437,13 +457,13 @@ fn a_block_held_twice_is_refused_on_either_leg() {
             kind: "sliding_window",
             leg: exchange::Leg::Prefill,
             block: 7,
-            first: 4,
-            second: 5,
+            first: 5,
+            second: 6,
         }
     );
     assert_eq!(
         error.to_string(),
-        "group 1 (sliding_window): prefill leg holds block 7 at both position 4 and 5"
+        "group 1 (sliding_window): prefill leg holds block 7 at both position 5 and 6"
     );
     let mut twice = decode.clone();
     twice[0][6] = 101;
