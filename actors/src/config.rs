@@ -8,6 +8,7 @@ use std::collections::HashSet;
 
 use pdkv_core::exchange::PairingMode;
 use pdkv_core::layout::KvLayout;
+pub use pdkv_core::leg::PrefillTokens;
 use pdkv_core::scenario::GroupEntry;
 use pdkv_core::wire::NodeId;
 use serde::{Deserialize, Serialize};
@@ -33,30 +34,6 @@ impl std::fmt::Display for Role {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
         })
-    }
-}
-
-/// How much of a prompt a prefill leg computes and keeps.
-///
-/// The decode leg recomputes the last prompt token either way, so both pair and give the same
-/// output; `AllButLast` is how vLLM's hybrid (mamba) prefill behaves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PrefillTokens {
-    /// Every prompt token; the mamba state is kept as it stood after `N - 1` tokens.
-    #[default]
-    All,
-    /// The first `N - 1` tokens only (none for a one-token prompt).
-    AllButLast,
-}
-
-impl PrefillTokens {
-    /// Tokens a prefill leg computes for a `num_prompt_tokens`-token prompt.
-    pub fn computed(self, num_prompt_tokens: u64) -> u64 {
-        match self {
-            PrefillTokens::All => num_prompt_tokens,
-            PrefillTokens::AllButLast => num_prompt_tokens.saturating_sub(1),
-        }
     }
 }
 

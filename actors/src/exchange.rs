@@ -11,6 +11,7 @@ use actix::{Actor, Context, Handler, Message};
 use pdkv_core::block::BlockId;
 use pdkv_core::exchange::{self, ExchangeError, ExchangeList, Offer, Pairing, PairingMode};
 use pdkv_core::layout::KvLayout;
+pub use pdkv_core::leg::{GenerationCheck, generation_checks};
 use pdkv_core::plan::{self, RegionLayout, TransferPlan};
 use pdkv_core::wire::{KvParams, NodeId};
 
@@ -89,17 +90,6 @@ impl Handler<MakeOffer> for ExchangeActor {
     }
 }
 
-/// A generation a READ source must still have after the copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GenerationCheck {
-    /// Group index (selects the prefill leg's generation table).
-    pub group: usize,
-    /// Prefill block id.
-    pub block: BlockId,
-    /// Generation at grant time.
-    pub generation: u32,
-}
-
 /// What a decode leg reads for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadSpec {
@@ -154,56 +144,11 @@ impl Handler<PairWithOffer> for ExchangeActor {
             .get(&params.prefill_node)
             .ok_or_else(|| RequestError::UnknownNode(params.prefill_node.to_string()))?;
         let plan = plan::plan(&self.layout, &pairing, &self.local_regions, remote_regions)?;
-        let checks = generation_checks(params, &pairing)?;
+        let checks = generation_checks(params, &pairing).map_err(RequestError::BadParams)?;
         Ok(ReadSpec {
             pairing,
             plan,
             checks,
         })
     }
-}
-
-/// The generation each paired prefill block had when it was granted.
-fn generation_checks(params: &KvParams, pairing: &Pairing) -> Result<Vec<GenerationCheck>, RequestError> {
-    if params.generations.len() != params.offer.groups.len() {
-        return Err(RequestError::BadParams(format!(
-            "{} generation lists for {} offered groups",
-            params.generations.len(),
-            params.offer.groups.len()
-        )));
-    }
-    let mut checks = Vec::with_capacity(pairing.num_pairs());
-    for (group, pairs) in pairing.groups.iter().enumerate() {
-        let list = &params.offer.groups[group];
-        let generations = &params.generations[group];
-        if generations.len() != list.blocks.len() {
-            return Err(RequestError::BadParams(format!(
-                "group {group}: {} generations for {} offered blocks",
-                generations.len(),
-                list.blocks.len()
-            )));
-        }
-        for pair in pairs
-            .iter()
-            .filter(|pair| pair.remote != pdkv_core::block::NULL_BLOCK)
-        {
-            let index = pair
-                .remote_position
-                .checked_sub(list.first_position)
-                .and_then(|index| usize::try_from(index).ok())
-                .filter(|&index| index < generations.len())
-                .ok_or_else(|| {
-                    RequestError::BadParams(format!(
-                        "group {group}: paired position {} outside the offer",
-                        pair.remote_position
-                    ))
-                })?;
-            checks.push(GenerationCheck {
-                group,
-                block: pair.remote,
-                generation: generations[index],
-            });
-        }
-    }
-    Ok(checks)
 }

@@ -296,6 +296,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn groups_are_found_by_index() {
+        let layout =
+            KvLayout::one_layer_per_group(vec![GroupSpec::full(4, 1).unwrap(), GroupSpec::mamba()]).unwrap();
+        assert_eq!(layout.group(1), Some(&GroupSpec::mamba()));
+        assert_eq!(layout.group(0).map(GroupSpec::block_size), Some(4));
+        assert_eq!(layout.group(2), None);
+    }
+
+    #[test]
     fn effective_block_size_multiplies_dcp() {
         let group = GroupSpec::full(64, 4).unwrap();
         assert_eq!(group.effective_block_size(), 256);

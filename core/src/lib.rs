@@ -9,6 +9,7 @@
 //! - [`exchange`]: trim, clip, anchor and pair per-group block lists; the legacy pairing.
 //! - [`allocator`]: one leg's block pools, prefix cache, pins and generations.
 //! - [`grant`]: READ grants with leases.
+//! - [`leg`]: the leg protocol as sans-IO request machines (prefill, decode, router).
 //! - [`plan`]: block pairs to coalesced per-layer byte ranges.
 //! - [`wire`]: the serde types that cross the network.
 //! - [`scenario`]: the input format of `pdkv plan`.
@@ -21,6 +22,7 @@ pub mod block;
 pub mod exchange;
 pub mod grant;
 pub mod layout;
+pub mod leg;
 pub mod plan;
 pub mod scenario;
 pub mod wire;

@@ -369,6 +369,18 @@ mod tests {
             error.to_string(),
             "layer 0: decode block 10 is beyond the region's 10 blocks"
         );
+        // Ids 1..=10 exist in a region of 10 blocks (id 0 is the null block's slot): 10 is past it.
+        let last = Pairing {
+            groups: vec![pairs(&[(1, 9)])],
+        };
+        assert!(plan(&layout, &last, &small, &small).is_ok());
+        let past = Pairing {
+            groups: vec![pairs(&[(1, 10)])],
+        };
+        assert_eq!(
+            plan(&layout, &past, &small, &small).unwrap_err().to_string(),
+            "layer 0: decode block 10 is beyond the region's 10 blocks"
+        );
         let other = RegionLayout::region_per_layer(&[8], 20);
         let big = RegionLayout::region_per_layer(&[16], 20);
         let error = plan(&layout, &pairing, &big, &other).unwrap_err();

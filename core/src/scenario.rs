@@ -246,3 +246,83 @@ pub enum ScenarioError {
         second: usize,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(kind: &str, block_size: Option<u32>, window: Option<u32>) -> GroupEntry {
+        GroupEntry {
+            kind: kind.into(),
+            block_size,
+            window,
+            dcp: None,
+        }
+    }
+
+    #[test]
+    fn group_entries_refuse_keys_their_kind_does_not_take() {
+        let cases = [
+            (
+                entry("full", Some(4), Some(8)),
+                "groups[0]: window only applies to sliding_window groups, not full",
+            ),
+            (
+                entry("mamba", None, Some(8)),
+                "groups[0]: window only applies to sliding_window groups, not mamba",
+            ),
+            (
+                entry("mamba", Some(4), None),
+                "groups[0]: mamba groups take no block_size",
+            ),
+            (
+                entry("sliding_window", Some(4), None),
+                "groups[0]: sliding_window group needs a window",
+            ),
+        ];
+        for (entry, expected) in cases {
+            assert_eq!(entry.to_spec(0).unwrap_err().to_string(), expected);
+        }
+        assert_eq!(entry("mamba", None, None).to_spec(0), Ok(GroupSpec::mamba()));
+        assert_eq!(
+            entry("sliding_window", Some(4), Some(8)).to_spec(0),
+            Ok(GroupSpec::sliding_window(4, 8, 1).unwrap())
+        );
+    }
+
+    fn file(json: &str) -> ScenarioFile {
+        serde_json::from_str(json).unwrap()
+    }
+
+    /// Null blocks may repeat (they are placeholders); real ids may not. Defaults: anchored
+    /// pairing, a one-block legacy tail allowance.
+    #[test]
+    fn validation_keeps_nulls_and_defaults() {
+        let scenario = file(
+            r#"{"groups": [{"kind": "sliding_window", "block_size": 4, "window": 4}],
+                "num_prompt_tokens": 12,
+                "prefill": {"blocks": [[0, 0, 7]]},
+                "decode": {"blocks": [[0, 0, 9, 10]]}}"#,
+        )
+        .validate()
+        .unwrap();
+        assert_eq!(scenario.pairing, PairingMode::Anchored);
+        assert_eq!(scenario.max_decode_tail_blocks, 1);
+        let pairing = scenario.run().unwrap();
+        let pairs: Vec<(BlockId, BlockId)> = pairing.groups[0]
+            .iter()
+            .map(|pair| (pair.remote, pair.local))
+            .collect();
+        // Tokens 8..=10 are read: block 2 only.
+        assert_eq!(pairs, vec![(7, 9)]);
+        let legacy = ScenarioFile {
+            pairing: PairingMode::Legacy,
+            ..file(
+                r#"{"groups": [{"kind": "full", "block_size": 4}], "num_prompt_tokens": 8,
+                    "prefill": {"blocks": [[1, 2]]}, "decode": {"blocks": [[3, 4, 5]]}}"#,
+            )
+        };
+        let pairing = legacy.validate().unwrap().run().unwrap();
+        assert_eq!(pairing.num_pairs(), 2, "legacy drops the one-block decode tail");
+    }
+}

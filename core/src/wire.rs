@@ -52,3 +52,136 @@ pub struct KvParams {
     /// The prompt's token ids (the decode leg needs them for prefix hits and the last token).
     pub prompt: Vec<u32>,
 }
+
+/// A random id a node draws at every process start. Messages carry it so a peer can tell a
+/// restarted node from the one it knew: nothing promised by an old incarnation (grants, offers,
+/// requests in flight) is served by or to the new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Incarnation(pub u64);
+
+impl std::fmt::Display for Incarnation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// Where a request failed, named in every failure that crosses the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    /// The prefill leg: waiting for blocks, computing, offering, granting.
+    Prefill,
+    /// The decode leg's READ of the prefill leg's KV.
+    Read,
+    /// The decode leg: waiting for blocks, pairing, decoding.
+    Decode,
+    /// The router, between the legs.
+    Router,
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stage::Prefill => "prefill",
+            Stage::Read => "read",
+            Stage::Decode => "decode",
+            Stage::Router => "router",
+        })
+    }
+}
+
+/// What a decode leg answers when a request is done.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DecodeOutput {
+    /// Generated tokens.
+    pub tokens: Vec<u32>,
+    /// Digest of every generated step's logits (bitwise), to compare with a one-leg run.
+    pub logits_digest: u64,
+    /// Bytes the decode leg read.
+    pub read_bytes: u64,
+    /// READ runs posted.
+    pub read_runs: u64,
+    /// Prefix-hit blocks the decode leg reused.
+    pub cached_blocks: u64,
+}
+
+/// Everything that crosses between the router and the legs, or between legs, for one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Body {
+    /// Router → prefill leg: compute `prompt` and grant `decode` a READ of its KV.
+    Prefill {
+        /// Prompt token ids.
+        prompt: Vec<u32>,
+        /// The decode leg that will read.
+        decode: NodeId,
+    },
+    /// Prefill leg → router: the KV is ready to READ under the grant in `params`.
+    KvReady(KvParams),
+    /// Router → decode leg: READ the KV in `params`, recompute the last prompt token, decode.
+    Decode {
+        /// What the prefill leg handed back.
+        params: KvParams,
+        /// Tokens to generate.
+        max_tokens: u32,
+    },
+    /// Decode leg → prefill leg: still waiting, keep the grant.
+    Renew {
+        /// The grant.
+        grant: GrantId,
+    },
+    /// Prefill leg → decode leg: the lease now runs `lease_ms` from when this was sent.
+    Renewed {
+        /// The grant.
+        grant: GrantId,
+        /// Lease length.
+        lease_ms: u64,
+    },
+    /// Decode leg → prefill leg: the READ is over (done or failed), unpin.
+    Release {
+        /// The grant.
+        grant: GrantId,
+    },
+    /// Router → legs: the request is over for the client; free everything it holds now.
+    Abort,
+    /// Decode leg → router: the request's answer.
+    Output(DecodeOutput),
+    /// Any node → router or peer: the request failed in `stage`, and why.
+    Failed {
+        /// Where it failed.
+        stage: Stage,
+        /// Why, in words.
+        reason: String,
+    },
+}
+
+/// One message of the leg protocol: which request it is about, who sent it (name and
+/// incarnation), how much of the request's time budget was left when it was sent, and the body.
+///
+/// The budget travels as a duration, not a wall-clock instant, so nodes need no synchronised
+/// clocks: a receiver's deadline is its own receive time plus `budget_ms`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// The request.
+    pub request: RequestId,
+    /// The sending node.
+    pub from: NodeId,
+    /// The sender's incarnation.
+    pub incarnation: Incarnation,
+    /// Milliseconds of the request's deadline left when sent.
+    pub budget_ms: u64,
+    /// What it says.
+    pub body: Body,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_print_as_logs_show_them() {
+        assert_eq!(RequestId(7).to_string(), "req-7");
+        assert_eq!(NodeId("decode-0".into()).to_string(), "decode-0");
+        assert_eq!(Incarnation(0xab).to_string(), "00000000000000ab");
+        assert_eq!(Stage::Read.to_string(), "read");
+    }
+}

@@ -1,0 +1,1085 @@
+//! The leg protocol as sans-IO request machines: one [`PrefillMachine`] per request on a prefill
+//! leg, one [`DecodeMachine`] per request on a decode leg, one [`RouterMachine`] per request on
+//! the router.
+//!
+//! Each machine decides everything about its request (how long to wait for blocks, when to renew
+//! a lease, what to release on every path, when the request is over) and does nothing itself: a
+//! shell feeds it what happened through `handle_*`, and carries out what it asks, drained in
+//! order from `poll_command`. Time comes in as `now_ms` from any monotonic millisecond clock the
+//! shell owns (virtual in the simulation); `poll_timeout` says when the shell must call
+//! `handle_timeout` next. As in quinn-proto's `Connection`, the shell calls `handle_*`, then
+//! drains `poll_command` until it is empty, then sleeps until `poll_timeout` or the next input.
+//!
+//! Rules every machine keeps:
+//! - A request ends by its deadline: with its output, or with a failure naming the [`Stage`].
+//! - Everything a request holds is given back on every path: its blocks ([`PrefillCommand::Finish`],
+//!   [`DecodeCommand::Finish`]), and the grant it reads under ([`Body::Release`]) or issued
+//!   ([`PrefillCommand::Revoke`]).
+//! - A READ in flight is never abandoned: its bytes would land in blocks freed for someone else.
+//!   The deadline is enforced once it completes.
+//! - A decode leg renews its grant every third of the lease while it waits for blocks or for its
+//!   READ, and releases it as soon as the READ is over.
+//!
+//! Non-goals: moving bytes, computing tokens, holding blocks (the shell's allocator and engines
+//! do that), choosing legs (the router's shell does).
+
+use std::collections::{HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::allocator::{AllocError, Allocation};
+use crate::block::{BlockId, NULL_BLOCK};
+use crate::exchange::{self, Pairing, PairingMode};
+use crate::layout::KvLayout;
+use crate::wire::{Body, DecodeOutput, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage};
+
+/// How much of a prompt a prefill leg computes and keeps.
+///
+/// The decode leg recomputes the last prompt token either way, so both pair and give the same
+/// output; `AllButLast` is how vLLM's hybrid (mamba) prefill behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillTokens {
+    /// Every prompt token; the mamba state is kept as it stood after `N - 1` tokens.
+    #[default]
+    All,
+    /// The first `N - 1` tokens only (none for a one-token prompt).
+    AllButLast,
+}
+
+impl PrefillTokens {
+    /// Tokens a prefill leg computes for a `num_prompt_tokens`-token prompt.
+    pub fn computed(self, num_prompt_tokens: u64) -> u64 {
+        match self {
+            PrefillTokens::All => num_prompt_tokens,
+            PrefillTokens::AllButLast => num_prompt_tokens.saturating_sub(1),
+        }
+    }
+}
+
+/// What a leg's machines need to know about the leg.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LegConfig {
+    /// This leg's node name (the sender of its messages).
+    pub node: NodeId,
+    /// This process's incarnation.
+    pub incarnation: Incarnation,
+    /// The model's KV layout.
+    pub layout: KvLayout,
+    /// Token slots reserved beyond the prompt.
+    pub lookahead_tokens: u64,
+    /// How much of a prompt a prefill leg computes.
+    pub prefill_tokens: PrefillTokens,
+    /// How the decode leg pairs (anchored; legacy for diagnosis).
+    pub pairing: PairingMode,
+    /// Legacy pairing only: decode tail blocks the head alignment may drop.
+    pub max_decode_tail_blocks: u64,
+    /// Longest a request waits for free blocks.
+    pub alloc_wait_ms: u64,
+}
+
+/// A generation a READ source must still have after the copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GenerationCheck {
+    /// Group index (selects the prefill leg's generation table).
+    pub group: usize,
+    /// Prefill block id.
+    pub block: BlockId,
+    /// Generation at grant time.
+    pub generation: u32,
+}
+
+/// The generation each paired prefill block had when it was granted, from the KV parameters.
+pub fn generation_checks(params: &KvParams, pairing: &Pairing) -> Result<Vec<GenerationCheck>, String> {
+    if params.generations.len() != params.offer.groups.len() {
+        return Err(format!(
+            "{} generation lists for {} offered groups",
+            params.generations.len(),
+            params.offer.groups.len()
+        ));
+    }
+    let mut checks = Vec::with_capacity(pairing.num_pairs());
+    for (group, pairs) in pairing.groups.iter().enumerate() {
+        let list = params
+            .offer
+            .groups
+            .get(group)
+            .ok_or_else(|| format!("group {group} paired but not offered"))?;
+        let generations = &params.generations[group];
+        if generations.len() != list.blocks.len() {
+            return Err(format!(
+                "group {group}: {} generations for {} offered blocks",
+                generations.len(),
+                list.blocks.len()
+            ));
+        }
+        for pair in pairs.iter().filter(|pair| pair.remote != NULL_BLOCK) {
+            let index = pair
+                .remote_position
+                .checked_sub(list.first_position)
+                .and_then(|index| usize::try_from(index).ok())
+                .filter(|&index| index < generations.len())
+                .ok_or_else(|| {
+                    format!(
+                        "group {group}: paired position {} outside the offer",
+                        pair.remote_position
+                    )
+                })?;
+            checks.push(GenerationCheck {
+                group,
+                block: pair.remote,
+                generation: generations[index],
+            });
+        }
+    }
+    Ok(checks)
+}
+
+/// A grant as the prefill leg's allocator issued it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IssuedGrant {
+    /// The grant.
+    pub grant: GrantId,
+    /// Generation of every granted block, parallel to the offered lists.
+    pub generations: Vec<Vec<u32>>,
+    /// The lease.
+    pub lease_ms: u64,
+}
+
+/// What a prefill machine asks its shell to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrefillCommand {
+    /// Allocate `slots` token slots for the request; answer with
+    /// [`PrefillMachine::handle_allocated`].
+    Allocate {
+        /// Token slots (computed prompt tokens plus lookahead, at least 1).
+        slots: u64,
+    },
+    /// Compute the first `tokens` prompt tokens into the request's blocks; answer with
+    /// [`PrefillMachine::handle_computed`].
+    Compute {
+        /// Tokens to compute.
+        tokens: u64,
+    },
+    /// Free window blocks that token `attending_token`'s window no longer sees; answer with the
+    /// request's lists through [`PrefillMachine::handle_window_released`].
+    ReleaseWindow {
+        /// The last prompt token, which the decode leg recomputes.
+        attending_token: u64,
+    },
+    /// Pin `lists` and grant `peer` a READ of them; answer with
+    /// [`PrefillMachine::handle_granted`].
+    Grant {
+        /// The offered blocks per group.
+        lists: Vec<Vec<BlockId>>,
+        /// The decode leg.
+        peer: NodeId,
+    },
+    /// End a grant nobody will read and unpin its blocks.
+    Revoke {
+        /// The grant.
+        grant: GrantId,
+    },
+    /// The request's own hold on its blocks ends (granted blocks stay pinned).
+    Finish,
+    /// Send a message to a node.
+    Send {
+        /// The node.
+        to: NodeId,
+        /// The message.
+        body: Body,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefillState {
+    Allocating,
+    WaitingForBlocks { until_ms: u64 },
+    Computing,
+    ReleasingWindow,
+    Granting,
+    Done,
+}
+
+/// One request on a prefill leg: allocate, compute, offer, grant, answer the router.
+#[derive(Debug)]
+pub struct PrefillMachine {
+    config: LegConfig,
+    request: RequestId,
+    router: NodeId,
+    decode: NodeId,
+    prompt: Vec<u32>,
+    deadline_ms: u64,
+    alloc_deadline_ms: u64,
+    state: PrefillState,
+    allocated: bool,
+    aborted: bool,
+    offer: Option<exchange::Offer>,
+    commands: VecDeque<PrefillCommand>,
+}
+
+impl PrefillMachine {
+    /// A machine for `request`, asked by `router` to prefill `prompt` for `decode`, due by
+    /// `deadline_ms`.
+    pub fn new(
+        config: LegConfig,
+        request: RequestId,
+        router: NodeId,
+        prompt: Vec<u32>,
+        decode: NodeId,
+        deadline_ms: u64,
+        now_ms: u64,
+    ) -> Self {
+        let mut machine = PrefillMachine {
+            alloc_deadline_ms: now_ms.saturating_add(config.alloc_wait_ms).min(deadline_ms),
+            config,
+            request,
+            router,
+            decode,
+            prompt,
+            deadline_ms,
+            state: PrefillState::Allocating,
+            allocated: false,
+            aborted: false,
+            offer: None,
+            commands: VecDeque::new(),
+        };
+        if machine.prompt.is_empty() {
+            machine.fail("empty prompt: at least one token is required".into());
+        } else if now_ms >= deadline_ms {
+            machine.fail_timeout();
+        } else {
+            let computed = machine.config.prefill_tokens.computed(machine.num_tokens());
+            match computed.checked_add(machine.config.lookahead_tokens) {
+                Some(slots) => machine
+                    .commands
+                    .push_back(PrefillCommand::Allocate { slots: slots.max(1) }),
+                None => machine.fail(format!(
+                    "{computed} prompt tokens plus {} lookahead tokens overflow the slot count",
+                    machine.config.lookahead_tokens
+                )),
+            }
+        }
+        machine
+    }
+
+    fn num_tokens(&self) -> u64 {
+        self.prompt.len() as u64
+    }
+
+    /// The request.
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+
+    /// Whether the machine has nothing more to do.
+    pub fn is_done(&self) -> bool {
+        self.state == PrefillState::Done && self.commands.is_empty()
+    }
+
+    /// The next command for the shell, in order.
+    pub fn poll_command(&mut self) -> Option<PrefillCommand> {
+        self.commands.pop_front()
+    }
+
+    /// When the shell must call [`Self::handle_timeout`] next.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        match self.state {
+            PrefillState::WaitingForBlocks { until_ms } => Some(until_ms),
+            _ => None,
+        }
+    }
+
+    /// The allocator answered [`PrefillCommand::Allocate`].
+    pub fn handle_allocated(&mut self, result: Result<(), AllocError>, now_ms: u64) {
+        if self.state != PrefillState::Allocating {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                self.allocated = true;
+                if self.aborted {
+                    self.finish_quietly();
+                } else {
+                    self.state = PrefillState::Computing;
+                    let tokens = self.config.prefill_tokens.computed(self.num_tokens());
+                    self.commands.push_back(PrefillCommand::Compute { tokens });
+                }
+            }
+            Err(AllocError::OutOfBlocks { .. }) if !self.aborted && now_ms < self.alloc_deadline_ms => {
+                self.state = PrefillState::WaitingForBlocks {
+                    until_ms: self.alloc_deadline_ms,
+                };
+            }
+            Err(error) if self.aborted => {
+                let _ = error;
+                self.state = PrefillState::Done;
+            }
+            Err(error @ AllocError::OutOfBlocks { .. }) => {
+                if now_ms >= self.deadline_ms {
+                    self.fail_timeout();
+                } else {
+                    self.fail(format!(
+                        "no free blocks within {} ms: {error}",
+                        self.config.alloc_wait_ms
+                    ));
+                }
+            }
+            Err(error) => self.fail(format!("allocation failed: {error}")),
+        }
+    }
+
+    /// Blocks were freed on this leg: a request waiting for blocks tries again.
+    pub fn handle_blocks_freed(&mut self) {
+        if let PrefillState::WaitingForBlocks { .. } = self.state {
+            self.state = PrefillState::Allocating;
+            let computed = self.config.prefill_tokens.computed(self.num_tokens());
+            let slots = (computed + self.config.lookahead_tokens).max(1);
+            self.commands.push_back(PrefillCommand::Allocate { slots });
+        }
+    }
+
+    /// The engine answered [`PrefillCommand::Compute`].
+    pub fn handle_computed(&mut self, result: Result<(), String>, now_ms: u64) {
+        if self.state != PrefillState::Computing {
+            return;
+        }
+        match result {
+            _ if self.aborted => self.finish_quietly(),
+            Err(reason) => self.fail(format!("engine failed: {reason}")),
+            Ok(()) if now_ms >= self.deadline_ms => self.fail_timeout(),
+            Ok(()) => {
+                self.state = PrefillState::ReleasingWindow;
+                self.commands.push_back(PrefillCommand::ReleaseWindow {
+                    attending_token: self.num_tokens() - 1,
+                });
+            }
+        }
+    }
+
+    /// The allocator answered [`PrefillCommand::ReleaseWindow`] with the request's lists.
+    pub fn handle_window_released(&mut self, lists: Result<Vec<Vec<BlockId>>, AllocError>) {
+        if self.state != PrefillState::ReleasingWindow {
+            return;
+        }
+        if self.aborted {
+            return self.finish_quietly();
+        }
+        let lists = match lists {
+            Ok(lists) => lists,
+            Err(error) => return self.fail(format!("allocation failed: {error}")),
+        };
+        let offer = match self.config.pairing {
+            PairingMode::Anchored => exchange::offer(&self.config.layout, self.num_tokens(), &lists),
+            // vLLM sent untrimmed lists, clipped from the end by the legacy pairing.
+            PairingMode::Legacy => Ok(exchange::Offer {
+                num_prompt_tokens: self.num_tokens(),
+                groups: self
+                    .config
+                    .layout
+                    .groups()
+                    .iter()
+                    .zip(lists)
+                    .map(|(spec, blocks)| exchange::ExchangeList {
+                        spec: *spec,
+                        first_position: 0,
+                        blocks,
+                    })
+                    .collect(),
+            }),
+        };
+        match offer {
+            Ok(offer) => {
+                let lists = offer.groups.iter().map(|list| list.blocks.clone()).collect();
+                self.offer = Some(offer);
+                self.state = PrefillState::Granting;
+                self.commands.push_back(PrefillCommand::Grant {
+                    lists,
+                    peer: self.decode.clone(),
+                });
+            }
+            Err(error) => self.fail(format!("exchange failed: {error}")),
+        }
+    }
+
+    /// The allocator answered [`PrefillCommand::Grant`]. Past the deadline, or after an abort,
+    /// the grant is revoked at once instead of handed out.
+    pub fn handle_granted(&mut self, result: Result<IssuedGrant, String>, now_ms: u64) {
+        if self.state != PrefillState::Granting {
+            return;
+        }
+        let issued = match result {
+            Ok(issued) => issued,
+            Err(reason) if self.aborted => {
+                let _ = reason;
+                return self.finish_quietly();
+            }
+            Err(reason) => return self.fail(format!("grant failed: {reason}")),
+        };
+        if self.aborted || now_ms >= self.deadline_ms {
+            self.commands
+                .push_back(PrefillCommand::Revoke { grant: issued.grant });
+            return if self.aborted {
+                self.finish_quietly()
+            } else {
+                self.fail_timeout()
+            };
+        }
+        // The grant now pins what the READ needs; the request's own hold ends.
+        self.commands.push_back(PrefillCommand::Finish);
+        self.allocated = false;
+        let Some(offer) = self.offer.take() else {
+            return self.fail("granted without an offer".into());
+        };
+        let params = KvParams {
+            request: self.request,
+            prefill_node: self.config.node.clone(),
+            offer,
+            generations: issued.generations,
+            grant: issued.grant,
+            lease_ms: issued.lease_ms,
+            prompt: std::mem::take(&mut self.prompt),
+        };
+        self.send_router(Body::KvReady(params));
+        self.state = PrefillState::Done;
+    }
+
+    /// The router aborted the request: stop and give everything back. A step already asked of
+    /// the shell is let finish; what it yields is released.
+    pub fn handle_abort(&mut self) {
+        if self.state == PrefillState::Done {
+            return;
+        }
+        self.aborted = true;
+        if let PrefillState::WaitingForBlocks { .. } = self.state {
+            self.state = PrefillState::Done;
+        }
+    }
+
+    /// Time passed: a request waiting for blocks gives up at its wait bound or deadline.
+    pub fn handle_timeout(&mut self, now_ms: u64) {
+        if let PrefillState::WaitingForBlocks { until_ms } = self.state
+            && now_ms >= until_ms
+        {
+            if now_ms >= self.deadline_ms {
+                self.fail_timeout();
+            } else {
+                self.fail(format!("no free blocks within {} ms", self.config.alloc_wait_ms));
+            }
+        }
+    }
+
+    fn send_router(&mut self, body: Body) {
+        self.commands.push_back(PrefillCommand::Send {
+            to: self.router.clone(),
+            body,
+        });
+    }
+
+    fn finish_quietly(&mut self) {
+        if self.allocated {
+            self.commands.push_back(PrefillCommand::Finish);
+            self.allocated = false;
+        }
+        self.state = PrefillState::Done;
+    }
+
+    fn fail(&mut self, reason: String) {
+        self.finish_quietly();
+        self.send_router(Body::Failed {
+            stage: Stage::Prefill,
+            reason,
+        });
+    }
+
+    fn fail_timeout(&mut self) {
+        self.fail("deadline passed".into());
+    }
+}
+
+/// What a decode machine asks its shell to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodeCommand {
+    /// Allocate `slots` token slots, window groups null below `attending_token`'s window; answer
+    /// with [`DecodeMachine::handle_allocated`].
+    Allocate {
+        /// Prompt plus lookahead.
+        slots: u64,
+        /// The last prompt token, which this leg recomputes.
+        attending_token: u64,
+    },
+    /// READ the paired blocks from the prefill leg and check each source's generation after the
+    /// copy; answer with [`DecodeMachine::handle_read_done`].
+    Read {
+        /// Block pairs per group.
+        pairing: Pairing,
+        /// Generations to verify after the copy.
+        checks: Vec<GenerationCheck>,
+    },
+    /// Recompute the last prompt token and decode `max_tokens` tokens, stopping between tokens
+    /// once `deadline_ms` passes; answer with [`DecodeMachine::handle_generated`].
+    Generate {
+        /// Slots allocated.
+        slots: u64,
+        /// Tokens to generate.
+        max_tokens: u32,
+        /// When to stop.
+        deadline_ms: u64,
+    },
+    /// The request's hold on its blocks ends; with `cache_prompt` its full prompt blocks may be
+    /// kept as prefix-cache entries.
+    Finish {
+        /// Whether the blocks hold verified KV worth caching.
+        cache_prompt: bool,
+    },
+    /// Send a message to a node.
+    Send {
+        /// The node.
+        to: NodeId,
+        /// The message.
+        body: Body,
+    },
+}
+
+/// What a finished READ moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReadDone {
+    /// Bytes copied.
+    pub bytes: u64,
+    /// Runs posted.
+    pub runs: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodeState {
+    Allocating,
+    WaitingForBlocks { until_ms: u64 },
+    Reading,
+    Generating,
+    Done,
+}
+
+/// One request on a decode leg: allocate, pair, READ (renewing the grant while it waits),
+/// release, decode, answer the router.
+#[derive(Debug)]
+pub struct DecodeMachine {
+    config: LegConfig,
+    request: RequestId,
+    router: NodeId,
+    params: KvParams,
+    max_tokens: u32,
+    deadline_ms: u64,
+    alloc_deadline_ms: u64,
+    state: DecodeState,
+    /// Next lease renewal, while the grant is held.
+    renew_at_ms: Option<u64>,
+    allocated: Option<Allocation>,
+    read: ReadDone,
+    aborted: bool,
+    commands: VecDeque<DecodeCommand>,
+}
+
+impl DecodeMachine {
+    /// A machine for the request in `params`, asked by `router`, due by `deadline_ms`.
+    pub fn new(
+        config: LegConfig,
+        router: NodeId,
+        params: KvParams,
+        max_tokens: u32,
+        deadline_ms: u64,
+        now_ms: u64,
+    ) -> Self {
+        let mut machine = DecodeMachine {
+            alloc_deadline_ms: now_ms.saturating_add(config.alloc_wait_ms).min(deadline_ms),
+            renew_at_ms: Some(now_ms.saturating_add(renew_period(params.lease_ms))),
+            config,
+            request: params.request,
+            router,
+            params,
+            max_tokens,
+            deadline_ms,
+            state: DecodeState::Allocating,
+            allocated: None,
+            read: ReadDone::default(),
+            aborted: false,
+            commands: VecDeque::new(),
+        };
+        let num_tokens = machine.params.prompt.len() as u64;
+        if num_tokens == 0 {
+            machine.fail(
+                Stage::Decode,
+                "empty prompt: at least one token is required".into(),
+            );
+        } else if machine.params.offer.num_prompt_tokens != num_tokens {
+            machine.fail(
+                Stage::Decode,
+                format!(
+                    "bad kv params: offer is for {} tokens, prompt has {num_tokens}",
+                    machine.params.offer.num_prompt_tokens
+                ),
+            );
+        } else if now_ms >= deadline_ms {
+            machine.fail(Stage::Decode, "deadline passed".into());
+        } else {
+            match num_tokens.checked_add(machine.config.lookahead_tokens) {
+                Some(slots) => machine.commands.push_back(DecodeCommand::Allocate {
+                    slots,
+                    attending_token: num_tokens - 1,
+                }),
+                None => machine.fail(
+                    Stage::Decode,
+                    "prompt plus lookahead overflow the slot count".into(),
+                ),
+            }
+        }
+        machine
+    }
+
+    /// The request.
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+
+    /// The prefill node holding the KV.
+    pub fn prefill_node(&self) -> &NodeId {
+        &self.params.prefill_node
+    }
+
+    /// Whether the machine has nothing more to do.
+    pub fn is_done(&self) -> bool {
+        self.state == DecodeState::Done && self.commands.is_empty()
+    }
+
+    /// The next command for the shell, in order.
+    pub fn poll_command(&mut self) -> Option<DecodeCommand> {
+        self.commands.pop_front()
+    }
+
+    /// When the shell must call [`Self::handle_timeout`] next: the next renewal, the end of a
+    /// wait for blocks, or the deadline while nothing in flight would notice it.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        let wait = match self.state {
+            DecodeState::WaitingForBlocks { until_ms } => Some(until_ms),
+            _ => None,
+        };
+        [wait, self.renew_at_ms].into_iter().flatten().min()
+    }
+
+    /// The allocator answered [`DecodeCommand::Allocate`].
+    pub fn handle_allocated(&mut self, result: Result<Allocation, AllocError>, now_ms: u64) {
+        if self.state != DecodeState::Allocating {
+            return;
+        }
+        let allocation = match result {
+            Ok(allocation) => allocation,
+            Err(AllocError::OutOfBlocks { .. }) if !self.aborted && now_ms < self.alloc_deadline_ms => {
+                self.state = DecodeState::WaitingForBlocks {
+                    until_ms: self.alloc_deadline_ms,
+                };
+                return;
+            }
+            Err(_) if self.aborted => return self.end_quietly(),
+            Err(error @ AllocError::OutOfBlocks { .. }) if now_ms < self.deadline_ms => {
+                return self.fail(
+                    Stage::Decode,
+                    format!("no free blocks within {} ms: {error}", self.config.alloc_wait_ms),
+                );
+            }
+            Err(AllocError::OutOfBlocks { .. }) => return self.fail(Stage::Decode, "deadline passed".into()),
+            Err(error) => return self.fail(Stage::Decode, format!("allocation failed: {error}")),
+        };
+        self.allocated = Some(allocation);
+        if self.aborted {
+            return self.end_quietly();
+        }
+        if now_ms >= self.deadline_ms {
+            return self.fail(Stage::Decode, "deadline passed".into());
+        }
+        match self.pair() {
+            Ok((pairing, checks)) => {
+                self.state = DecodeState::Reading;
+                self.commands.push_back(DecodeCommand::Read { pairing, checks });
+            }
+            Err(reason) => self.fail(Stage::Decode, reason),
+        }
+    }
+
+    fn pair(&self) -> Result<(Pairing, Vec<GenerationCheck>), String> {
+        let Some(allocation) = &self.allocated else {
+            return Err("paired before allocating".into());
+        };
+        let layout = &self.config.layout;
+        let offer = &self.params.offer;
+        let pairing = match self.config.pairing {
+            PairingMode::Anchored => exchange::need(
+                layout,
+                offer.num_prompt_tokens,
+                &allocation.blocks,
+                &allocation.cached_blocks,
+            )
+            .and_then(|need| exchange::pair(layout, offer, &need)),
+            PairingMode::Legacy => {
+                let remote: Vec<Vec<BlockId>> = offer.groups.iter().map(|list| list.blocks.clone()).collect();
+                exchange::legacy_pair(
+                    layout,
+                    &remote,
+                    &allocation.blocks,
+                    self.config.max_decode_tail_blocks,
+                )
+            }
+        }
+        .map_err(|error| format!("exchange failed: {error}"))?;
+        let checks =
+            generation_checks(&self.params, &pairing).map_err(|reason| format!("bad kv params: {reason}"))?;
+        Ok((pairing, checks))
+    }
+
+    /// Blocks were freed on this leg: a request waiting for blocks tries again.
+    pub fn handle_blocks_freed(&mut self) {
+        if let DecodeState::WaitingForBlocks { .. } = self.state {
+            self.state = DecodeState::Allocating;
+            let num_tokens = self.params.prompt.len() as u64;
+            self.commands.push_back(DecodeCommand::Allocate {
+                slots: num_tokens + self.config.lookahead_tokens,
+                attending_token: num_tokens - 1,
+            });
+        }
+    }
+
+    /// The READ engine answered [`DecodeCommand::Read`] (complete and verified, or failed: a
+    /// partial READ is a failure). The grant is released either way.
+    pub fn handle_read_done(&mut self, result: Result<ReadDone, String>, now_ms: u64) {
+        if self.state != DecodeState::Reading {
+            return;
+        }
+        self.release_grant();
+        match result {
+            _ if self.aborted => self.end_quietly(),
+            Err(reason) => self.fail(Stage::Read, format!("read failed: {reason}")),
+            Ok(_) if now_ms >= self.deadline_ms => self.fail(Stage::Read, "deadline passed".into()),
+            Ok(done) => {
+                self.read = done;
+                self.state = DecodeState::Generating;
+                let num_tokens = self.params.prompt.len() as u64;
+                self.commands.push_back(DecodeCommand::Generate {
+                    slots: num_tokens + self.config.lookahead_tokens,
+                    max_tokens: self.max_tokens,
+                    deadline_ms: self.deadline_ms,
+                });
+            }
+        }
+    }
+
+    /// The engine answered [`DecodeCommand::Generate`]: tokens and their logits digest.
+    pub fn handle_generated(&mut self, result: Result<(Vec<u32>, u64), String>) {
+        if self.state != DecodeState::Generating {
+            return;
+        }
+        match result {
+            _ if self.aborted => self.end_quietly(),
+            Err(reason) => self.fail(Stage::Decode, reason),
+            Ok((tokens, logits_digest)) => {
+                let cached_blocks = self
+                    .allocated
+                    .as_ref()
+                    .map_or(0, |allocation| allocation.cached_blocks.iter().sum());
+                self.commands
+                    .push_back(DecodeCommand::Finish { cache_prompt: true });
+                self.allocated = None;
+                self.state = DecodeState::Done;
+                let output = DecodeOutput {
+                    tokens,
+                    logits_digest,
+                    read_bytes: self.read.bytes,
+                    read_runs: self.read.runs,
+                    cached_blocks,
+                };
+                self.send_router(Body::Output(output));
+            }
+        }
+    }
+
+    /// The prefill leg renewed the grant.
+    pub fn handle_renewed(&mut self, lease_ms: u64, now_ms: u64) {
+        if self.renew_at_ms.is_some() {
+            self.renew_at_ms = Some(now_ms.saturating_add(renew_period(lease_ms)));
+        }
+    }
+
+    /// The router aborted the request: stop and give everything back. A READ in flight is let
+    /// finish first.
+    pub fn handle_abort(&mut self) {
+        if self.state == DecodeState::Done {
+            return;
+        }
+        self.aborted = true;
+        if let DecodeState::WaitingForBlocks { .. } = self.state {
+            self.end_quietly();
+        }
+    }
+
+    /// Time passed: renew the lease when due; give up a wait for blocks at its bound.
+    pub fn handle_timeout(&mut self, now_ms: u64) {
+        if let Some(at) = self.renew_at_ms
+            && now_ms >= at
+            && matches!(
+                self.state,
+                DecodeState::Allocating | DecodeState::WaitingForBlocks { .. } | DecodeState::Reading
+            )
+        {
+            self.renew_at_ms = Some(now_ms.saturating_add(renew_period(self.params.lease_ms)));
+            self.send_prefill(Body::Renew {
+                grant: self.params.grant,
+            });
+        }
+        if let DecodeState::WaitingForBlocks { until_ms } = self.state
+            && now_ms >= until_ms
+        {
+            let reason = if now_ms >= self.deadline_ms {
+                "deadline passed".to_string()
+            } else {
+                format!("no free blocks within {} ms", self.config.alloc_wait_ms)
+            };
+            self.fail(Stage::Decode, reason);
+        }
+    }
+
+    fn release_grant(&mut self) {
+        if self.renew_at_ms.take().is_some() {
+            self.send_prefill(Body::Release {
+                grant: self.params.grant,
+            });
+        }
+    }
+
+    fn send_prefill(&mut self, body: Body) {
+        self.commands.push_back(DecodeCommand::Send {
+            to: self.params.prefill_node.clone(),
+            body,
+        });
+    }
+
+    fn send_router(&mut self, body: Body) {
+        self.commands.push_back(DecodeCommand::Send {
+            to: self.router.clone(),
+            body,
+        });
+    }
+
+    fn end_quietly(&mut self) {
+        self.release_grant();
+        if self.allocated.take().is_some() {
+            self.commands
+                .push_back(DecodeCommand::Finish { cache_prompt: false });
+        }
+        self.state = DecodeState::Done;
+    }
+
+    fn fail(&mut self, stage: Stage, reason: String) {
+        self.end_quietly();
+        self.send_router(Body::Failed { stage, reason });
+    }
+}
+
+/// A third of the lease: two renewals may be lost before it lapses.
+fn renew_period(lease_ms: u64) -> u64 {
+    (lease_ms / 3).max(1)
+}
+
+/// How a request ended, as the router tells its client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestOutcome {
+    /// The decode leg's answer.
+    Output(DecodeOutput),
+    /// The request failed in `stage`.
+    Failed {
+        /// Where.
+        stage: Stage,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// What a router machine asks its shell to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouterCommand {
+    /// Send a message to a leg.
+    Send {
+        /// The leg.
+        to: NodeId,
+        /// The message.
+        body: Body,
+    },
+    /// The request is over: answer the client.
+    Complete(RequestOutcome),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RouterState {
+    Prefilling,
+    Decoding,
+    Done,
+}
+
+/// One request on the router: prefill on one leg, decode on another, answer by the deadline.
+#[derive(Debug)]
+pub struct RouterMachine {
+    request: RequestId,
+    prefill: NodeId,
+    decode: NodeId,
+    max_tokens: u32,
+    deadline_ms: u64,
+    state: RouterState,
+    /// Incarnation of each leg when the request started; a message from another is stale.
+    incarnations: HashMap<NodeId, Incarnation>,
+    commands: VecDeque<RouterCommand>,
+}
+
+impl RouterMachine {
+    /// Starts `request`: asks `prefill` to compute `prompt` for `decode`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        request: RequestId,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        prefill: (NodeId, Incarnation),
+        decode: (NodeId, Incarnation),
+        deadline_ms: u64,
+        now_ms: u64,
+    ) -> Self {
+        let incarnations = HashMap::from([prefill.clone(), decode.clone()]);
+        let mut machine = RouterMachine {
+            request,
+            prefill: prefill.0,
+            decode: decode.0,
+            max_tokens,
+            deadline_ms,
+            state: RouterState::Prefilling,
+            incarnations,
+            commands: VecDeque::new(),
+        };
+        if now_ms >= deadline_ms {
+            machine.complete_failed(Stage::Router, "deadline passed before the request started".into());
+        } else {
+            machine.commands.push_back(RouterCommand::Send {
+                to: machine.prefill.clone(),
+                body: Body::Prefill {
+                    prompt,
+                    decode: machine.decode.clone(),
+                },
+            });
+        }
+        machine
+    }
+
+    /// The request.
+    pub fn request(&self) -> RequestId {
+        self.request
+    }
+
+    /// The legs the request runs on.
+    pub fn legs(&self) -> (&NodeId, &NodeId) {
+        (&self.prefill, &self.decode)
+    }
+
+    /// Whether the request is over (its outcome handed to the shell).
+    pub fn is_done(&self) -> bool {
+        self.state == RouterState::Done && self.commands.is_empty()
+    }
+
+    /// The next command for the shell, in order.
+    pub fn poll_command(&mut self) -> Option<RouterCommand> {
+        self.commands.pop_front()
+    }
+
+    /// The deadline, while the request is open.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        (self.state != RouterState::Done).then_some(self.deadline_ms)
+    }
+
+    /// A message about this request arrived from `from` (incarnation `incarnation`).
+    pub fn handle_message(&mut self, from: &NodeId, incarnation: Incarnation, body: Body) {
+        if self.incarnations.get(from) != Some(&incarnation) {
+            // A stale or unknown sender: its KV may be gone. Anything it granted is aborted.
+            if let Body::KvReady(_) = body {
+                self.send(from.clone(), Body::Abort);
+            }
+            return;
+        }
+        match (self.state, body) {
+            (RouterState::Prefilling, Body::KvReady(params)) if *from == self.prefill => {
+                self.state = RouterState::Decoding;
+                self.send(
+                    self.decode.clone(),
+                    Body::Decode {
+                        params,
+                        max_tokens: self.max_tokens,
+                    },
+                );
+            }
+            (RouterState::Done, Body::KvReady(_)) => {
+                // Too late: the request is over. The prefill leg frees the grant now, not at lease end.
+                self.send(from.clone(), Body::Abort);
+            }
+            (RouterState::Decoding, Body::Output(output)) if *from == self.decode => {
+                self.state = RouterState::Done;
+                self.commands
+                    .push_back(RouterCommand::Complete(RequestOutcome::Output(output)));
+            }
+            (RouterState::Prefilling | RouterState::Decoding, Body::Failed { stage, reason }) => {
+                // A failed decode leg releases its grant itself; the abort makes sure the prefill
+                // leg frees it even if that release is lost.
+                if self.state == RouterState::Decoding {
+                    self.send(self.prefill.clone(), Body::Abort);
+                }
+                self.state = RouterState::Done;
+                self.commands
+                    .push_back(RouterCommand::Complete(RequestOutcome::Failed { stage, reason }));
+            }
+            // Duplicates and answers that no longer matter.
+            _ => {}
+        }
+    }
+
+    /// A leg was lost (heartbeats stopped, or it restarted): the request fails closed.
+    pub fn handle_peer_lost(&mut self, leg: &NodeId) {
+        if self.state == RouterState::Done || (*leg != self.prefill && *leg != self.decode) {
+            return;
+        }
+        let stage = match self.state {
+            RouterState::Prefilling => Stage::Prefill,
+            _ => Stage::Decode,
+        };
+        for other in [self.prefill.clone(), self.decode.clone()] {
+            if other != *leg {
+                self.send(other, Body::Abort);
+            }
+        }
+        self.complete_failed(stage, format!("leg {leg} was lost"));
+    }
+
+    /// Time passed: at the deadline the request fails naming the stage, and both legs are told
+    /// to free what they hold.
+    pub fn handle_timeout(&mut self, now_ms: u64) {
+        if self.state == RouterState::Done || now_ms < self.deadline_ms {
+            return;
+        }
+        let stage = match self.state {
+            RouterState::Prefilling => Stage::Prefill,
+            _ => Stage::Decode,
+        };
+        self.send(self.prefill.clone(), Body::Abort);
+        self.send(self.decode.clone(), Body::Abort);
+        self.complete_failed(stage, "deadline passed".into());
+    }
+
+    fn send(&mut self, to: NodeId, body: Body) {
+        self.commands.push_back(RouterCommand::Send { to, body });
+    }
+
+    fn complete_failed(&mut self, stage: Stage, reason: String) {
+        self.state = RouterState::Done;
+        self.commands
+            .push_back(RouterCommand::Complete(RequestOutcome::Failed { stage, reason }));
+    }
+}
