@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use actix::{Actor, Addr, Arbiter};
 use pdkv_core::allocator::Allocator;
 use pdkv_core::plan::RegionLayout;
-use pdkv_core::wire::NodeId;
+use pdkv_core::wire::{Incarnation, NodeId};
 use pdkv_transport::engine::{EngineKey, MemoryDescriptor, ReadEngine};
 use pdkv_transport::mapped::{LocalFabric, MappedEngine};
 use tokio::sync::Notify;
@@ -66,6 +66,13 @@ pub fn check_map_count(config: &ClusterConfig, max_map_count: u64) -> Result<(),
         });
     }
     Ok(())
+}
+
+/// A fresh random incarnation for a leg starting now.
+fn new_incarnation() -> Result<Incarnation, RequestError> {
+    let mut bytes = [0u8; 8];
+    getrandom::fill(&mut bytes).map_err(|error| RequestError::NoRandomness(error.to_string()))?;
+    Ok(Incarnation(u64::from_le_bytes(bytes)))
 }
 
 /// Handles to one running leg.
@@ -204,6 +211,7 @@ impl LocalCluster {
             }
             let context = Arc::new(LegContext {
                 node: leg.node.name.clone(),
+                incarnation: new_incarnation()?,
                 role: leg.node.role,
                 lookahead_tokens: leg.node.lookahead_tokens,
                 prefill_tokens: leg.node.prefill_tokens,

@@ -115,6 +115,9 @@ pub enum RequestError {
         /// What is left for KV regions.
         usable: u64,
     },
+    /// The OS gave no randomness for a leg's incarnation.
+    #[error("no randomness for an incarnation: {0}")]
+    NoRandomness(String),
     /// The KV parameters do not fit this decode leg.
     #[error("bad kv params: {0}")]
     BadParams(String),

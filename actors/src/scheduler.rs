@@ -22,7 +22,7 @@ use actix::{Actor, Addr, Context, Handler, Message, Recipient, ResponseFuture};
 use pdkv_core::allocator::{AllocError, Allocation, window_crosses_block};
 use pdkv_core::block::BlockId;
 use pdkv_core::layout::GroupKind;
-use pdkv_core::wire::{KvParams, NodeId, RequestId};
+use pdkv_core::wire::{Incarnation, KvParams, NodeId, RequestId};
 use pdkv_transport::engine::EngineKey;
 use tokio::sync::Notify;
 
@@ -97,6 +97,8 @@ pub struct GrantPeer {
 pub struct LegContext {
     /// Leg name (also its READ engine key).
     pub node: NodeId,
+    /// This leg's incarnation, named in the grants it issues.
+    pub incarnation: Incarnation,
     /// Prefill or decode.
     pub role: Role,
     /// Slots reserved beyond the prompt.
@@ -294,6 +296,7 @@ impl LegContext {
         Ok(KvParams {
             request,
             prefill_node: self.node.clone(),
+            prefill_incarnation: self.incarnation,
             offer,
             generations: issued.generations,
             grant: issued.grant,

@@ -434,6 +434,7 @@ impl PrefillMachine {
         let params = KvParams {
             request: self.request,
             prefill_node: self.config.node.clone(),
+            prefill_incarnation: self.config.incarnation,
             offer,
             generations: issued.generations,
             grant: issued.grant,
@@ -830,6 +831,7 @@ impl DecodeMachine {
             self.renew_at_ms = Some(now_ms.saturating_add(renew_period(self.params.lease_ms)));
             self.send_prefill(Body::Renew {
                 grant: self.params.grant,
+                issuer: self.params.prefill_incarnation,
             });
         }
         if let DecodeState::WaitingForBlocks { until_ms } = self.state
@@ -848,6 +850,7 @@ impl DecodeMachine {
         if self.renew_at_ms.take().is_some() {
             self.send_prefill(Body::Release {
                 grant: self.params.grant,
+                issuer: self.params.prefill_incarnation,
             });
         }
     }

@@ -6,6 +6,7 @@
 //!
 //! - [`layout`]: KV-cache groups (full, sliding window, mamba), block sizes, DCP, compat hash.
 //! - [`block`]: block ids and the null block.
+//! - [`codec`]: the one bincode encoding of wire messages, bounded.
 //! - [`exchange`]: trim, clip, anchor and pair per-group block lists; the legacy pairing.
 //! - [`allocator`]: one leg's block pools, prefix cache, pins and generations.
 //! - [`grant`]: READ grants with leases.
@@ -14,11 +15,12 @@
 //! - [`wire`]: the serde types that cross the network.
 //! - [`scenario`]: the input format of `pdkv plan`.
 //!
-//! Non-goals: encoding (the transport's codec owns it), scheduling, memory.
+//! Non-goals: framing and I/O (the transport owns them), scheduling, memory.
 #![warn(missing_docs)]
 
 pub mod allocator;
 pub mod block;
+pub mod codec;
 pub mod exchange;
 pub mod grant;
 pub mod layout;

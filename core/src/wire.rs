@@ -40,6 +40,9 @@ pub struct KvParams {
     pub request: RequestId,
     /// The prefill node holding the KV.
     pub prefill_node: NodeId,
+    /// The incarnation of the prefill node that issued the grant: a restarted node's grant ids
+    /// start over, so a READ, renewal or release names the incarnation it means.
+    pub prefill_incarnation: Incarnation,
     /// Per-group blocks the decode leg may read.
     pub offer: Offer,
     /// Generation of every offered block when it was granted, parallel to `offer.groups[g].blocks`;
@@ -128,6 +131,8 @@ pub enum Body {
     Renew {
         /// The grant.
         grant: GrantId,
+        /// The prefill incarnation that issued it.
+        issuer: Incarnation,
     },
     /// Prefill leg → decode leg: the lease now runs `lease_ms` from when this was sent.
     Renewed {
@@ -140,6 +145,8 @@ pub enum Body {
     Release {
         /// The grant.
         grant: GrantId,
+        /// The prefill incarnation that issued it.
+        issuer: Incarnation,
     },
     /// Router → legs: the request is over for the client; free everything it holds now.
     Abort,

@@ -1,4 +1,4 @@
-//! The one place pdkv encodes messages: bincode 2.0.1 (serde), in length-prefixed frames.
+//! Length-prefixed frames of encoded messages on async streams.
 //!
 //! A frame is a little-endian `u32` payload length followed by the payload. Readers check the
 //! length against a maximum *before* allocating, so a hostile or broken peer cannot make a node
@@ -6,8 +6,10 @@
 //! inside the payload cannot ask for more), and a payload with trailing bytes is refused.
 //! "Not yet" (a truncated frame) is an error for a stream that ended, never a panic.
 //!
-//! bincode is pinned at 2.0.1 (3.x is an empty crate) and no other module names it.
+//! The encoding itself (bincode 2.0.1) lives in `pdkv_core::codec`, the one module that names
+//! bincode, so the simulation in `pdkv_core::testing` encodes exactly as the network does.
 
+pub use pdkv_core::codec::{CodecError, MAX_FRAME_BYTES, decode, encode};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -17,51 +19,6 @@ pub const PROTOCOL_VERSION: u32 = 1;
 
 /// QUIC ALPN of the pdkv control plane.
 pub const ALPN: &[u8] = b"pdkv/1";
-
-/// Largest frame payload a node accepts or sends (16 MiB): a block-list message for a 1M-token
-/// prompt is about 64 KiB, so this leaves room while bounding memory per connection.
-pub const MAX_FRAME_BYTES: usize = 16 << 20;
-
-fn config() -> bincode::config::Configuration<
-    bincode::config::LittleEndian,
-    bincode::config::Varint,
-    bincode::config::Limit<MAX_FRAME_BYTES>,
-> {
-    bincode::config::standard()
-        .with_little_endian()
-        .with_limit::<MAX_FRAME_BYTES>()
-}
-
-/// Encodes a message.
-pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, CodecError> {
-    let bytes = bincode::serde::encode_to_vec(value, config())
-        .map_err(|error| CodecError::Encode(error.to_string()))?;
-    if bytes.len() > MAX_FRAME_BYTES {
-        return Err(CodecError::Oversize {
-            len: bytes.len() as u64,
-            max: MAX_FRAME_BYTES,
-        });
-    }
-    Ok(bytes)
-}
-
-/// Decodes a message; the whole payload must be consumed.
-pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
-    if bytes.len() > MAX_FRAME_BYTES {
-        return Err(CodecError::Oversize {
-            len: bytes.len() as u64,
-            max: MAX_FRAME_BYTES,
-        });
-    }
-    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
-        .map_err(|error| CodecError::Decode(error.to_string()))?;
-    if used != bytes.len() {
-        return Err(CodecError::TrailingBytes {
-            extra: bytes.len() - used,
-        });
-    }
-    Ok(value)
-}
 
 /// Prefixes `payload` with its length, ready to write.
 pub fn frame(payload: &[u8]) -> Vec<u8> {
@@ -116,42 +73,11 @@ fn io(error: std::io::Error) -> CodecError {
     CodecError::Io(error.to_string())
 }
 
-/// Why a frame could not be read, written or decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum CodecError {
-    /// The frame claims or holds more bytes than allowed.
-    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
-    Oversize {
-        /// Claimed or actual length.
-        len: u64,
-        /// The limit.
-        max: usize,
-    },
-    /// The stream ended inside a frame.
-    #[error("stream ended inside a frame")]
-    Truncated,
-    /// The payload is not a valid message.
-    #[error("malformed message: {0}")]
-    Decode(String),
-    /// The payload decoded but left bytes over.
-    #[error("malformed message: {extra} trailing bytes")]
-    TrailingBytes {
-        /// Bytes left over.
-        extra: usize,
-    },
-    /// The message could not be encoded.
-    #[error("cannot encode message: {0}")]
-    Encode(String),
-    /// The stream failed.
-    #[error("stream error: {0}")]
-    Io(String),
-}
-
 #[cfg(test)]
 mod tests {
     use pdkv_core::exchange::{ExchangeList, Offer};
     use pdkv_core::layout::GroupSpec;
-    use pdkv_core::wire::{GrantId, KvParams, NodeId, RequestId};
+    use pdkv_core::wire::{GrantId, Incarnation, KvParams, NodeId, RequestId};
     use proptest::prelude::*;
 
     use super::*;
@@ -160,6 +86,7 @@ mod tests {
         KvParams {
             request: RequestId(9),
             prefill_node: NodeId("prefill-0".into()),
+            prefill_incarnation: Incarnation(0x5eed),
             offer: Offer {
                 num_prompt_tokens: 440,
                 groups: vec![ExchangeList {
