@@ -6,6 +6,7 @@
 //! - `certs init`: write a cluster CA and a certificate per node for mutual TLS.
 //! - `gpus`: list AMD GPUs and their telemetry (amdgpu sysfs).
 //! - `plan`: pair two legs' block lists from a JSON scenario and print the READ pairs.
+//! - `sim`: the leg protocol's deterministic simulation over many seeds.
 
 use std::process::ExitCode;
 
@@ -15,6 +16,7 @@ mod certs_cmd;
 mod errors;
 mod gpus_cmd;
 mod plan_cmd;
+mod sim_cmd;
 mod sweep_cmd;
 
 /// pdkv: a runtime for prefill/decode disaggregated LLM serving.
@@ -39,6 +41,9 @@ enum Command {
     Gpus(gpus_cmd::GpusArgs),
     /// Pair a prefill leg's and a decode leg's block lists from a JSON scenario.
     Plan(plan_cmd::PlanArgs),
+    /// Run the leg protocol's deterministic simulation over many seeds (faults included) and
+    /// check its invariants.
+    Sim(sim_cmd::SimArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +55,7 @@ fn main() -> ExitCode {
         Command::Gpus(args) => gpus_cmd::run(args),
         Command::Demo(args) => sweep_cmd::run(args, Some(pdkv_actors::sweep::demo_lengths())),
         Command::Sweep(args) => sweep_cmd::run(args, None),
+        Command::Sim(args) => sim_cmd::run(args),
     };
     match result {
         Ok(code) => code,

@@ -218,6 +218,18 @@ impl GrantTable {
         Ok(())
     }
 
+    /// The live grants issued for `request` (an abort revokes them all), in id order.
+    pub fn grants_of(&self, request: RequestId) -> Vec<GrantId> {
+        let mut ids: Vec<GrantId> = self
+            .grants
+            .values()
+            .filter(|grant| grant.request == request)
+            .map(|grant| grant.id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// A live grant.
     pub fn get(&self, id: GrantId) -> Option<&Grant> {
         self.grants.get(&id)
@@ -376,6 +388,8 @@ mod tests {
         assert_eq!(table.len(), 1);
         assert!(!table.is_empty());
         assert_eq!(table.get(id).map(|grant| grant.request), Some(RequestId(7)));
+        assert_eq!(table.grants_of(RequestId(7)), vec![id]);
+        assert_eq!(table.grants_of(RequestId(9)), vec![]);
         table
             .issue(RequestId(8), peer("d0"), vec![vec![4]], 100, 0)
             .unwrap();

@@ -646,6 +646,16 @@ impl DecodeMachine {
         &self.params.prefill_node
     }
 
+    /// The incarnation of the prefill node that issued the grant.
+    pub fn prefill_incarnation(&self) -> Incarnation {
+        self.params.prefill_incarnation
+    }
+
+    /// The grant the READ runs under.
+    pub fn grant(&self) -> GrantId {
+        self.params.grant
+    }
+
     /// Whether the machine has nothing more to do.
     pub fn is_done(&self) -> bool {
         self.state == DecodeState::Done && self.commands.is_empty()

@@ -14,6 +14,7 @@
 //! - [`plan`]: block pairs to coalesced per-layer byte ranges.
 //! - [`wire`]: the serde types that cross the network.
 //! - [`scenario`]: the input format of `pdkv plan`.
+//! - `testing` (feature `testing`): a deterministic simulation of the leg protocol.
 //!
 //! Non-goals: framing and I/O (the transport owns them), scheduling, memory.
 #![warn(missing_docs)]
@@ -27,4 +28,6 @@ pub mod layout;
 pub mod leg;
 pub mod plan;
 pub mod scenario;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod wire;

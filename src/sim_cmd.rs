@@ -1,0 +1,108 @@
+//! `pdkv sim`: the leg protocol's deterministic simulation over many seeds, with a summary.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Args;
+use pdkv_core::testing::{Fault, SimConfig, simulate};
+use serde_json::json;
+
+/// Arguments of `pdkv sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// Scenarios to run (seeds `first-seed .. first-seed + seeds`).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub seeds: u64,
+    /// First seed.
+    #[arg(long, default_value_t = 0)]
+    pub first_seed: u64,
+    /// Run exactly this seed (replays a failing one).
+    #[arg(long, conflicts_with_all = ["seeds", "first_seed"])]
+    pub seed: Option<u64>,
+    /// Requests per scenario.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub requests: u32,
+    /// Run without injected faults.
+    #[arg(long)]
+    pub no_faults: bool,
+    /// Print the summary as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Most violations printed; the rest are counted.
+const SHOWN_VIOLATIONS: usize = 20;
+
+/// Runs the scenarios and prints a summary; exits 1 on any violation.
+pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
+    let seeds = match args.seed {
+        Some(seed) => seed..seed + 1,
+        None => args.first_seed..args.first_seed.saturating_add(args.seeds),
+    };
+    let started = Instant::now();
+    let (mut scenarios, mut requests, mut ok, mut failed, mut steps) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut faults: BTreeMap<Fault, u64> = BTreeMap::new();
+    let mut violations = Vec::new();
+    for seed in seeds {
+        let report = simulate(SimConfig {
+            seed,
+            requests: args.requests,
+            faults: !args.no_faults,
+        });
+        scenarios += 1;
+        requests += u64::from(report.requests);
+        ok += u64::from(report.ok);
+        failed += u64::from(report.failed);
+        steps += report.steps;
+        for (fault, count) in report.faults {
+            *faults.entry(fault).or_default() += u64::from(count);
+        }
+        violations.extend(report.violations);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let per_second = scenarios as f64 / elapsed.max(1e-9);
+    if args.json {
+        let faults: BTreeMap<&str, u64> = faults
+            .iter()
+            .map(|(fault, count)| (fault.name(), *count))
+            .collect();
+        println!(
+            "{}",
+            json!({
+                "scenarios": scenarios,
+                "requests": requests,
+                "ok": ok,
+                "failed_cleanly": failed,
+                "faults": faults,
+                "violations": violations.len(),
+                "first_violations": &violations[..violations.len().min(SHOWN_VIOLATIONS)],
+                "steps": steps,
+                "elapsed_s": elapsed,
+                "scenarios_per_s": per_second,
+            })
+        );
+    } else {
+        println!("{scenarios} scenarios, {requests} requests: {ok} ok, {failed} failed cleanly");
+        let injected: Vec<String> = Fault::ALL
+            .iter()
+            .map(|fault| format!("{} {}", fault.name(), faults.get(fault).copied().unwrap_or(0)))
+            .collect();
+        println!("faults injected: {}", injected.join(", "));
+        for violation in violations.iter().take(SHOWN_VIOLATIONS) {
+            println!("VIOLATION {violation}");
+        }
+        if violations.len() > SHOWN_VIOLATIONS {
+            println!("... and {} more violations", violations.len() - SHOWN_VIOLATIONS);
+        }
+        println!(
+            "{} violations ({steps} steps, {elapsed:.2} s, {per_second:.0} scenarios/s)",
+            violations.len()
+        );
+    }
+    Ok(if violations.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,68 @@
+//! `pdkv sim` as a user runs it: a summary, exit status 0 only without violations, and a seed
+//! that replays exactly.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn sim(args: &[&str]) -> (i32, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .arg("sim")
+        .args(args)
+        .output()
+        .expect("pdkv runs");
+    (
+        output.status.code().expect("exit code"),
+        String::from_utf8(output.stdout).unwrap(),
+    )
+}
+
+#[test]
+fn a_run_summarises_requests_faults_and_violations() {
+    let (code, stdout) = sim(&["--seeds", "300", "--json"]);
+    assert_eq!(code, 0, "{stdout}");
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(summary["scenarios"], 300);
+    assert_eq!(summary["requests"], 300 * 8);
+    let ok = summary["ok"].as_u64().unwrap();
+    let failed = summary["failed_cleanly"].as_u64().unwrap();
+    assert_eq!(ok + failed, 300 * 8, "every request ended one way or the other");
+    assert_eq!(summary["violations"], 0);
+    let faults = summary["faults"].as_object().unwrap();
+    for kind in [
+        "drop",
+        "duplicate",
+        "delay",
+        "freeze",
+        "lapse_lease",
+        "fail_read",
+        "restart",
+    ] {
+        assert!(
+            faults.get(kind).and_then(Value::as_u64).unwrap_or(0) > 0,
+            "{kind} never injected: {faults:?}"
+        );
+    }
+    let (code, stdout) = sim(&["--seeds", "50", "--no-faults"]);
+    assert_eq!(code, 0);
+    assert!(
+        stdout.starts_with("50 scenarios, 400 requests: 400 ok, 0 failed cleanly"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_seed_replays_exactly() {
+    let (_, first) = sim(&["--seed", "10081", "--json"]);
+    let (_, again) = sim(&["--seed", "10081", "--json"]);
+    let strip = |text: &str| {
+        let mut value: Value = serde_json::from_str(text).unwrap();
+        let object = value.as_object_mut().unwrap();
+        object.remove("elapsed_s");
+        object.remove("scenarios_per_s");
+        value
+    };
+    assert_eq!(strip(&first), strip(&again));
+    let (code, _) = sim(&["--seed", "1", "--seeds", "5"]);
+    assert_eq!(code, 2, "--seed and --seeds conflict");
+}
