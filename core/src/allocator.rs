@@ -730,6 +730,24 @@ mod tests {
         assert_eq!(allocation.blocks[0], vec![3]);
         assert_eq!(allocator.extend(RequestId(2), 8).unwrap()[0], vec![3, 4]);
         assert_eq!(allocator.free_blocks(0), 0);
+        // A request needing the whole pool while others hold part of it waits (may fit later);
+        // only one needing more than the pool never fits.
+        assert!(matches!(
+            allocator.allocate(RequestId(3), &[1; 16], 16, None),
+            Err(AllocError::OutOfBlocks {
+                group: 0,
+                needed: 4,
+                ..
+            })
+        ));
+        assert!(matches!(
+            allocator.allocate(RequestId(3), &[1; 17], 17, None),
+            Err(AllocError::NeverFits {
+                group: 0,
+                needed: 5,
+                ..
+            })
+        ));
         assert_eq!(
             allocator.extend(RequestId(2), 9).unwrap_err(),
             AllocError::OutOfBlocks {

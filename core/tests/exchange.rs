@@ -229,6 +229,12 @@ fn mismatched_layouts_between_legs_are_refused() {
             format!("group 1: prefill leg's spec differs from the layout: {detail}")
         );
     }
+    let hybrid =
+        KvLayout::one_layer_per_group(vec![GroupSpec::full(B, 1).unwrap(), GroupSpec::mamba()]).unwrap();
+    assert_eq!(
+        exchange::need(&hybrid, 100, &[vec![1, 2], vec![3]], &[1, 1]).unwrap_err(),
+        ExchangeError::CachedMamba { group: 1, cached: 1 }
+    );
     let mut sharded = need.clone();
     sharded.groups[0].spec = GroupSpec::full(B, 2).unwrap();
     assert_eq!(
