@@ -1,0 +1,514 @@
+//! The leg machines step by step: what each asks of its shell, in order, on the happy path and
+//! on every failure path the protocol names (a lost reply, a READ failing half way, an abort
+//! while a READ is in flight, a deadline passing at each stage, a stale incarnation).
+
+use pdkv_core::allocator::{AllocError, Allocation};
+use pdkv_core::block::BlockId;
+use pdkv_core::exchange::PairingMode;
+use pdkv_core::layout::{GroupSpec, KvLayout};
+use pdkv_core::leg::{
+    DecodeCommand, DecodeMachine, IssuedGrant, LegConfig, PrefillCommand, PrefillMachine, PrefillTokens,
+    ReadDone, RequestOutcome, RouterCommand, RouterMachine,
+};
+use pdkv_core::wire::{Body, DecodeOutput, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage};
+
+const LEASE_MS: u64 = 30;
+const PREFILL_INCARNATION: Incarnation = Incarnation(0xAAAA);
+
+fn node(name: &str) -> NodeId {
+    NodeId(name.into())
+}
+
+/// Full group B=4 and a window group B=4, W=6.
+fn config(name: &str, lookahead: u64, prefill_tokens: PrefillTokens) -> LegConfig {
+    LegConfig {
+        node: node(name),
+        incarnation: if name == "p" {
+            PREFILL_INCARNATION
+        } else {
+            Incarnation(0xDDDD)
+        },
+        layout: KvLayout::one_layer_per_group(vec![
+            GroupSpec::full(4, 1).unwrap(),
+            GroupSpec::sliding_window(4, 6, 1).unwrap(),
+        ])
+        .unwrap(),
+        lookahead_tokens: lookahead,
+        prefill_tokens,
+        pairing: PairingMode::Anchored,
+        max_decode_tail_blocks: 1,
+        alloc_wait_ms: 100,
+    }
+}
+
+fn drain_prefill(machine: &mut PrefillMachine) -> Vec<PrefillCommand> {
+    std::iter::from_fn(|| machine.poll_command()).collect()
+}
+
+fn drain_decode(machine: &mut DecodeMachine) -> Vec<DecodeCommand> {
+    std::iter::from_fn(|| machine.poll_command()).collect()
+}
+
+fn drain_router(machine: &mut RouterMachine) -> Vec<RouterCommand> {
+    std::iter::from_fn(|| machine.poll_command()).collect()
+}
+
+fn out_of_blocks() -> AllocError {
+    AllocError::OutOfBlocks {
+        group: 0,
+        kind: "full",
+        needed: 3,
+        free: 0,
+    }
+}
+
+/// A 10-token prompt (tokens 0..=8 read: blocks 0..=2; window tokens 4..=8: blocks 1..=2).
+fn prompt() -> Vec<u32> {
+    (0..10).collect()
+}
+
+/// Runs a prefill machine to its grant; returns the commands after the grant and the params.
+fn prefill_to_grant(
+    prefill_tokens: PrefillTokens,
+    grant_at_ms: u64,
+) -> (PrefillMachine, Vec<PrefillCommand>) {
+    let mut machine = PrefillMachine::new(
+        config("p", 2, prefill_tokens),
+        RequestId(1),
+        node("router"),
+        prompt(),
+        node("d"),
+        1_000,
+        0,
+    );
+    let computed = prefill_tokens.computed(10);
+    assert_eq!(
+        drain_prefill(&mut machine),
+        vec![PrefillCommand::Allocate { slots: computed + 2 }]
+    );
+    machine.handle_allocated(Ok(()), 1);
+    assert_eq!(
+        drain_prefill(&mut machine),
+        vec![PrefillCommand::Compute { tokens: computed }]
+    );
+    machine.handle_computed(Ok(()), 2);
+    assert_eq!(
+        drain_prefill(&mut machine),
+        vec![PrefillCommand::ReleaseWindow { attending_token: 9 }]
+    );
+    // The leg's lists: 3 blocks each (12 slots), window position 0 freed (tokens 0..=3 < 4).
+    machine.handle_window_released(Ok(vec![vec![11, 12, 13], vec![0, 22, 23]]));
+    assert_eq!(
+        drain_prefill(&mut machine),
+        vec![PrefillCommand::Grant {
+            lists: vec![vec![11, 12, 13], vec![22, 23]],
+            peer: node("d"),
+        }]
+    );
+    let issued = IssuedGrant {
+        grant: GrantId(5),
+        generations: vec![vec![1, 1, 1], vec![2, 2]],
+        lease_ms: LEASE_MS,
+    };
+    machine.handle_granted(Ok(issued), grant_at_ms);
+    let commands = drain_prefill(&mut machine);
+    (machine, commands)
+}
+
+#[test]
+fn a_prefill_grants_the_blocks_holding_tokens_up_to_n_minus_2_and_answers_the_router() {
+    for prefill_tokens in [PrefillTokens::All, PrefillTokens::AllButLast] {
+        let (machine, commands) = prefill_to_grant(prefill_tokens, 3);
+        assert_eq!(commands.len(), 2, "{commands:?}");
+        assert_eq!(commands[0], PrefillCommand::Finish, "the request's own hold ends");
+        let PrefillCommand::Send {
+            to,
+            body: Body::KvReady(params),
+        } = &commands[1]
+        else {
+            panic!("expected KvReady, got {:?}", commands[1]);
+        };
+        assert_eq!(to, &node("router"));
+        assert_eq!(params.grant, GrantId(5));
+        assert_eq!(params.prefill_incarnation, PREFILL_INCARNATION);
+        assert_eq!(params.offer.groups[1].first_position, 1);
+        assert!(machine.is_done());
+    }
+}
+
+/// A grant that comes back after the deadline is revoked at once; the router gets a failure,
+/// never parameters nobody will read.
+#[test]
+fn a_grant_after_the_deadline_is_revoked_not_handed_out() {
+    let (_, commands) = prefill_to_grant(PrefillTokens::All, 1_000);
+    assert_eq!(commands[0], PrefillCommand::Revoke { grant: GrantId(5) });
+    assert_eq!(commands[1], PrefillCommand::Finish);
+    assert!(matches!(
+        &commands[2],
+        PrefillCommand::Send { body: Body::Failed { stage: Stage::Prefill, reason }, .. } if reason == "deadline passed"
+    ));
+    assert_eq!(commands.len(), 3);
+}
+
+/// Out of blocks, a prefill waits until blocks are freed (retrying then) or its wait bound; it
+/// holds nothing meanwhile, so failing frees nothing.
+#[test]
+fn a_prefill_waits_for_blocks_within_its_bound() {
+    let mut machine = PrefillMachine::new(
+        config("p", 0, PrefillTokens::All),
+        RequestId(2),
+        node("router"),
+        prompt(),
+        node("d"),
+        1_000,
+        0,
+    );
+    drain_prefill(&mut machine);
+    machine.handle_allocated(Err(out_of_blocks()), 0);
+    assert_eq!(drain_prefill(&mut machine), vec![]);
+    assert_eq!(machine.poll_timeout(), Some(100), "alloc_wait_ms");
+    machine.handle_blocks_freed();
+    assert_eq!(
+        drain_prefill(&mut machine),
+        vec![PrefillCommand::Allocate { slots: 10 }]
+    );
+    machine.handle_allocated(Err(out_of_blocks()), 50);
+    machine.handle_timeout(99);
+    assert_eq!(drain_prefill(&mut machine), vec![]);
+    machine.handle_timeout(100);
+    let commands = drain_prefill(&mut machine);
+    assert!(
+        matches!(
+            commands.as_slice(),
+            [PrefillCommand::Send { body: Body::Failed { stage: Stage::Prefill, reason }, .. }]
+                if reason == "no free blocks within 100 ms"
+        ),
+        "{commands:?}"
+    );
+    assert!(machine.is_done());
+}
+
+/// An abort while the engine computes lets the computation end, then frees the blocks and sends
+/// nothing.
+#[test]
+fn an_abort_during_compute_frees_the_blocks_quietly() {
+    let mut machine = PrefillMachine::new(
+        config("p", 0, PrefillTokens::All),
+        RequestId(3),
+        node("router"),
+        prompt(),
+        node("d"),
+        1_000,
+        0,
+    );
+    drain_prefill(&mut machine);
+    machine.handle_allocated(Ok(()), 0);
+    drain_prefill(&mut machine);
+    machine.handle_abort();
+    assert!(!machine.is_done(), "the computation is still running");
+    machine.handle_computed(Ok(()), 5);
+    assert_eq!(drain_prefill(&mut machine), vec![PrefillCommand::Finish]);
+    assert!(machine.is_done());
+}
+
+fn params() -> KvParams {
+    let (_, commands) = prefill_to_grant(PrefillTokens::All, 3);
+    match commands.into_iter().nth(1) {
+        Some(PrefillCommand::Send {
+            body: Body::KvReady(params),
+            ..
+        }) => params,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn allocation(lists: Vec<Vec<BlockId>>) -> Allocation {
+    Allocation {
+        cached_blocks: vec![0; lists.len()],
+        blocks: lists,
+    }
+}
+
+/// Runs a decode machine to its READ.
+fn decode_to_read(now_ms: u64) -> DecodeMachine {
+    let mut machine = DecodeMachine::new(
+        config("d", 3, PrefillTokens::All),
+        node("router"),
+        params(),
+        2,
+        500,
+        0,
+    );
+    assert_eq!(
+        drain_decode(&mut machine),
+        vec![DecodeCommand::Allocate {
+            slots: 13,
+            attending_token: 9
+        }]
+    );
+    machine.handle_allocated(
+        Ok(allocation(vec![vec![41, 42, 43, 44], vec![0, 52, 53, 54]])),
+        now_ms,
+    );
+    let commands = drain_decode(&mut machine);
+    let [DecodeCommand::Read { pairing, checks }] = commands.as_slice() else {
+        panic!("{commands:?}");
+    };
+    let pairs: Vec<Vec<(BlockId, BlockId)>> = pairing
+        .groups
+        .iter()
+        .map(|pairs| pairs.iter().map(|pair| (pair.remote, pair.local)).collect())
+        .collect();
+    assert_eq!(
+        pairs,
+        vec![vec![(11, 41), (12, 42), (13, 43)], vec![(22, 52), (23, 53)]]
+    );
+    assert_eq!(checks.len(), 5);
+    machine
+}
+
+/// While it waits, a decode leg renews the grant every third of the lease, naming the issuing
+/// incarnation.
+#[test]
+fn a_decode_renews_every_third_of_the_lease_while_it_waits() {
+    let mut machine = DecodeMachine::new(
+        config("d", 3, PrefillTokens::All),
+        node("router"),
+        params(),
+        2,
+        500,
+        0,
+    );
+    drain_decode(&mut machine);
+    machine.handle_allocated(Err(out_of_blocks()), 0);
+    assert_eq!(machine.poll_timeout(), Some(LEASE_MS / 3));
+    machine.handle_timeout(LEASE_MS / 3);
+    assert_eq!(
+        drain_decode(&mut machine),
+        vec![DecodeCommand::Send {
+            to: node("p"),
+            body: Body::Renew {
+                grant: GrantId(5),
+                issuer: PREFILL_INCARNATION
+            }
+        }]
+    );
+    assert_eq!(machine.poll_timeout(), Some(2 * (LEASE_MS / 3)));
+}
+
+/// A READ that fails half way fails the request closed: the grant is released, the blocks are
+/// freed without caching, the router learns the stage.
+#[test]
+fn a_read_failing_half_way_releases_frees_and_reports_the_read_stage() {
+    let mut machine = decode_to_read(1);
+    machine.handle_read_done(Err("injected fault after 4096 bytes".into()), 5);
+    let commands = drain_decode(&mut machine);
+    assert_eq!(
+        commands[..2],
+        [
+            DecodeCommand::Send {
+                to: node("p"),
+                body: Body::Release {
+                    grant: GrantId(5),
+                    issuer: PREFILL_INCARNATION
+                }
+            },
+            DecodeCommand::Finish { cache_prompt: false },
+        ]
+    );
+    assert!(matches!(
+        &commands[2],
+        DecodeCommand::Send { to, body: Body::Failed { stage: Stage::Read, reason } }
+            if *to == node("router") && reason == "read failed: injected fault after 4096 bytes"
+    ));
+    assert!(machine.is_done());
+}
+
+/// An abort while the READ is in flight waits for it: its bytes may still be landing in this
+/// request's blocks, which must not be handed to another request before it ends.
+#[test]
+fn an_abort_during_a_read_waits_for_it_then_frees() {
+    let mut machine = decode_to_read(1);
+    machine.handle_abort();
+    assert_eq!(
+        drain_decode(&mut machine),
+        vec![],
+        "nothing freed under a READ in flight"
+    );
+    machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 5);
+    let commands = drain_decode(&mut machine);
+    assert_eq!(commands.len(), 2, "{commands:?}");
+    assert!(matches!(
+        commands[0],
+        DecodeCommand::Send {
+            body: Body::Release { .. },
+            ..
+        }
+    ));
+    assert_eq!(commands[1], DecodeCommand::Finish { cache_prompt: false });
+    assert!(machine.is_done());
+}
+
+/// A READ that completes after the deadline is not decoded: release, free, fail.
+#[test]
+fn a_read_ending_past_the_deadline_is_not_decoded() {
+    let mut machine = decode_to_read(1);
+    machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 500);
+    let commands = drain_decode(&mut machine);
+    assert!(
+        matches!(
+            commands.last(),
+            Some(DecodeCommand::Send { body: Body::Failed { stage: Stage::Read, reason }, .. }) if reason == "deadline passed"
+        ),
+        "{commands:?}"
+    );
+    assert!(
+        !commands
+            .iter()
+            .any(|command| matches!(command, DecodeCommand::Generate { .. }))
+    );
+}
+
+/// The happy path ends with the blocks cached and the output sent; the grant was released as
+/// soon as the READ ended, before decoding.
+#[test]
+fn a_decode_releases_before_it_decodes_and_answers_once() {
+    let mut machine = decode_to_read(1);
+    machine.handle_read_done(Ok(ReadDone { bytes: 640, runs: 3 }), 5);
+    let commands = drain_decode(&mut machine);
+    assert!(matches!(
+        commands[0],
+        DecodeCommand::Send {
+            body: Body::Release { .. },
+            ..
+        }
+    ));
+    assert_eq!(
+        commands[1],
+        DecodeCommand::Generate {
+            slots: 13,
+            max_tokens: 2,
+            deadline_ms: 500
+        }
+    );
+    machine.handle_generated(Ok((vec![7, 8], 99)));
+    let commands = drain_decode(&mut machine);
+    assert_eq!(commands[0], DecodeCommand::Finish { cache_prompt: true });
+    let DecodeCommand::Send {
+        body: Body::Output(output),
+        ..
+    } = &commands[1]
+    else {
+        panic!("{commands:?}");
+    };
+    assert_eq!(
+        (output.read_bytes, output.read_runs, output.logits_digest),
+        (640, 3, 99)
+    );
+    machine.handle_generated(Ok((vec![7, 8], 99)));
+    assert_eq!(
+        drain_decode(&mut machine),
+        vec![],
+        "a duplicate completion is ignored"
+    );
+}
+
+fn router() -> RouterMachine {
+    RouterMachine::new(
+        RequestId(1),
+        prompt(),
+        2,
+        (node("p"), PREFILL_INCARNATION),
+        (node("d"), Incarnation(0xDDDD)),
+        100,
+        0,
+    )
+}
+
+/// A prefill reply that never comes: at the deadline both legs are told to abort and the client
+/// gets a failure naming the prefill stage; the reply, arriving late, gets an abort back.
+#[test]
+fn a_lost_prefill_reply_ends_the_request_at_its_deadline() {
+    let mut machine = router();
+    assert!(matches!(
+        drain_router(&mut machine).as_slice(),
+        [RouterCommand::Send {
+            body: Body::Prefill { .. },
+            ..
+        }]
+    ));
+    machine.handle_timeout(99);
+    assert_eq!(drain_router(&mut machine), vec![]);
+    machine.handle_timeout(100);
+    let commands = drain_router(&mut machine);
+    assert_eq!(
+        commands,
+        vec![
+            RouterCommand::Send {
+                to: node("p"),
+                body: Body::Abort
+            },
+            RouterCommand::Send {
+                to: node("d"),
+                body: Body::Abort
+            },
+            RouterCommand::Complete(RequestOutcome::Failed {
+                stage: Stage::Prefill,
+                reason: "deadline passed".into()
+            }),
+        ]
+    );
+    machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::KvReady(params()));
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![RouterCommand::Send {
+            to: node("p"),
+            body: Body::Abort
+        }]
+    );
+}
+
+/// Parameters from another incarnation of the prefill leg (it restarted) are never forwarded to
+/// the decode leg; the sender is told to abort.
+#[test]
+fn parameters_from_a_stale_incarnation_are_refused() {
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_message(&node("p"), Incarnation(1), Body::KvReady(params()));
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![RouterCommand::Send {
+            to: node("p"),
+            body: Body::Abort
+        }]
+    );
+    machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::KvReady(params()));
+    assert!(matches!(
+        drain_router(&mut machine).as_slice(),
+        [RouterCommand::Send { to, body: Body::Decode { max_tokens: 2, .. } }] if *to == node("d")
+    ));
+}
+
+/// A duplicated answer completes the request once.
+#[test]
+fn a_duplicated_output_completes_once() {
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::KvReady(params()));
+    drain_router(&mut machine);
+    let output = DecodeOutput {
+        tokens: vec![1],
+        logits_digest: 2,
+        read_bytes: 3,
+        read_runs: 1,
+        cached_blocks: 0,
+    };
+    for _ in 0..2 {
+        machine.handle_message(&node("d"), Incarnation(0xDDDD), Body::Output(output.clone()));
+    }
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![RouterCommand::Complete(RequestOutcome::Output(output))]
+    );
+    assert!(machine.is_done());
+}
