@@ -1071,6 +1071,17 @@ impl RouterMachine {
         self.complete_failed(stage, format!("leg {leg} was lost"));
     }
 
+    /// The client went away (disconnect, cancel): both legs are told to free what they hold now,
+    /// and the request ends with a failure naming the router.
+    pub fn handle_cancel(&mut self) {
+        if self.state == RouterState::Done {
+            return;
+        }
+        self.send(self.prefill.clone(), Body::Abort);
+        self.send(self.decode.clone(), Body::Abort);
+        self.complete_failed(Stage::Router, "cancelled by the client".into());
+    }
+
     /// Time passed: at the deadline the request fails naming the stage, and both legs are told
     /// to free what they hold.
     pub fn handle_timeout(&mut self, now_ms: u64) {

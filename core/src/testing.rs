@@ -63,11 +63,13 @@ pub enum Fault {
     FailRead,
     /// A leg restarts with a new incarnation and empty memory.
     Restart,
+    /// The client cancels a request in flight.
+    Cancel,
 }
 
 impl Fault {
     /// Every fault kind, for reports.
-    pub const ALL: [Fault; 7] = [
+    pub const ALL: [Fault; 8] = [
         Fault::Drop,
         Fault::Duplicate,
         Fault::Delay,
@@ -75,6 +77,7 @@ impl Fault {
         Fault::LapseLease,
         Fault::FailRead,
         Fault::Restart,
+        Fault::Cancel,
     ];
 
     /// Short name for reports.
@@ -87,6 +90,7 @@ impl Fault {
             Fault::LapseLease => "lapse_lease",
             Fault::FailRead => "fail_read",
             Fault::Restart => "restart",
+            Fault::Cancel => "cancel",
         }
     }
 }
@@ -279,6 +283,8 @@ enum Event {
     Restart { leg: NodeId },
     /// The other nodes notice a leg restarted (heartbeats from a new incarnation).
     Detected { leg: NodeId, incarnation: Incarnation },
+    /// The client cancels a request.
+    Cancel { request: RequestId },
 }
 
 #[derive(Debug)]
@@ -455,6 +461,11 @@ impl Sim {
             self.prompts.insert(request, prompt);
             let at = self.rng.below(40 * u64::from(requests).max(1));
             self.schedule(at, Event::Start { request });
+            if self.faults_on && self.rng.chance(150) {
+                // Cancelled while its READ or decode is likely under way.
+                let later = at + 5 + self.rng.below(60);
+                self.schedule(later, Event::Cancel { request });
+            }
         }
         if !self.faults_on {
             return;
@@ -727,6 +738,17 @@ impl Sim {
                 }
             }
             Event::Restart { leg } => self.restart(&leg),
+            Event::Cancel { request } => {
+                if let Some(machine) = self.routes.get_mut(&request) {
+                    self.report
+                        .faults
+                        .entry(Fault::Cancel)
+                        .and_modify(|n| *n += 1)
+                        .or_insert(1);
+                    machine.handle_cancel();
+                    self.drain_route(request);
+                }
+            }
             Event::Detected { leg, incarnation } => {
                 self.router_known.insert(leg.clone(), incarnation);
                 let open: Vec<RequestId> = self.routes.keys().copied().collect();

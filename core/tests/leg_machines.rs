@@ -512,3 +512,30 @@ fn a_duplicated_output_completes_once() {
     );
     assert!(machine.is_done());
 }
+
+/// A client that goes away ends the request at once: both legs are told to free what they hold.
+#[test]
+fn a_cancelled_request_aborts_both_legs() {
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_cancel();
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![
+            RouterCommand::Send {
+                to: node("p"),
+                body: Body::Abort
+            },
+            RouterCommand::Send {
+                to: node("d"),
+                body: Body::Abort
+            },
+            RouterCommand::Complete(RequestOutcome::Failed {
+                stage: Stage::Router,
+                reason: "cancelled by the client".into()
+            }),
+        ]
+    );
+    machine.handle_cancel();
+    assert_eq!(drain_router(&mut machine), vec![], "cancelled once");
+}
