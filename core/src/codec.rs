@@ -84,3 +84,66 @@ pub enum CodecError {
     #[error("stream error: {0}")]
     Io(String),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{Body, Envelope, Incarnation, NodeId, RequestId};
+
+    fn envelope() -> Envelope {
+        Envelope {
+            request: RequestId(9),
+            from: NodeId("decode-0".into()),
+            incarnation: Incarnation(77),
+            budget_ms: 1_000,
+            body: Body::Abort,
+        }
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        let bytes = encode(&envelope()).unwrap();
+        assert_eq!(decode::<Envelope>(&bytes), Ok(envelope()));
+    }
+
+    #[test]
+    fn trailing_oversize_and_garbage_payloads_are_refused() {
+        let mut bytes = encode(&envelope()).unwrap();
+        bytes.extend_from_slice(&[0, 0]);
+        assert_eq!(
+            decode::<Envelope>(&bytes),
+            Err(CodecError::TrailingBytes { extra: 2 })
+        );
+        let huge = vec![0u8; MAX_FRAME_BYTES + 1];
+        assert_eq!(
+            decode::<Envelope>(&huge),
+            Err(CodecError::Oversize {
+                len: MAX_FRAME_BYTES as u64 + 1,
+                max: MAX_FRAME_BYTES
+            })
+        );
+        assert!(matches!(
+            decode::<Envelope>(&[0xFF; 16]),
+            Err(CodecError::Decode(_))
+        ));
+        // A length claim inside the payload cannot make decoding allocate past the limit.
+        let mut claim = vec![0xFD];
+        claim.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(decode::<Vec<u8>>(&claim), Err(CodecError::Decode(_))));
+    }
+
+    #[test]
+    fn an_encoding_larger_than_a_frame_is_refused() {
+        let big = vec![7u8; MAX_FRAME_BYTES + 1];
+        // 16 MiB + 1 payload bytes plus a 5-byte varint length prefix.
+        assert_eq!(
+            encode(&big),
+            Err(CodecError::Oversize {
+                len: MAX_FRAME_BYTES as u64 + 6,
+                max: MAX_FRAME_BYTES
+            })
+        );
+        let fits = vec![7u8; 1024];
+        assert_eq!(decode::<Vec<u8>>(&encode(&fits).unwrap()), Ok(fits));
+    }
+}
