@@ -844,3 +844,121 @@ pub enum NetError {
     #[error("memory server full: {0} data connections")]
     Full(usize),
 }
+
+#[cfg(test)]
+mod tests {
+    use pdkv_core::layout::GroupSpec;
+    use pdkv_core::plan::LayerRegion;
+    use pdkv_core::wire::RequestId;
+
+    use super::*;
+
+    fn node(name: &str) -> NodeId {
+        NodeId(name.into())
+    }
+
+    /// A ticket opens one data connection, for the node it was issued to, while it lives.
+    #[test]
+    fn tickets_are_single_use_personal_and_expire() {
+        let book = TicketBook::new(Duration::from_secs(60), 2);
+        let ticket = book.issue(&node("decode-0")).unwrap();
+        let refusal = |result: Result<(), NetError>| match result {
+            Err(NetError::BadTicket(reason)) => reason,
+            other => panic!("expected a refusal, got {other:?}"),
+        };
+        assert_eq!(
+            refusal(book.redeem(&ticket, &node("decode-1"))),
+            "ticket was issued to decode-0"
+        );
+        let ticket = book.issue(&node("decode-0")).unwrap();
+        assert!(book.redeem(&ticket, &node("decode-0")).is_ok());
+        assert_eq!(
+            refusal(book.redeem(&ticket, &node("decode-0"))),
+            "unknown or used ticket"
+        );
+        let expired = TicketBook::new(Duration::ZERO, 2);
+        let ticket = expired.issue(&node("decode-0")).unwrap();
+        assert_eq!(
+            refusal(expired.redeem(&ticket, &node("decode-0"))),
+            "ticket expired"
+        );
+    }
+
+    /// At most `max_outstanding` tickets wait to be redeemed; expired ones do not count.
+    #[test]
+    fn outstanding_tickets_are_bounded_and_expired_ones_pruned() {
+        let book = TicketBook::new(Duration::from_secs(60), 2);
+        book.issue(&node("d")).unwrap();
+        book.issue(&node("d")).unwrap();
+        assert!(matches!(book.issue(&node("d")), Err(NetError::TooManyTickets(2))));
+        let short = TicketBook::new(Duration::ZERO, 1);
+        for _ in 0..3 {
+            short.issue(&node("d")).unwrap();
+        }
+    }
+
+    /// Two layers in two regions, the second placed 100 bytes into its region: a range is checked
+    /// against the grant of the layer's own group, and must lie inside that layer's blocks.
+    #[test]
+    fn reads_are_checked_against_the_layers_own_group_and_placement() {
+        let layout = KvLayout::new(
+            vec![GroupSpec::full(4, 1).unwrap(), GroupSpec::full(4, 1).unwrap()],
+            vec![0, 1],
+        )
+        .unwrap();
+        let regions = RegionLayout {
+            layers: vec![
+                LayerRegion {
+                    region: 0,
+                    base_offset: 0,
+                    bytes_per_block: 64,
+                    num_blocks: 8,
+                },
+                LayerRegion {
+                    region: 1,
+                    base_offset: 100,
+                    bytes_per_block: 64,
+                    num_blocks: 8,
+                },
+            ],
+        };
+        let grants = Arc::new(Mutex::new(GrantTable::new(4)));
+        // Block 2 of group 0 and block 5 of group 1.
+        let grant = grants
+            .lock()
+            .unwrap()
+            .issue(RequestId(1), node("d"), vec![vec![2], vec![5]], 60_000, 0)
+            .unwrap();
+        let authorizer = GrantAuthorizer::new(grants, layout, regions, 2, MonotonicClock::new());
+        let read = |region, offset, len| authorizer.authorize_read(&node("d"), grant, region, offset, len);
+        assert_eq!(read(0, 2 * 64, 64), Ok(()));
+        assert_eq!(read(1, 100 + 5 * 64, 64), Ok(()));
+        assert_eq!(
+            read(1, 100 + 2 * 64, 64),
+            Err("grant 1 does not cover block 2 of group 1".into())
+        );
+        assert_eq!(
+            read(0, 5 * 64, 64),
+            Err("grant 1 does not cover block 5 of group 0".into())
+        );
+        assert_eq!(
+            read(1, 99, 1),
+            Err("range 99+1 of region 1 is not inside a block".into())
+        );
+        assert_eq!(
+            read(1, 100, 64),
+            Err("grant 1 does not cover block 0 of group 1".into()),
+            "the first byte of the layer is inside block 0"
+        );
+        assert_eq!(
+            read(0, 2 * 64, 0),
+            Err("range 128+0 of region 0 is not inside a block".into())
+        );
+        assert_eq!(read(7, 0, 64), Err("region 7 holds no KV layer".into()));
+        // A range running from a granted block into the next one is refused.
+        assert_eq!(
+            read(0, 2 * 64, 65),
+            Err("grant 1 does not cover block 3 of group 0".into())
+        );
+    }
+}
