@@ -345,8 +345,7 @@ impl MemoryServer {
         });
         let accept_task = runtime.spawn(async move {
             let slots = Arc::new(Semaphore::new(limits.max_connections));
-            // One sender per connection still in its hello; dropping one evicts that connection.
-            let mut unauthenticated: VecDeque<oneshot::Sender<()>> = VecDeque::new();
+            let mut unauthenticated = Unauthenticated::new(limits.max_unauthenticated);
             loop {
                 let (stream, remote) = match listener.accept().await {
                     Ok(accepted) => accepted,
@@ -357,13 +356,7 @@ impl MemoryServer {
                         continue;
                     }
                 };
-                unauthenticated.retain(|evict| !evict.is_closed());
-                while unauthenticated.len() >= limits.max_unauthenticated.max(1) {
-                    tracing::debug!(%remote, "dropping the oldest data connection still in its hello");
-                    unauthenticated.pop_front();
-                }
-                let (evict, evicted) = oneshot::channel();
-                unauthenticated.push_back(evict);
+                let evicted = unauthenticated.admit();
                 let (shared, slots) = (shared.clone(), slots.clone());
                 tokio::spawn(async move {
                     if let Err(error) = serve_data(stream, shared, evicted, slots).await {
@@ -387,6 +380,37 @@ impl MemoryServer {
 impl Drop for MemoryServer {
     fn drop(&mut self) {
         self.accept_task.abort();
+    }
+}
+
+/// Connections still in their hello, oldest first: at most `max`; admitting one more evicts the
+/// oldest. Each is held as the sender of a one-shot channel its connection task watches:
+/// dropping the sender evicts it, and a connection past its hello drops its receiver, which
+/// takes it out of the count.
+#[derive(Debug)]
+struct Unauthenticated {
+    pending: VecDeque<oneshot::Sender<()>>,
+    max: usize,
+}
+
+impl Unauthenticated {
+    fn new(max: usize) -> Self {
+        Unauthenticated {
+            pending: VecDeque::new(),
+            max: max.max(1),
+        }
+    }
+
+    /// Admits a new connection; its receiver resolves when it is evicted.
+    fn admit(&mut self) -> oneshot::Receiver<()> {
+        self.pending.retain(|evict| !evict.is_closed());
+        while self.pending.len() >= self.max {
+            tracing::debug!("dropping the oldest data connection still in its hello");
+            self.pending.pop_front();
+        }
+        let (evict, evicted) = oneshot::channel();
+        self.pending.push_back(evict);
+        evicted
     }
 }
 
@@ -894,6 +918,126 @@ mod tests {
         let short = TicketBook::new(Duration::ZERO, 1);
         for _ in 0..3 {
             short.issue(&node("d")).unwrap();
+        }
+    }
+
+    /// The oldest connection still in its hello is evicted when one more arrives; one that got
+    /// past its hello no longer counts.
+    #[test]
+    fn the_oldest_unauthenticated_connection_is_evicted() {
+        use tokio::sync::oneshot::error::TryRecvError;
+        let mut pending = Unauthenticated::new(2);
+        let first = pending.admit();
+        let mut second = pending.admit();
+        drop(first); // authenticated: out of the count
+        let mut third = pending.admit();
+        assert_eq!(
+            second.try_recv(),
+            Err(TryRecvError::Empty),
+            "room was left by the first"
+        );
+        let _fourth = pending.admit();
+        assert_eq!(
+            second.try_recv(),
+            Err(TryRecvError::Closed),
+            "the oldest is evicted"
+        );
+        assert_eq!(third.try_recv(), Err(TryRecvError::Empty));
+    }
+
+    /// A read may end exactly at the end of its region, not one byte past it.
+    #[test]
+    fn runs_are_bounded_by_their_region() {
+        struct Everything;
+        impl ReadAuthorizer for Everything {
+            fn authorize_read(&self, _: &NodeId, _: GrantId, _: u32, _: u64, _: u64) -> Result<(), String> {
+                Ok(())
+            }
+            fn authorize_words(&self, _: &NodeId, _: GrantId, _: u32, _: &[u32]) -> Result<(), String> {
+                Ok(())
+            }
+        }
+        let state = ServerState {
+            regions: HashMap::from([(0, Arc::new(Region::heap(256)))]),
+            authorizer: Arc::new(Everything),
+            tickets: Arc::new(TicketBook::new(Duration::from_secs(1), 1)),
+            limits: MemoryServerLimits::default(),
+        };
+        let check = |runs: &[(u64, u64)]| authorize_runs(&state, &node("d"), GrantId(1), 0, runs).map(drop);
+        assert_eq!(check(&[(0, 64), (192, 64)]), Ok(()));
+        assert_eq!(
+            check(&[(0, 64), (193, 64)]),
+            Err("range 193+64 is outside region 0".into())
+        );
+        assert_eq!(
+            check(&[(u64::MAX, 2)]),
+            Err(format!("range {}+2 is outside region 0", u64::MAX))
+        );
+        assert_eq!(
+            authorize_runs(&state, &node("d"), GrantId(1), 3, &[(0, 1)]).map(drop),
+            Err("no region 3".into())
+        );
+    }
+
+    /// Generation words may be read only from a generation table region.
+    #[test]
+    fn words_are_read_only_from_generation_tables() {
+        let layout =
+            KvLayout::one_layer_per_group(vec![GroupSpec::full(4, 1).unwrap(), GroupSpec::mamba()]).unwrap();
+        let grants = Arc::new(Mutex::new(GrantTable::new(4)));
+        let grant = grants
+            .lock()
+            .unwrap()
+            .issue(RequestId(1), node("d"), vec![vec![2], vec![1]], 60_000, 0)
+            .unwrap();
+        let regions = RegionLayout::region_per_layer(&[64, 4], 8);
+        let authorizer = GrantAuthorizer::new(grants, layout, regions, 2, MonotonicClock::new());
+        assert_eq!(authorizer.authorize_words(&node("d"), grant, 2, &[2]), Ok(()));
+        assert_eq!(authorizer.authorize_words(&node("d"), grant, 3, &[1]), Ok(()));
+        assert_eq!(
+            authorizer.authorize_words(&node("d"), grant, 4, &[1]),
+            Err("region 4 is not a generation table".into())
+        );
+        assert_eq!(
+            authorizer.authorize_words(&node("d"), grant, 1, &[1]),
+            Err("region 1 is not a generation table".into())
+        );
+    }
+
+    /// Dropping a memory server stops it: its port refuses new connections.
+    #[test]
+    fn a_dropped_memory_server_stops_listening() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let server = MemoryServer::start(
+            runtime.handle(),
+            "127.0.0.1:0".parse().unwrap(),
+            HashMap::new(),
+            Arc::new(GrantAuthorizer::new(
+                Arc::new(Mutex::new(GrantTable::new(1))),
+                KvLayout::one_layer_per_group(vec![GroupSpec::mamba()]).unwrap(),
+                RegionLayout { layers: vec![] },
+                0,
+                MonotonicClock::new(),
+            )),
+            Arc::new(TicketBook::new(Duration::from_secs(1), 1)),
+            MemoryServerLimits::default(),
+        )
+        .unwrap();
+        let address = server.local_addr();
+        assert!(std::net::TcpStream::connect(address).is_ok());
+        drop(server);
+        // The accept task ends at its next poll; give it at most 2 s.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while std::net::TcpStream::connect(address).is_ok() {
+            assert!(
+                Instant::now() < deadline,
+                "still listening after the server was dropped"
+            );
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
