@@ -211,6 +211,8 @@ pub struct PrefillMachine {
     prompt: Vec<u32>,
     deadline_ms: u64,
     alloc_deadline_ms: u64,
+    /// Token slots the request asks for (computed tokens plus lookahead, at least 1).
+    slots: u64,
     state: PrefillState,
     allocated: bool,
     aborted: bool,
@@ -238,6 +240,7 @@ impl PrefillMachine {
             decode,
             prompt,
             deadline_ms,
+            slots: 0,
             state: PrefillState::Allocating,
             allocated: false,
             aborted: false,
@@ -251,9 +254,12 @@ impl PrefillMachine {
         } else {
             let computed = machine.config.prefill_tokens.computed(machine.num_tokens());
             match computed.checked_add(machine.config.lookahead_tokens) {
-                Some(slots) => machine
-                    .commands
-                    .push_back(PrefillCommand::Allocate { slots: slots.max(1) }),
+                Some(slots) => {
+                    machine.slots = slots.max(1);
+                    machine
+                        .commands
+                        .push_back(PrefillCommand::Allocate { slots: machine.slots });
+                }
                 None => machine.fail(format!(
                     "{computed} prompt tokens plus {} lookahead tokens overflow the slot count",
                     machine.config.lookahead_tokens
@@ -333,9 +339,8 @@ impl PrefillMachine {
     pub fn handle_blocks_freed(&mut self) {
         if let PrefillState::WaitingForBlocks { .. } = self.state {
             self.state = PrefillState::Allocating;
-            let computed = self.config.prefill_tokens.computed(self.num_tokens());
-            let slots = (computed + self.config.lookahead_tokens).max(1);
-            self.commands.push_back(PrefillCommand::Allocate { slots });
+            self.commands
+                .push_back(PrefillCommand::Allocate { slots: self.slots });
         }
     }
 
@@ -571,6 +576,8 @@ pub struct DecodeMachine {
     max_tokens: u32,
     deadline_ms: u64,
     alloc_deadline_ms: u64,
+    /// Token slots the request asks for (prompt plus lookahead).
+    slots: u64,
     state: DecodeState,
     /// Next lease renewal, while the grant is held.
     renew_at_ms: Option<u64>,
@@ -599,6 +606,7 @@ impl DecodeMachine {
             params,
             max_tokens,
             deadline_ms,
+            slots: 0,
             state: DecodeState::Allocating,
             allocated: None,
             read: ReadDone::default(),
@@ -623,10 +631,13 @@ impl DecodeMachine {
             machine.fail(Stage::Decode, "deadline passed".into());
         } else {
             match num_tokens.checked_add(machine.config.lookahead_tokens) {
-                Some(slots) => machine.commands.push_back(DecodeCommand::Allocate {
-                    slots,
-                    attending_token: num_tokens - 1,
-                }),
+                Some(slots) => {
+                    machine.slots = slots;
+                    machine.commands.push_back(DecodeCommand::Allocate {
+                        slots,
+                        attending_token: num_tokens - 1,
+                    });
+                }
                 None => machine.fail(
                     Stage::Decode,
                     "prompt plus lookahead overflow the slot count".into(),
@@ -749,10 +760,9 @@ impl DecodeMachine {
     pub fn handle_blocks_freed(&mut self) {
         if let DecodeState::WaitingForBlocks { .. } = self.state {
             self.state = DecodeState::Allocating;
-            let num_tokens = self.params.prompt.len() as u64;
             self.commands.push_back(DecodeCommand::Allocate {
-                slots: num_tokens + self.config.lookahead_tokens,
-                attending_token: num_tokens - 1,
+                slots: self.slots,
+                attending_token: self.params.prompt.len() as u64 - 1,
             });
         }
     }
@@ -771,9 +781,8 @@ impl DecodeMachine {
             Ok(done) => {
                 self.read = done;
                 self.state = DecodeState::Generating;
-                let num_tokens = self.params.prompt.len() as u64;
                 self.commands.push_back(DecodeCommand::Generate {
-                    slots: num_tokens + self.config.lookahead_tokens,
+                    slots: self.slots,
                     max_tokens: self.max_tokens,
                     deadline_ms: self.deadline_ms,
                 });
