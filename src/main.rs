@@ -15,6 +15,7 @@ use clap::{Parser, Subcommand};
 mod certs_cmd;
 mod errors;
 mod gpus_cmd;
+mod lengths;
 mod plan_cmd;
 mod sim_cmd;
 mod sweep_cmd;

@@ -45,7 +45,7 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
     }
     let lengths = match (&args.lengths, default_lengths) {
         (Some(spec), _) => {
-            sweep::parse_lengths(spec).map_err(|error| anyhow::anyhow!("--lengths: {error}"))?
+            crate::lengths::parse_lengths(spec).map_err(|error| anyhow::anyhow!("--lengths: {error}"))?
         }
         (None, Some(lengths)) => lengths,
         (None, None) => {

@@ -14,11 +14,11 @@ use pdkv_core::allocator::{AllocError, Allocation, Allocator};
 use pdkv_core::block::BlockId;
 use pdkv_core::grant::{GrantError, GrantTable};
 use pdkv_core::wire::{GrantId, NodeId, RequestId};
-use pdkv_transport::net::MonotonicClock;
+use pdkv_transport::clock::MonotonicClock;
 use tokio::sync::Notify;
 
-use crate::engine::LegMemory;
 use crate::error::RequestError;
+use crate::memory::LegMemory;
 
 /// The allocator actor of one leg.
 pub struct AllocatorActor {

@@ -22,9 +22,10 @@ use tokio::sync::Notify;
 
 use crate::allocator::{AllocatorActor, LegStats, Stats};
 use crate::config::{ClusterConfig, NodeConfig, ReadEngineKind, Role};
-use crate::engine::{LegMemory, Model};
+use crate::engine::Model;
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
+use crate::memory::LegMemory;
 use crate::router::{Generate, GenerateDirect, PrefillRoute, Router};
 use crate::scheduler::{GrantPeer, LegContext, Output, Scheduler};
 use crate::transfer::TransferActor;

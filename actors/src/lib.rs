@@ -8,7 +8,7 @@
 //! ([`config`]); [`sweep`] compares P/D output with one-leg output over many prompt lengths.
 //!
 //! Actors are thin shells: the decisions live in `pdkv_core` (exchange, allocator, grants, plans)
-//! and the math in [`engine`]. Bulk bytes never pass through a mailbox; every mailbox is bounded
+//! and the math in [`engine`]; [`memory`] holds a leg's KV regions. Bulk bytes never pass through a mailbox; every mailbox is bounded
 //! and every wait has a deadline.
 #![warn(missing_docs)]
 
@@ -18,6 +18,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod exchange;
+pub mod memory;
 pub mod router;
 pub mod scheduler;
 pub mod sweep;

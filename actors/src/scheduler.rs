@@ -30,9 +30,10 @@ use crate::allocator::{
     Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseGrant, ReleaseWindow, RenewGrant,
 };
 use crate::config::{Limits, PrefillTokens, Role};
-use crate::engine::{LegMemory, LogitsDigest, Model, argmax};
+use crate::engine::{LogitsDigest, Model, argmax};
 use crate::error::{RequestError, ask};
 use crate::exchange::{ExchangeActor, MakeOffer, PairWithOffer};
+use crate::memory::LegMemory;
 use crate::transfer::{Read, TransferActor};
 
 /// The moment a request is over for the router; legs stop waiting and release by then.

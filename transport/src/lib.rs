@@ -1,6 +1,7 @@
 //! pdkv-transport: how bytes and messages move between legs.
 //!
-//! - [`codec`]: the one bincode codec and length-prefixed frames.
+//! - [`clock`]: the monotonic millisecond clock leases and tickets are measured with.
+//! - [`codec`]: length-prefixed frames of `pdkv_core::codec` payloads.
 //! - [`tls`]: the cluster CA, node certificates, mutual-TLS configs.
 //! - [`control`]: the QUIC control plane (its own tokio runtime), handshake, requests.
 //! - [`region`]: registered memory regions (heap, shared memory, peer mappings).
@@ -12,6 +13,7 @@
 //! Never imports the actors crate: the wire types and the READ engine trait are the boundary.
 #![warn(missing_docs)]
 
+pub mod clock;
 pub mod codec;
 pub mod control;
 pub mod copy;

@@ -27,6 +27,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 
+use crate::clock::MonotonicClock;
 use crate::codec::{self, PROTOCOL_VERSION};
 use crate::engine::{
     EngineDescriptor, EngineError, EngineKey, EngineKind, LocalRegions, MemoryDescriptor, ReadEngine,
@@ -108,32 +109,6 @@ pub trait ReadAuthorizer: Send + Sync + 'static {
         region: u32,
         indices: &[u32],
     ) -> Result<(), String>;
-}
-
-/// A millisecond clock shared by whoever issues grants and whoever checks them.
-#[derive(Debug, Clone, Copy)]
-pub struct MonotonicClock {
-    epoch: Instant,
-}
-
-impl MonotonicClock {
-    /// A clock starting now.
-    pub fn new() -> Self {
-        MonotonicClock {
-            epoch: Instant::now(),
-        }
-    }
-
-    /// Milliseconds since the clock started.
-    pub fn now_ms(&self) -> u64 {
-        self.epoch.elapsed().as_millis() as u64
-    }
-}
-
-impl Default for MonotonicClock {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 /// The grant table of a prefill leg as a [`ReadAuthorizer`]: a byte range is readable when every

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use pdkv_actors::cluster::LocalCluster;
 use pdkv_actors::config::ClusterConfig;
-use pdkv_actors::engine::{LegMemory, Model, argmax, prompt_tokens};
+use pdkv_actors::engine::{Model, argmax, prompt_tokens};
+use pdkv_actors::memory::LegMemory;
 use pdkv_actors::router::Generate;
 
 const CONFIG: &str = r#"

@@ -19,12 +19,11 @@ use pdkv_core::grant::GrantTable;
 use pdkv_core::layout::{GroupSpec, KvLayout};
 use pdkv_core::plan::{ReadRun, RegionLayout};
 use pdkv_core::wire::{GrantId, NodeId, RequestId};
+use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::TransportRuntime;
 use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp};
 use pdkv_transport::mapped::MappedEngine;
-use pdkv_transport::net::{
-    GrantAuthorizer, MemoryServer, MemoryServerLimits, MonotonicClock, NetEngine, TicketBook,
-};
+use pdkv_transport::net::{GrantAuthorizer, MemoryServer, MemoryServerLimits, NetEngine, TicketBook};
 use pdkv_transport::region::Region;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -16,15 +16,14 @@ use std::time::Duration;
 use pdkv_core::grant::GrantTable;
 use pdkv_core::plan::RegionLayout;
 use pdkv_core::wire::{NodeId, RequestId};
+use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::codec::PROTOCOL_VERSION;
 use pdkv_transport::control::{
     ControlLimits, ControlServer, ControlService, EngineAdvert, Hello, ServerSetup, TransportRuntime,
 };
 use pdkv_transport::engine::{EngineKey, ReadEngine};
 use pdkv_transport::mapped::MappedEngine;
-use pdkv_transport::net::{
-    GrantAuthorizer, MemoryServer, MemoryServerLimits, MonotonicClock, NetEngine, TicketBook,
-};
+use pdkv_transport::net::{GrantAuthorizer, MemoryServer, MemoryServerLimits, NetEngine, TicketBook};
 use pdkv_transport::region::Region;
 use pdkv_transport::tls::NodeIdentity;
 
