@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use actix::{Actor, Context, Handler, Message};
 use pdkv_core::block::BlockId;
-use pdkv_core::exchange::{self, ExchangeError, ExchangeList, Offer, Pairing, PairingMode};
+use pdkv_core::exchange::{self, ExchangeError, Offer, Pairing, PairingMode};
 use pdkv_core::layout::KvLayout;
 pub use pdkv_core::leg::{GenerationCheck, generation_checks};
 use pdkv_core::plan::{self, RegionLayout, TransferPlan};
@@ -71,21 +71,11 @@ impl Handler<MakeOffer> for ExchangeActor {
     fn handle(&mut self, msg: MakeOffer, _ctx: &mut Self::Context) -> Self::Result {
         match self.config.pairing {
             PairingMode::Anchored => exchange::offer(&self.layout, msg.num_prompt_tokens, &msg.lists),
-            // vLLM sent untrimmed lists (clipped from the end by the pairing step below).
-            PairingMode::Legacy => Ok(Offer {
-                num_prompt_tokens: msg.num_prompt_tokens,
-                groups: self
-                    .layout
-                    .groups()
-                    .iter()
-                    .zip(msg.lists)
-                    .map(|(spec, blocks)| ExchangeList {
-                        spec: *spec,
-                        first_position: 0,
-                        blocks,
-                    })
-                    .collect(),
-            }),
+            PairingMode::Legacy => Ok(exchange::legacy_offer(
+                &self.layout,
+                msg.num_prompt_tokens,
+                msg.lists,
+            )),
         }
     }
 }

@@ -317,6 +317,24 @@ pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, Ex
     Ok(pairing)
 }
 
+/// The offer vLLM MoRIIO's prefill leg sent before the fix: every group's whole list, untrimmed,
+/// anchored at position 0 ([`legacy_pair`] clips it from the end). Diagnosis only.
+pub fn legacy_offer(layout: &KvLayout, num_prompt_tokens: u64, prefill_blocks: Vec<Vec<BlockId>>) -> Offer {
+    Offer {
+        num_prompt_tokens,
+        groups: layout
+            .groups()
+            .iter()
+            .zip(prefill_blocks)
+            .map(|(spec, blocks)| ExchangeList {
+                spec: *spec,
+                first_position: 0,
+                blocks,
+            })
+            .collect(),
+    }
+}
+
 /// vLLM MoRIIO's READ pairing before the fix, kept only to reproduce and diagnose it.
 ///
 /// Window groups are clipped to their last `cdiv(W, B) + 1` entries on both legs with no trim;

@@ -233,7 +233,7 @@ impl PrefillMachine {
         now_ms: u64,
     ) -> Self {
         let mut machine = PrefillMachine {
-            alloc_deadline_ms: now_ms.saturating_add(config.alloc_wait_ms).min(deadline_ms),
+            alloc_deadline_ms: wait_bound(&config, now_ms, deadline_ms),
             config,
             request,
             router,
@@ -376,22 +376,11 @@ impl PrefillMachine {
         };
         let offer = match self.config.pairing {
             PairingMode::Anchored => exchange::offer(&self.config.layout, self.num_tokens(), &lists),
-            // vLLM sent untrimmed lists, clipped from the end by the legacy pairing.
-            PairingMode::Legacy => Ok(exchange::Offer {
-                num_prompt_tokens: self.num_tokens(),
-                groups: self
-                    .config
-                    .layout
-                    .groups()
-                    .iter()
-                    .zip(lists)
-                    .map(|(spec, blocks)| exchange::ExchangeList {
-                        spec: *spec,
-                        first_position: 0,
-                        blocks,
-                    })
-                    .collect(),
-            }),
+            PairingMode::Legacy => Ok(exchange::legacy_offer(
+                &self.config.layout,
+                self.num_tokens(),
+                lists,
+            )),
         };
         match offer {
             Ok(offer) => {
@@ -598,7 +587,7 @@ impl DecodeMachine {
         now_ms: u64,
     ) -> Self {
         let mut machine = DecodeMachine {
-            alloc_deadline_ms: now_ms.saturating_add(config.alloc_wait_ms).min(deadline_ms),
+            alloc_deadline_ms: wait_bound(&config, now_ms, deadline_ms),
             renew_at_ms: Some(now_ms.saturating_add(renew_period(params.lease_ms))),
             config,
             request: params.request,
@@ -903,6 +892,12 @@ impl DecodeMachine {
     }
 }
 
+/// When a request that starts waiting for blocks at `now_ms` gives up: after `alloc_wait_ms`,
+/// and never past its deadline.
+fn wait_bound(config: &LegConfig, now_ms: u64, deadline_ms: u64) -> u64 {
+    now_ms.saturating_add(config.alloc_wait_ms).min(deadline_ms)
+}
+
 /// A third of the lease: two renewals may be lost before it lapses.
 fn renew_period(lease_ms: u64) -> u64 {
     (lease_ms / 3).max(1)
@@ -1068,10 +1063,7 @@ impl RouterMachine {
         if self.state == RouterState::Done || (*leg != self.prefill && *leg != self.decode) {
             return;
         }
-        let stage = match self.state {
-            RouterState::Prefilling => Stage::Prefill,
-            _ => Stage::Decode,
-        };
+        let stage = self.stage();
         for other in [self.prefill.clone(), self.decode.clone()] {
             if other != *leg {
                 self.send(other, Body::Abort);
@@ -1086,9 +1078,7 @@ impl RouterMachine {
         if self.state == RouterState::Done {
             return;
         }
-        self.send(self.prefill.clone(), Body::Abort);
-        self.send(self.decode.clone(), Body::Abort);
-        self.complete_failed(Stage::Router, "cancelled by the client".into());
+        self.abort_both(Stage::Router, "cancelled by the client");
     }
 
     /// Time passed: at the deadline the request fails naming the stage, and both legs are told
@@ -1097,13 +1087,22 @@ impl RouterMachine {
         if self.state == RouterState::Done || now_ms < self.deadline_ms {
             return;
         }
-        let stage = match self.state {
+        self.abort_both(self.stage(), "deadline passed");
+    }
+
+    /// The stage an open request is in.
+    fn stage(&self) -> Stage {
+        match self.state {
             RouterState::Prefilling => Stage::Prefill,
             _ => Stage::Decode,
-        };
+        }
+    }
+
+    /// Tells both legs to free what they hold and ends the request as failed.
+    fn abort_both(&mut self, stage: Stage, reason: &str) {
         self.send(self.prefill.clone(), Body::Abort);
         self.send(self.decode.clone(), Body::Abort);
-        self.complete_failed(stage, "deadline passed".into());
+        self.complete_failed(stage, reason.into());
     }
 
     fn send(&mut self, to: NodeId, body: Body) {

@@ -246,6 +246,19 @@ fn layout_for(choice: u64) -> KvLayout {
     KvLayout::one_layer_per_group(groups).expect("valid layout")
 }
 
+/// The requests whose machine's timer is due at `now_ms`, in request order.
+fn due<M>(
+    machines: &BTreeMap<RequestId, M>,
+    timeout: impl Fn(&M) -> Option<u64>,
+    now_ms: u64,
+) -> Vec<RequestId> {
+    machines
+        .iter()
+        .filter(|(_, machine)| timeout(machine).is_some_and(|at| at <= now_ms))
+        .map(|(&request, _)| request)
+        .collect()
+}
+
 /// A simulated timed event.
 #[derive(Debug, Clone)]
 enum Event {
@@ -608,13 +621,7 @@ impl Sim {
 
     fn fire_timers(&mut self) {
         let now = self.now_ms;
-        let due: Vec<RequestId> = self
-            .routes
-            .iter()
-            .filter(|(_, machine)| machine.poll_timeout().is_some_and(|at| at <= now))
-            .map(|(&request, _)| request)
-            .collect();
-        for request in due {
+        for request in due(&self.routes, RouterMachine::poll_timeout, now) {
             if let Some(machine) = self.routes.get_mut(&request) {
                 machine.handle_timeout(now);
             }
@@ -629,23 +636,13 @@ impl Sim {
             for grant in leg.grants.expire(now) {
                 leg.allocator.unpin(&grant.blocks).ok();
             }
-            let prefills: Vec<RequestId> = leg
-                .prefills
-                .iter()
-                .filter(|(_, machine)| machine.poll_timeout().is_some_and(|at| at <= now))
-                .map(|(&request, _)| request)
-                .collect();
+            let prefills = due(&leg.prefills, PrefillMachine::poll_timeout, now);
             for request in &prefills {
                 if let Some(machine) = leg.prefills.get_mut(request) {
                     machine.handle_timeout(now);
                 }
             }
-            let decodes: Vec<RequestId> = leg
-                .decodes
-                .iter()
-                .filter(|(_, machine)| machine.poll_timeout().is_some_and(|at| at <= now))
-                .map(|(&request, _)| request)
-                .collect();
+            let decodes = due(&leg.decodes, DecodeMachine::poll_timeout, now);
             for request in &decodes {
                 if let Some(machine) = leg.decodes.get_mut(request) {
                     machine.handle_timeout(now);
@@ -1286,45 +1283,40 @@ impl Sim {
     }
 
     fn check_step(&mut self) {
-        for request in self.routes.keys() {
-            if self
-                .deadlines
-                .get(request)
-                .is_some_and(|&deadline| self.now_ms > deadline)
-            {
-                let message = format!("{request} still open after its deadline");
-                self.report
-                    .violations
-                    .push(format!("seed {}: t={} ms: {message}", self.seed, self.now_ms));
-                break;
-            }
+        let now = self.now_ms;
+        let late = self
+            .routes
+            .keys()
+            .find(|request| {
+                self.deadlines
+                    .get(request)
+                    .is_some_and(|&deadline| now > deadline)
+            })
+            .copied();
+        if let Some(request) = late {
+            self.violation(format!("{request} still open after its deadline"));
         }
     }
 
     /// After the last request: every request ended, and once leases lapse no block is held and no
     /// grant lives.
     fn quiesce(&mut self) {
-        for request in self.prompts.keys() {
-            if !self.outcomes.contains_key(request) {
-                let message = format!("{request} never ended");
-                self.report
-                    .violations
-                    .push(format!("seed {}: t={} ms: {message}", self.seed, self.now_ms));
-            }
+        let unended: Vec<RequestId> = self
+            .prompts
+            .keys()
+            .filter(|request| !self.outcomes.contains_key(request))
+            .copied()
+            .collect();
+        for request in unended {
+            self.violation(format!("{request} never ended"));
         }
         // With nothing lost on the way, every grant was released and every block given back by
         // the time the last request ended: nothing may wait for a lease to lapse.
         if !self.faults_on {
-            for leg in [&self.prefill, &self.decode] {
-                if !leg.is_idle() {
-                    self.report.violations.push(format!(
-                        "seed {}: {} still holds {} grants and {} requests' blocks after every request ended, with no fault injected",
-                        self.seed,
-                        leg.name,
-                        leg.grants.len(),
-                        leg.allocator.num_requests()
-                    ));
-                }
+            for held in self.holding_legs() {
+                self.violation(format!(
+                    "{held} after every request ended, with no fault injected"
+                ));
             }
         }
         self.now_ms += 2 * LEASE_MS + 1;
@@ -1334,19 +1326,28 @@ impl Sim {
                 leg.allocator.unpin(&grant.blocks).ok();
             }
         }
-        for leg in [&self.prefill, &self.decode] {
-            if !leg.is_idle() {
+        for held in self.holding_legs() {
+            self.violation(format!("{held} after quiesce and lease expiry"));
+        }
+    }
+
+    /// What each leg that is not idle still holds, in words.
+    fn holding_legs(&self) -> Vec<String> {
+        [&self.prefill, &self.decode]
+            .into_iter()
+            .filter(|leg| !leg.is_idle())
+            .map(|leg| {
                 let free: Vec<usize> = (0..self.layout.groups().len())
                     .map(|group| leg.allocator.free_blocks(group))
                     .collect();
-                self.report.violations.push(format!(
-                    "seed {}: after quiesce {} holds blocks or grants: free {free:?} of {BLOCKS_PER_GROUP}, {} grants, {} machines",
-                    self.seed,
+                format!(
+                    "{} holds blocks or grants: free {free:?} of {BLOCKS_PER_GROUP}, {} grants, {} requests' blocks, {} machines",
                     leg.name,
                     leg.grants.len(),
+                    leg.allocator.num_requests(),
                     leg.prefills.len() + leg.decodes.len()
-                ));
-            }
-        }
+                )
+            })
+            .collect()
     }
 }
