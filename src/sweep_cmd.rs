@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use pdkv_actors::cluster::LocalCluster;
-use pdkv_actors::config::ClusterConfig;
+use pdkv_actors::config::{ClusterConfig, LinkKind};
 use pdkv_actors::sweep::{self, Comparison};
 use pdkv_core::exchange::PairingMode;
 use serde_json::json;
@@ -32,6 +32,28 @@ pub struct SweepArgs {
     /// One JSON line per length, then a summary line.
     #[arg(long)]
     pub json: bool,
+    /// Override `[transport] links`: `local` (actor mailboxes) or `quic` (QUIC with mutual TLS on
+    /// loopback).
+    #[arg(long, value_enum)]
+    pub links: Option<LinksArg>,
+}
+
+/// `--links` values.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum LinksArg {
+    /// Actor mailboxes in one process.
+    Local,
+    /// QUIC with mutual TLS on loopback.
+    Quic,
+}
+
+impl From<LinksArg> for LinkKind {
+    fn from(links: LinksArg) -> Self {
+        match links {
+            LinksArg::Local => LinkKind::Local,
+            LinksArg::Quic => LinkKind::Quic,
+        }
+    }
 }
 
 /// Runs the sweep; `demo` passes the demo's 102 lengths.
@@ -42,6 +64,9 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
     };
     if let Some(PairingModeArg(mode)) = args.pairing {
         config.exchange.pairing = mode;
+    }
+    if let Some(links) = args.links {
+        config.transport.links = links.into();
     }
     let lengths = match (&args.lengths, default_lengths) {
         (Some(spec), _) => {
@@ -67,7 +92,10 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
         PairingMode::Anchored => "anchored",
         PairingMode::Legacy => "legacy",
     };
-    let cluster = LocalCluster::start(config).context("cannot start the cluster")?;
+    let links = config.transport.links;
+    let cluster = LocalCluster::start(config)
+        .await
+        .context("cannot start the cluster")?;
     let started = Instant::now();
     let progress = if args.json {
         indicatif::ProgressBar::hidden()
@@ -131,6 +159,7 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
             "{}",
             json!({"summary": {
                 "pairing": mode,
+                "links": links.to_string(),
                 "lengths": results.len(),
                 "matched": matched,
                 "mismatched": mismatched,
@@ -159,7 +188,7 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
             println!("failed at prompt lengths {errors:?}");
         }
         println!(
-            "{matched}/{} match ({mode} pairing, {:.1} KiB read, {:.1} s)",
+            "{matched}/{} match ({mode} pairing, {links} links, {:.1} KiB read, {:.1} s)",
             results.len(),
             read_bytes as f64 / 1024.0,
             elapsed.as_secs_f64()

@@ -6,7 +6,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdkv_core::wire::NodeId;
+use pdkv_core::plan::RegionLayout;
+use pdkv_core::wire::{Incarnation, NodeId, Role};
 use pdkv_transport::codec::PROTOCOL_VERSION;
 use pdkv_transport::control::{
     ControlClient, ControlLimits, ControlServer, ControlService, Hello, ServerSetup, TransportRuntime,
@@ -19,7 +20,7 @@ impl ControlService for Echo {
     type Request = String;
     type Response = String;
 
-    fn handle(&self, peer: &NodeId, request: String) -> Result<String, String> {
+    async fn handle(&self, peer: &NodeId, request: String) -> Result<String, String> {
         Ok(format!("{peer} said {request}"))
     }
 }
@@ -27,7 +28,9 @@ impl ControlService for Echo {
 fn hello(node: &str) -> Hello {
     Hello {
         node: NodeId(node.into()),
-        role: "test".into(),
+        role: Role::Decode,
+        incarnation: Incarnation(1),
+        regions: RegionLayout { layers: vec![] },
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 7,
         engines: vec![],

@@ -13,9 +13,10 @@ use actix::{Actor, AsyncContext, Context, Handler, Message, MessageResult, Spawn
 use pdkv_core::allocator::{AllocError, Allocation, Allocator};
 use pdkv_core::block::BlockId;
 use pdkv_core::grant::{GrantError, GrantTable};
+use pdkv_core::leg::IssuedGrant;
 use pdkv_core::wire::{GrantId, NodeId, RequestId};
 use pdkv_transport::clock::MonotonicClock;
-use tokio::sync::Notify;
+use tokio::sync::watch;
 
 use crate::error::RequestError;
 use crate::memory::LegMemory;
@@ -27,8 +28,8 @@ pub struct AllocatorActor {
     grants: GrantTable,
     lease_ms: u64,
     memory: Arc<LegMemory>,
-    /// Woken whenever blocks are freed, so waiting requests retry.
-    freed: Arc<Notify>,
+    /// Counts frees; requests waiting for blocks watch it and retry.
+    freed: watch::Sender<u64>,
     /// Lease times; the same kind of clock a memory server checks grants with.
     clock: MonotonicClock,
     expiry_timer: Option<(u64, SpawnHandle)>,
@@ -43,7 +44,7 @@ impl AllocatorActor {
         max_grants: usize,
         lease_ms: u64,
         memory: Arc<LegMemory>,
-        freed: Arc<Notify>,
+        freed: watch::Sender<u64>,
         mailbox: usize,
     ) -> Self {
         AllocatorActor {
@@ -77,7 +78,16 @@ impl AllocatorActor {
                 }
             }
         }
-        self.freed.notify_waiters();
+        self.freed.send_modify(|frees| *frees = frees.wrapping_add(1));
+    }
+
+    fn revoke(&mut self, grant: GrantId) {
+        if let Some(grant) = self.grants.revoke(grant) {
+            tracing::debug!(node = %self.node, grant = grant.id.0, request = %grant.request, "grant revoked");
+            if let Err(error) = self.allocator.unpin(&grant.blocks) {
+                tracing::error!(node = %self.node, %error, "unpin of a revoked grant failed");
+            }
+        }
     }
 
     /// Arms the lease timer for the earliest deadline, if it changed.
@@ -218,17 +228,6 @@ pub struct GrantBlocks {
     pub lists: Vec<Vec<BlockId>>,
 }
 
-/// A grant as issued.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IssuedGrant {
-    /// Its id.
-    pub grant: GrantId,
-    /// Generation of every block of the lists at pin time.
-    pub generations: Vec<Vec<u32>>,
-    /// Lease length.
-    pub lease_ms: u64,
-}
-
 impl Handler<GrantBlocks> for AllocatorActor {
     type Result = Result<IssuedGrant, RequestError>;
 
@@ -280,7 +279,47 @@ impl Handler<ReleaseGrant> for AllocatorActor {
     }
 }
 
-/// The peer still waits: extend the lease.
+/// End a grant nobody will read (the request was aborted or is over) and unpin its blocks.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct RevokeGrant {
+    /// The grant.
+    pub grant: GrantId,
+}
+
+impl Handler<RevokeGrant> for AllocatorActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RevokeGrant, ctx: &mut Self::Context) -> Self::Result {
+        self.revoke(msg.grant);
+        self.publish_freed();
+        self.schedule_expiry(ctx);
+    }
+}
+
+/// End every grant issued for a request (the router aborted it) and unpin their blocks.
+#[derive(Debug, Message)]
+#[rtype(result = "usize")]
+pub struct RevokeRequest {
+    /// The request.
+    pub request: RequestId,
+}
+
+impl Handler<RevokeRequest> for AllocatorActor {
+    type Result = usize;
+
+    fn handle(&mut self, msg: RevokeRequest, ctx: &mut Self::Context) -> Self::Result {
+        let grants = self.grants.grants_of(msg.request);
+        for &grant in &grants {
+            self.revoke(grant);
+        }
+        self.publish_freed();
+        self.schedule_expiry(ctx);
+        grants.len()
+    }
+}
+
+/// The peer still waits: extend the lease. Answers the lease length, which runs from now.
 #[derive(Debug, Message)]
 #[rtype(result = "Result<u64, GrantError>")]
 pub struct RenewGrant {
@@ -297,7 +336,7 @@ impl Handler<RenewGrant> for AllocatorActor {
         let now = self.now_ms();
         let result = self.grants.renew(msg.grant, &msg.peer, now);
         self.schedule_expiry(ctx);
-        result
+        result.map(|_expires_at_ms| self.lease_ms)
     }
 }
 

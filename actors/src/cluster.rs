@@ -1,4 +1,5 @@
-//! A whole P/D cluster of actors in one process, built from a [`ClusterConfig`].
+//! A whole P/D cluster of actors in one process, built from a [`ClusterConfig`], on in-process
+//! or QUIC links (`[transport] links`).
 //!
 //! Each leg gets its own arbiter (one thread) for its scheduler, allocator, exchange and transfer
 //! actors (READs do not block it: engines copy large batches on their own workers). Legs share one
@@ -8,26 +9,37 @@
 //! inside an actix `System`.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use actix::{Actor, Addr, Arbiter};
+use actix::{Actor, Addr, Arbiter, AsyncContext, Recipient};
 use pdkv_core::allocator::Allocator;
+use pdkv_core::leg::LegConfig;
 use pdkv_core::plan::RegionLayout;
-use pdkv_core::wire::{Incarnation, NodeId};
-use pdkv_transport::engine::{EngineKey, MemoryDescriptor, ReadEngine};
+use pdkv_core::wire::{Incarnation, NodeId, RequestId, Role};
+use pdkv_transport::clock::MonotonicClock;
+use pdkv_transport::codec::PROTOCOL_VERSION;
+use pdkv_transport::control::{
+    ControlClient, ControlLimits, ControlServer, EngineAdvert, Hello, ServerSetup, TransportRuntime,
+    new_incarnation,
+};
+use pdkv_transport::engine::{EngineKey, ReadEngine};
 use pdkv_transport::mapped::{LocalFabric, MappedEngine};
-use tokio::sync::Notify;
+use pdkv_transport::tls::ClusterCa;
+use tokio::sync::watch;
 
 use crate::allocator::{AllocatorActor, LegStats, Stats};
-use crate::config::{ClusterConfig, NodeConfig, ReadEngineKind, Role};
+use crate::compute::ComputePool;
+use crate::config::{ClusterConfig, LinkKind, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
+use crate::link::{Admit, DoorService, Inbound, LocalLink, QuicLink, SetLink};
 use crate::memory::LegMemory;
-use crate::router::{Generate, GenerateDirect, PrefillRoute, Router};
-use crate::scheduler::{GrantPeer, LegContext, Output, Scheduler};
+use crate::router::{Generate, Router};
+use crate::scheduler::{Direct, LegContext, Output, Scheduler};
 use crate::transfer::TransferActor;
 
 /// Where Linux states how many memory mappings one process may hold.
@@ -69,25 +81,89 @@ pub fn check_map_count(config: &ClusterConfig, max_map_count: u64) -> Result<(),
     Ok(())
 }
 
-/// A fresh random incarnation for a leg starting now.
-fn new_incarnation() -> Result<Incarnation, RequestError> {
-    let mut bytes = [0u8; 8];
-    getrandom::fill(&mut bytes).map_err(|error| RequestError::NoRandomness(error.to_string()))?;
-    Ok(Incarnation(u64::from_le_bytes(bytes)))
+/// How long a link between two nodes of one process may take to set up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Request ids of direct (one-leg, reference) runs start here, far from the router's.
+const DIRECT_REQUEST_BASE: u64 = 1 << 62;
+
+fn incarnation() -> Result<Incarnation, RequestError> {
+    new_incarnation().map_err(|error| RequestError::NoRandomness(error.to_string()))
+}
+
+fn link_error(peer: &NodeId, detail: impl std::fmt::Display) -> RequestError {
+    RequestError::Link {
+        peer: peer.to_string(),
+        detail: detail.to_string(),
+    }
 }
 
 /// Handles to one running leg.
 pub struct LegHandle {
     /// The node's configuration.
     pub node: NodeConfig,
+    /// Its incarnation.
+    pub incarnation: Incarnation,
     /// Its scheduler.
     pub scheduler: Addr<Scheduler>,
+    /// Its door to its peers.
+    pub exchange: Addr<ExchangeActor>,
     /// Its allocator (stats, grants).
     pub allocator: Addr<AllocatorActor>,
     /// Its READ engine (tests arm faults on it).
     pub engine: Arc<MappedEngine>,
     /// Its KV memory.
     pub memory: Arc<LegMemory>,
+}
+
+/// One node's door as the cluster wires it: what it says, and where its messages go.
+struct Door {
+    hello: Hello,
+    admit: Recipient<Admit>,
+    inbound: Recipient<Inbound>,
+    set_link: Recipient<SetLink>,
+}
+
+/// The QUIC side of a cluster on QUIC links: one control server and client per node.
+struct QuicNodes {
+    runtime: Option<TransportRuntime>,
+    servers: Vec<ControlServer>,
+    clients: Vec<ControlClient>,
+    addresses: HashMap<NodeId, SocketAddr>,
+}
+
+/// How long closing the links may take at shutdown.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+
+impl Drop for QuicNodes {
+    fn drop(&mut self) {
+        let mut idle: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> = Vec::new();
+        for server in &self.servers {
+            server.close();
+            idle.push(Box::pin(server.wait_idle()));
+        }
+        for client in &self.clients {
+            client.close();
+            idle.push(Box::pin(client.wait_idle()));
+        }
+        let Some(runtime) = self.runtime.take() else {
+            return;
+        };
+        // Let the peers see a clean close before the runtime stops (bounded).
+        let (closed_tx, closed_rx) = std::sync::mpsc::sync_channel(1);
+        runtime.handle().spawn(async move {
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, wait_all(idle)).await;
+            let _ = closed_tx.send(());
+        });
+        let _ = closed_rx.recv_timeout(CLOSE_TIMEOUT * 2);
+        runtime.shutdown_background();
+    }
+}
+
+async fn wait_all(futures: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>) {
+    for future in futures {
+        future.await;
+    }
 }
 
 /// A running in-process cluster.
@@ -97,168 +173,66 @@ pub struct LocalCluster {
     router: Addr<Router>,
     legs: Vec<LegHandle>,
     arbiters: Vec<Arbiter>,
-}
-
-struct Built {
-    node: NodeConfig,
-    arbiter: Arbiter,
-    memory: Arc<LegMemory>,
-    engine: Arc<MappedEngine>,
-    descriptors: Vec<MemoryDescriptor>,
-    allocator: Addr<AllocatorActor>,
-    freed: Arc<Notify>,
+    quic: Option<QuicNodes>,
+    next_direct: AtomicU64,
 }
 
 impl LocalCluster {
-    /// Starts every leg and the router. Call inside a running actix `System`.
-    pub fn start(config: ClusterConfig) -> Result<Self, RequestError> {
+    /// Starts every leg and the router, and links them as `[transport] links` says. Call inside
+    /// a running actix `System`.
+    pub async fn start(config: ClusterConfig) -> Result<Self, RequestError> {
         if config.transport.read_engine == ReadEngineKind::Shm {
             check_map_count(&config, read_max_map_count())?;
         }
         let model = Arc::new(Model::new(config.model, config.layout.clone()));
         let fabric = LocalFabric::new();
-        let groups = config.layout.groups().len();
-        let mut built = Vec::with_capacity(config.nodes.len());
+        let mut legs = Vec::with_capacity(config.nodes.len());
+        let mut arbiters = Vec::with_capacity(config.nodes.len());
+        let mut doors = Vec::with_capacity(config.nodes.len() + 1);
         for node in &config.nodes {
-            let capacity = vec![node.blocks_per_group; groups];
-            let key = EngineKey(node.name.0.clone());
-            let (memory, engine) = match config.transport.read_engine {
-                ReadEngineKind::Local => (
-                    LegMemory::heap(&model, &capacity),
-                    MappedEngine::local(key, fabric.clone())?,
-                ),
-                ReadEngineKind::Shm => (
-                    LegMemory::shared(&model, &capacity, &node.name.0)
-                        .map_err(|error| RequestError::Read(error.into()))?,
-                    MappedEngine::shm(key)?,
-                ),
-            };
-            let (memory, engine) = (Arc::new(memory), Arc::new(engine));
-            let mut descriptors = Vec::new();
-            for (id, region) in memory.layers.iter().chain(&memory.generations).enumerate() {
-                descriptors.push(engine.register(id as u32, region.clone())?);
-            }
-            let allocator = Allocator::new(&config.layout, &capacity, node.prefix_caching)?;
-            let freed = Arc::new(Notify::new());
             let arbiter = Arbiter::new();
-            let actor_memory = memory.clone();
-            let actor_freed = freed.clone();
-            let (name, limits) = (node.name.clone(), config.limits);
-            let allocator = AllocatorActor::start_in_arbiter(&arbiter.handle(), move |_| {
-                AllocatorActor::new(
-                    name,
-                    allocator,
-                    limits.max_grants,
-                    limits.lease_ms,
-                    actor_memory,
-                    actor_freed,
-                    limits.mailbox,
-                )
-            });
-            built.push(Built {
-                node: node.clone(),
-                arbiter,
-                memory,
-                engine,
-                descriptors,
-                allocator,
-                freed,
-            });
+            let (leg, door) = start_leg(&config, node, &model, &fabric, &arbiter)?;
+            legs.push(leg);
+            doors.push(door);
+            arbiters.push(arbiter);
         }
-        let prefill_regions: HashMap<NodeId, RegionLayout> = built
-            .iter()
-            .filter(|leg| leg.node.role == Role::Prefill)
-            .map(|leg| (leg.node.name.clone(), leg.memory.regions.clone()))
-            .collect();
-        let mut legs = Vec::with_capacity(built.len());
-        let mut arbiters = Vec::new();
-        let mut prefill_schedulers = Vec::new();
-        let mut decode_schedulers = Vec::new();
-        for leg in &built {
-            let limits = config.limits;
-            let (layout, exchange_config, local_regions) =
-                (config.layout.clone(), config.exchange, leg.memory.regions.clone());
-            let remote_regions = prefill_regions.clone();
-            let exchange = ExchangeActor::start_in_arbiter(&leg.arbiter.handle(), move |_| {
-                ExchangeActor::new(
-                    layout,
-                    exchange_config,
-                    local_regions,
-                    remote_regions,
-                    limits.mailbox,
-                )
-            });
-            let mut transfer = None;
-            let mut grant_peers = HashMap::new();
-            if leg.node.role == Role::Decode {
-                for prefill in built.iter().filter(|other| other.node.role == Role::Prefill) {
-                    leg.engine
-                        .register_remote(&prefill.engine.descriptor(), &prefill.descriptors)?;
-                    grant_peers.insert(
-                        prefill.node.name.clone(),
-                        GrantPeer {
-                            release: prefill.allocator.clone().recipient(),
-                            renew: prefill.allocator.clone().recipient(),
-                        },
-                    );
-                }
-                let engine: Arc<dyn ReadEngine> = leg.engine.clone();
-                let generation_base = leg.memory.generation_region_id(0);
-                let read_timeout = Duration::from_millis(limits.request_timeout_ms);
-                transfer = Some(TransferActor::start_in_arbiter(
-                    &leg.arbiter.handle(),
-                    move |_| TransferActor::new(engine, generation_base, read_timeout, limits.mailbox),
-                ));
-            }
-            let context = Arc::new(LegContext {
-                node: leg.node.name.clone(),
-                incarnation: new_incarnation()?,
-                role: leg.node.role,
-                lookahead_tokens: leg.node.lookahead_tokens,
-                prefill_tokens: leg.node.prefill_tokens,
-                limits,
-                model: model.clone(),
-                memory: leg.memory.clone(),
-                allocator: leg.allocator.clone(),
-                exchange,
-                transfer,
-                grant_peers,
-                freed: leg.freed.clone(),
-                waiting: AtomicUsize::new(0),
-            });
-            let scheduler =
-                Scheduler::start_in_arbiter(&leg.arbiter.handle(), move |_| Scheduler::new(context));
-            match leg.node.role {
-                Role::Prefill => prefill_schedulers.push(PrefillRoute {
-                    node: leg.node.name.clone(),
-                    scheduler: scheduler.clone(),
-                    release: leg.allocator.clone().recipient(),
-                }),
-                Role::Decode => decode_schedulers.push((leg.node.name.clone(), scheduler.clone())),
-            }
-            legs.push(LegHandle {
-                node: leg.node.clone(),
-                scheduler,
-                allocator: leg.allocator.clone(),
-                engine: leg.engine.clone(),
-                memory: leg.memory.clone(),
-            });
-        }
-        arbiters.extend(built.into_iter().map(|leg| leg.arbiter));
+        let router_hello = Hello {
+            node: NodeId(ROUTER_NODE.into()),
+            role: Role::Router,
+            incarnation: incarnation()?,
+            regions: RegionLayout { layers: Vec::new() },
+            protocol_version: PROTOCOL_VERSION,
+            layout_hash: config.layout.compat_hash(),
+            engines: Vec::new(),
+        };
         let router = Router::new(
-            prefill_schedulers,
-            decode_schedulers,
-            Duration::from_millis(config.limits.request_timeout_ms),
+            router_hello.clone(),
+            config.limits.request_timeout_ms,
             config.prompt_limit(),
             config.limits.mailbox,
         )
         .start();
+        doors.push(Door {
+            hello: router_hello,
+            admit: router.clone().recipient(),
+            inbound: router.clone().recipient(),
+            set_link: router.clone().recipient(),
+        });
+        let quic = match config.transport.links {
+            LinkKind::Local => {
+                link_locally(&doors).await?;
+                None
+            }
+            LinkKind::Quic => Some(link_over_quic(&config, &doors).await?),
+        };
         Ok(LocalCluster {
             config,
             model,
             router,
             legs,
             arbiters,
+            quic,
+            next_direct: AtomicU64::new(DIRECT_REQUEST_BASE),
         })
     }
 
@@ -287,6 +261,13 @@ impl LocalCluster {
         self.legs.iter().find(|leg| leg.node.name.0 == name)
     }
 
+    /// The control-plane address of a node, on QUIC links.
+    pub fn control_addr(&self, name: &str) -> Option<SocketAddr> {
+        self.quic
+            .as_ref()
+            .and_then(|quic| quic.addresses.get(&NodeId(name.into())).copied())
+    }
+
     /// Serves a request P/D.
     pub async fn generate(&self, prompt: Vec<u32>, max_tokens: u32) -> Result<Output, RequestError> {
         let message = Generate {
@@ -296,19 +277,35 @@ impl LocalCluster {
         ask(&self.router, message, "router").await?
     }
 
-    /// Serves a request on one leg alone.
+    /// Serves a request on one leg alone (by default the first prefill leg): the reference.
     pub async fn direct(
         &self,
         prompt: Vec<u32>,
         max_tokens: u32,
         node: Option<NodeId>,
     ) -> Result<Output, RequestError> {
-        let message = GenerateDirect {
+        let leg = match &node {
+            Some(node) => self.legs.iter().find(|leg| leg.node.name == *node),
+            None => self.legs.iter().find(|leg| leg.node.role == Role::Prefill),
+        }
+        .ok_or_else(|| {
+            RequestError::UnknownNode(node.map_or("no prefill leg".into(), |node| node.to_string()))
+        })?;
+        let message = Direct {
+            request: RequestId(self.next_direct.fetch_add(1, Ordering::Relaxed)),
             prompt: prompt.into(),
             max_tokens,
-            node,
         };
-        ask(&self.router, message, "router").await?
+        let timeout_ms = self.config.limits.request_timeout_ms;
+        tokio::time::timeout(
+            Duration::from_millis(timeout_ms),
+            ask(&leg.scheduler, message, "scheduler"),
+        )
+        .await
+        .map_err(|_| RequestError::Timeout {
+            stage: "direct",
+            after_ms: timeout_ms,
+        })??
     }
 
     /// Every leg's block accounting.
@@ -333,15 +330,261 @@ impl LocalCluster {
         }
     }
 
-    /// Stops every arbiter and waits for their threads.
-    pub fn shutdown(self) {
+    /// Closes the links and stops every arbiter, waiting for their threads.
+    pub fn shutdown(mut self) {
+        drop(self.quic.take());
         for arbiter in &self.arbiters {
             arbiter.stop();
         }
-        for arbiter in self.arbiters {
+        for arbiter in std::mem::take(&mut self.arbiters) {
             let _ = arbiter.join();
         }
     }
+}
+
+/// Builds one leg on `arbiter`: memory registered with its READ engine, allocator, transfer
+/// (decode legs), scheduler and exchange.
+fn start_leg(
+    config: &ClusterConfig,
+    node: &NodeConfig,
+    model: &Arc<Model>,
+    fabric: &LocalFabric,
+    arbiter: &Arbiter,
+) -> Result<(LegHandle, Door), RequestError> {
+    let limits = config.limits;
+    let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
+    let key = EngineKey(node.name.0.clone());
+    let (memory, engine) = match config.transport.read_engine {
+        ReadEngineKind::Local => (
+            LegMemory::heap(model, &capacity),
+            MappedEngine::local(key, fabric.clone())?,
+        ),
+        ReadEngineKind::Shm => (
+            LegMemory::shared(model, &capacity, &node.name.0)
+                .map_err(|error| RequestError::Read(error.into()))?,
+            MappedEngine::shm(key)?,
+        ),
+    };
+    let (memory, engine) = (Arc::new(memory), Arc::new(engine));
+    let mut descriptors = Vec::new();
+    for (id, region) in memory.layers.iter().chain(&memory.generations).enumerate() {
+        descriptors.push(engine.register(id as u32, region.clone())?);
+    }
+    let incarnation = incarnation()?;
+    let hello = Hello {
+        node: node.name.clone(),
+        role: node.role,
+        incarnation,
+        regions: memory.regions.clone(),
+        protocol_version: PROTOCOL_VERSION,
+        layout_hash: config.layout.compat_hash(),
+        engines: vec![EngineAdvert {
+            engine: engine.descriptor(),
+            regions: descriptors,
+        }],
+    };
+    let allocator = Allocator::new(&config.layout, &capacity, node.prefix_caching)?;
+    let (freed_tx, freed_rx) = watch::channel(0u64);
+    let (name, actor_memory) = (node.name.clone(), memory.clone());
+    let allocator = AllocatorActor::start_in_arbiter(&arbiter.handle(), move |_| {
+        AllocatorActor::new(
+            name,
+            allocator,
+            limits.max_grants,
+            limits.lease_ms,
+            actor_memory,
+            freed_tx,
+            limits.mailbox,
+        )
+    });
+    let transfer = (node.role == Role::Decode).then(|| {
+        let engine: Arc<dyn ReadEngine> = engine.clone();
+        let (layout, local_regions) = (config.layout.clone(), memory.regions.clone());
+        let generation_base = memory.generation_region_id(0);
+        let read_timeout = Duration::from_millis(limits.request_timeout_ms);
+        TransferActor::start_in_arbiter(&arbiter.handle(), move |_| {
+            TransferActor::new(
+                engine,
+                layout,
+                local_regions,
+                generation_base,
+                read_timeout,
+                limits.mailbox,
+            )
+        })
+    });
+    let context = Arc::new(LegContext {
+        config: LegConfig {
+            node: node.name.clone(),
+            incarnation,
+            layout: config.layout.clone(),
+            lookahead_tokens: node.lookahead_tokens,
+            prefill_tokens: node.prefill_tokens,
+            pairing: config.exchange.pairing,
+            max_decode_tail_blocks: config.exchange.max_decode_tail_blocks,
+            alloc_wait_ms: limits.alloc_wait_ms,
+        },
+        role: node.role,
+        limits,
+        model: model.clone(),
+        memory: memory.clone(),
+        allocator: allocator.clone(),
+        transfer: transfer.clone(),
+        compute: ComputePool::new(limits.compute_workers),
+        freed: freed_rx,
+        clock: MonotonicClock::new(),
+    });
+    // The scheduler and its exchange name each other: the exchange starts inside the
+    // scheduler's constructor, on the same arbiter, and its address comes back here.
+    let (exchange_tx, exchange_rx) = std::sync::mpsc::sync_channel(1);
+    let (door_hello, door_allocator) = (hello.clone(), allocator.clone());
+    let scheduler = Scheduler::start_in_arbiter(&arbiter.handle(), move |ctx| {
+        let exchange = ExchangeActor::new(
+            door_hello,
+            ctx.address().recipient(),
+            door_allocator,
+            transfer,
+            limits.mailbox,
+        )
+        .start();
+        // The receiver below waits for exactly this send.
+        let _ = exchange_tx.send(exchange.clone());
+        Scheduler::new(context, exchange)
+    });
+    let exchange = exchange_rx
+        .recv_timeout(CONNECT_TIMEOUT)
+        .map_err(|error| link_error(&node.name, format!("leg actors did not start: {error}")))?;
+    let door = Door {
+        hello,
+        admit: exchange.clone().recipient(),
+        inbound: exchange.clone().recipient(),
+        set_link: exchange.clone().recipient(),
+    };
+    let leg = LegHandle {
+        node: node.clone(),
+        incarnation,
+        scheduler,
+        exchange,
+        allocator,
+        engine,
+        memory,
+    };
+    Ok((leg, door))
+}
+
+/// Which nodes talk to which: the router with every leg, every decode leg with every prefill
+/// leg, both ways.
+fn linked_pairs(doors: &[Door]) -> Vec<(usize, usize)> {
+    let role = |index: usize| doors[index].hello.role;
+    let mut pairs = Vec::new();
+    for a in 0..doors.len() {
+        for b in 0..doors.len() {
+            let talk = matches!(
+                (role(a), role(b)),
+                (Role::Router, Role::Prefill | Role::Decode)
+                    | (Role::Prefill | Role::Decode, Role::Router)
+                    | (Role::Prefill, Role::Decode)
+                    | (Role::Decode, Role::Prefill)
+            );
+            if talk {
+                pairs.push((a, b));
+            }
+        }
+    }
+    pairs
+}
+
+async fn admit(door: &Door, hello: &Hello) -> Result<(), RequestError> {
+    let message = Admit { hello: hello.clone() };
+    door.admit
+        .send(message)
+        .await
+        .map_err(|error| link_error(&door.hello.node, error))?
+        .map_err(|refusal| link_error(&hello.node, refusal))
+}
+
+/// Links nodes through their mailboxes, after each side admitted the other's hello.
+async fn link_locally(doors: &[Door]) -> Result<(), RequestError> {
+    let pairs = linked_pairs(doors);
+    // Links are both ways, so every node of a pair admits the other here.
+    for &(a, b) in &pairs {
+        admit(&doors[b], &doors[a].hello).await?;
+    }
+    for (a, b) in pairs {
+        let (from, to) = (&doors[a], &doors[b]);
+        let link = LocalLink::new(from.hello.node.clone(), to.hello.node.clone(), to.inbound.clone());
+        let message = SetLink {
+            peer: to.hello.node.clone(),
+            link: Arc::new(link),
+        };
+        from.set_link
+            .send(message)
+            .await
+            .map_err(|error| link_error(&to.hello.node, error))?;
+    }
+    Ok(())
+}
+
+/// Gives every node a control server on loopback with a certificate from a throwaway cluster CA,
+/// and dials every linked pair: the handshake admits each side's hello.
+async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNodes, RequestError> {
+    let setup = |detail: String| link_error(&NodeId("cluster".into()), detail);
+    let runtime = TransportRuntime::new(2).map_err(|error| setup(format!("transport runtime: {error}")))?;
+    let handle = runtime.handle();
+    let ca = ClusterCa::generate("pdkv-local").map_err(|error| setup(error.to_string()))?;
+    let names: Vec<NodeId> = doors.iter().map(|door| door.hello.node.clone()).collect();
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let mut quic = QuicNodes {
+        runtime: None,
+        servers: Vec::new(),
+        clients: Vec::new(),
+        addresses: HashMap::new(),
+    };
+    for door in doors {
+        let node = &door.hello.node;
+        let identity = ca.identity(&node.0).map_err(|error| link_error(node, error))?;
+        let service = DoorService::new(door.admit.clone(), door.inbound.clone());
+        let server_setup = ServerSetup {
+            cluster: names.clone(),
+            hello: door.hello.clone(),
+            service: Arc::new(service),
+            tickets: None,
+            limits: ControlLimits::default(),
+        };
+        let server = ControlServer::start(&handle, loopback, &identity, server_setup)
+            .map_err(|error| link_error(node, error))?;
+        let addr = server.local_addr().map_err(|error| link_error(node, error))?;
+        quic.addresses.insert(node.clone(), addr);
+        quic.servers.push(server);
+        quic.clients
+            .push(ControlClient::new(&handle, loopback, &identity).map_err(|error| link_error(node, error))?);
+    }
+    let message_timeout = Duration::from_millis(config.limits.request_timeout_ms);
+    for (a, b) in linked_pairs(doors) {
+        let (from, to) = (&doors[a], &doors[b]);
+        let addr = quic.addresses[&to.hello.node];
+        let connection = quic.clients[a]
+            .connect(addr, &to.hello.node.0, &from.hello, CONNECT_TIMEOUT)
+            .await
+            .map_err(|error| link_error(&to.hello.node, error))?;
+        admit(from, &connection.peer).await?;
+        let link = QuicLink::new(
+            connection,
+            handle.clone(),
+            config.limits.link_in_flight,
+            message_timeout,
+        );
+        let message = SetLink {
+            peer: to.hello.node.clone(),
+            link: Arc::new(link),
+        };
+        from.set_link
+            .send(message)
+            .await
+            .map_err(|error| link_error(&to.hello.node, error))?;
+    }
+    quic.runtime = Some(runtime);
+    Ok(quic)
 }
 
 #[cfg(test)]

@@ -18,24 +18,7 @@ use crate::engine::ModelParams;
 /// The shipped default cluster, embedded so `pdkv demo` runs with no file.
 pub const DEFAULT_CLUSTER_TOML: &str = include_str!("../../cluster.toml");
 
-/// A node's role.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Computes prompts and grants READs of their KV.
-    Prefill,
-    /// READs KV and decodes.
-    Decode,
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        })
-    }
-}
+pub use pdkv_core::wire::Role;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -91,12 +74,34 @@ pub enum ReadEngineKind {
     Shm,
 }
 
-/// `[transport]`: how legs move KV bytes.
+/// How the router and the legs carry protocol messages to each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LinkKind {
+    /// Actor mailboxes inside one process.
+    #[default]
+    Local,
+    /// QUIC with mutual TLS (the control plane), on loopback for a cluster in one process.
+    Quic,
+}
+
+impl std::fmt::Display for LinkKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LinkKind::Local => "local",
+            LinkKind::Quic => "quic",
+        })
+    }
+}
+
+/// `[transport]`: how legs move KV bytes and protocol messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TransportConfig {
     /// READ engine for legs in one process: `shm` (default) or `local`.
     pub read_engine: ReadEngineKind,
+    /// Links between router and legs: `local` (default) or `quic`.
+    pub links: LinkKind,
 }
 
 /// `[limits]`: every wait and queue bound.
@@ -115,6 +120,11 @@ pub struct Limits {
     pub max_grants: usize,
     /// Actor mailbox capacity. Default 64.
     pub mailbox: usize,
+    /// Threads per leg that run the reference engine, off the arbiter that serves control
+    /// messages. Default 2.
+    pub compute_workers: usize,
+    /// Protocol messages one link may have in flight; more are refused. Default 1024.
+    pub link_in_flight: usize,
     /// Largest KV memory one leg may register (all layers' regions), in bytes; a node whose
     /// `blocks_per_group` would need more is refused at load. Default 8 GiB.
     pub max_leg_bytes: u64,
@@ -129,6 +139,8 @@ impl Default for Limits {
             wait_queue: 64,
             max_grants: 256,
             mailbox: 64,
+            compute_workers: 2,
+            link_in_flight: 1024,
             max_leg_bytes: 8 << 30,
         }
     }
@@ -245,11 +257,19 @@ impl ClusterConfig {
             ("wait_queue", limits.wait_queue as u64),
             ("max_grants", limits.max_grants as u64),
             ("mailbox", limits.mailbox as u64),
+            ("compute_workers", limits.compute_workers as u64),
+            ("link_in_flight", limits.link_in_flight as u64),
             ("max_leg_bytes", limits.max_leg_bytes),
         ] {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!("limits.{key}: must be at least 1")));
             }
+        }
+        if limits.compute_workers > MAX_COMPUTE_WORKERS {
+            return Err(ConfigError::Invalid(format!(
+                "limits.compute_workers: {} is more than the {MAX_COMPUTE_WORKERS} threads a leg may run",
+                limits.compute_workers
+            )));
         }
         if file.nodes.len() > MAX_NODES {
             return Err(ConfigError::Invalid(format!(
@@ -300,6 +320,11 @@ impl ClusterConfig {
                 return Err(ConfigError::Invalid(format!(
                     "nodes[{index}].lookahead_tokens: {} tokens leave no room for a prompt: the node holds {}",
                     node.lookahead_tokens, capacity
+                )));
+            }
+            if node.role == Role::Router {
+                return Err(ConfigError::Invalid(format!(
+                    "nodes[{index}].role: \"router\" is not a leg role: use \"prefill\" or \"decode\" (the router is not a [[nodes]] entry)"
                 )));
             }
             if node.role == Role::Decode && node.prefill_tokens.is_some() {
@@ -468,7 +493,13 @@ pub struct PromptTooLong {
 }
 
 /// Names a node may not take: `pdkv certs init` writes files under these names.
-pub const RESERVED_NODE_NAMES: &[&str] = &["ca"];
+pub const RESERVED_NODE_NAMES: &[&str] = &["ca", ROUTER_NODE];
+
+/// Most reference-engine threads one leg may run.
+pub const MAX_COMPUTE_WORKERS: usize = 256;
+
+/// The router's node name on links, in certificates and in logs.
+pub const ROUTER_NODE: &str = "router";
 
 /// Most nodes one cluster.toml may describe.
 const MAX_NODES: usize = 256;

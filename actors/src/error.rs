@@ -1,10 +1,10 @@
 //! The error a request fails with, whichever actor it failed in.
 
 use pdkv_core::allocator::AllocError;
-use pdkv_core::block::BlockId;
 use pdkv_core::exchange::ExchangeError;
 use pdkv_core::grant::GrantError;
 use pdkv_core::plan::PlanError;
+use pdkv_core::wire::{Failure, Stage};
 use pdkv_transport::engine::EngineError as ReadEngineError;
 
 use crate::config::PromptTooLong;
@@ -31,22 +31,6 @@ pub enum RequestError {
     /// The allocator refused.
     #[error("allocation failed: {0}")]
     Alloc(#[from] AllocError),
-    /// No blocks freed up in time.
-    #[error("no free blocks within {waited_ms} ms: {last}")]
-    AllocTimeout {
-        /// How long the request waited.
-        waited_ms: u64,
-        /// The allocator's last refusal.
-        last: AllocError,
-    },
-    /// Too many requests already wait for blocks on this leg.
-    #[error("{leg}: wait queue full ({capacity} requests wait for blocks)")]
-    QueueFull {
-        /// Leg name.
-        leg: String,
-        /// Queue capacity.
-        capacity: usize,
-    },
     /// The exchange refused to pair.
     #[error("exchange failed: {0}")]
     Exchange(#[from] ExchangeError),
@@ -59,20 +43,6 @@ pub enum RequestError {
     /// The READ failed (partial READs fail the request).
     #[error("read failed: {0}")]
     Read(#[from] ReadEngineError),
-    /// A block was freed and possibly reused while being read.
-    #[error(
-        "group {group}: prefill block {block} changed generation during the read ({expected} -> {found})"
-    )]
-    StaleBlock {
-        /// Group index.
-        group: usize,
-        /// Prefill block id.
-        block: BlockId,
-        /// Generation at grant time.
-        expected: u32,
-        /// Generation after the copy.
-        found: u32,
-    },
     /// The engine could not compute.
     #[error("engine failed: {0}")]
     Engine(#[from] EngineError),
@@ -121,6 +91,60 @@ pub enum RequestError {
     /// The KV parameters do not fit this decode leg.
     #[error("bad kv params: {0}")]
     BadParams(String),
+    /// A leg failed the request in `stage`; the failure names the fault.
+    #[error("{failure}")]
+    Failed {
+        /// Where.
+        stage: Stage,
+        /// What.
+        failure: Failure,
+    },
+    /// A link between nodes could not be set up.
+    #[error("link to {peer}: {detail}")]
+    Link {
+        /// The peer.
+        peer: String,
+        /// Why.
+        detail: String,
+    },
+}
+
+impl RequestError {
+    /// How a leg reports this error on the wire.
+    pub fn to_failure(&self) -> Failure {
+        match self {
+            RequestError::EmptyPrompt => Failure::EmptyPrompt,
+            RequestError::SlotOverflow {
+                tokens,
+                lookahead_tokens,
+            } => Failure::SlotOverflow {
+                tokens: *tokens,
+                lookahead_tokens: *lookahead_tokens,
+            },
+            RequestError::Alloc(error) => Failure::Alloc(error.to_string()),
+            RequestError::Exchange(error) => Failure::Exchange(error.to_string()),
+            RequestError::Plan(error) => Failure::Plan(error.to_string()),
+            RequestError::Grant(error) => Failure::Grant(error.to_string()),
+            RequestError::Read(error) => Failure::Read(error.to_string()),
+            RequestError::Engine(error) => Failure::Engine(error.to_string()),
+            RequestError::BadParams(detail) => Failure::BadParams(detail.clone()),
+            RequestError::Timeout { .. } => Failure::DeadlinePassed,
+            RequestError::Failed { failure, .. } => failure.clone(),
+            other => Failure::Engine(other.to_string()),
+        }
+    }
+
+    /// The error a client sees for a request that failed in `stage`: a passed deadline names
+    /// the request's budget.
+    pub fn from_failure(stage: Stage, failure: Failure, budget_ms: u64) -> Self {
+        match failure {
+            Failure::DeadlinePassed => RequestError::Timeout {
+                stage: stage.as_str(),
+                after_ms: budget_ms,
+            },
+            failure => RequestError::Failed { stage, failure },
+        }
+    }
 }
 
 /// Sends `message` to `addr`, mapping mailbox failures to [`RequestError::Mailbox`].

@@ -1,49 +1,78 @@
-//! The exchange actor: a thin shell around `pdkv_core::exchange` and `pdkv_core::plan`.
+//! The exchange actor: a leg's door to its peers.
 //!
-//! On a prefill leg it turns the request's lists into an offer (trim, clip, anchor). On a decode
-//! leg it pairs its own lists with the offer, builds the coalesced transfer plan against the
-//! prefill leg's region layout, and lists the generation each READ source must still have after
-//! the copy. With `pairing = "legacy"` it reproduces vLLM MoRIIO's old pairing instead.
+//! It owns the leg's links and its table of admitted peers ([`Peers`]): it admits a peer from its
+//! hello (checking compatibility, and telling the transfer actor where a prefill leg's blocks
+//! sit), refuses envelopes from unknown senders or unknown incarnations, answers grant renewals
+//! and releases itself (through the allocator's one grant table), and hands every other message
+//! to the scheduler. The scheduler's outgoing messages leave through it.
+//!
+//! The trimming, clipping and pairing of block lists are pure functions of `pdkv_core::exchange`
+//! that the request machines call; nothing about a peer is known here but what its hello said.
 
-use std::collections::HashMap;
+use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, Recipient, WrapFuture};
+use pdkv_core::wire::{Body, Envelope, NodeId, RequestId, Role};
+use pdkv_transport::control::{Hello, check_compat};
 
-use actix::{Actor, Context, Handler, Message};
-use pdkv_core::block::BlockId;
-use pdkv_core::exchange::{self, ExchangeError, Offer, Pairing, PairingMode};
-use pdkv_core::layout::KvLayout;
-pub use pdkv_core::leg::{GenerationCheck, generation_checks};
-use pdkv_core::plan::{self, RegionLayout, TransferPlan};
-use pdkv_core::wire::{KvParams, NodeId};
+use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest};
+use crate::link::{Admit, Inbound, Peers, Refusal, SetLink, body_kind};
+use crate::transfer::{AddPeer, TransferActor};
 
-use crate::config::ExchangeConfig;
-use crate::error::RequestError;
+/// A message for the scheduler from a peer, already checked by the exchange.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Deliver {
+    /// The envelope.
+    pub envelope: Envelope,
+}
 
 /// The exchange actor of one leg.
 pub struct ExchangeActor {
-    layout: KvLayout,
-    config: ExchangeConfig,
-    local_regions: RegionLayout,
-    /// Region layouts of the prefill legs this leg reads from (learned at handshake).
-    remote_regions: HashMap<NodeId, RegionLayout>,
+    hello: Hello,
+    peers: Peers,
+    scheduler: Recipient<Deliver>,
+    allocator: Addr<AllocatorActor>,
+    transfer: Option<Addr<TransferActor>>,
     mailbox: usize,
 }
 
 impl ExchangeActor {
-    /// An exchange actor for a leg whose memory is placed as `local_regions`.
+    /// The door of the leg that says `hello`.
     pub fn new(
-        layout: KvLayout,
-        config: ExchangeConfig,
-        local_regions: RegionLayout,
-        remote_regions: HashMap<NodeId, RegionLayout>,
+        hello: Hello,
+        scheduler: Recipient<Deliver>,
+        allocator: Addr<AllocatorActor>,
+        transfer: Option<Addr<TransferActor>>,
         mailbox: usize,
     ) -> Self {
         ExchangeActor {
-            layout,
-            config,
-            local_regions,
-            remote_regions,
+            peers: Peers::new(hello.node.clone(), hello.incarnation),
+            hello,
+            scheduler,
+            allocator,
+            transfer,
             mailbox,
         }
+    }
+
+    fn node(&self) -> &NodeId {
+        &self.hello.node
+    }
+
+    fn send(&self, to: &NodeId, request: RequestId, budget_ms: u64, body: Body) {
+        let kind = body_kind(&body);
+        if let Err(error) = self.peers.send(to, request, budget_ms, body) {
+            tracing::warn!(node = %self.node(), %to, %request, kind, %error, "message not sent");
+        }
+    }
+
+    /// A renewal or release names the incarnation that issued the grant; another one's grant
+    /// ids mean nothing here.
+    fn issued_here(&self, issuer: pdkv_core::wire::Incarnation, from: &NodeId) -> bool {
+        if issuer == self.hello.incarnation {
+            return true;
+        }
+        tracing::warn!(node = %self.node(), %from, %issuer, "grant of another incarnation refused");
+        false
     }
 }
 
@@ -55,90 +84,170 @@ impl Actor for ExchangeActor {
     }
 }
 
-/// Prefill leg: build the offer for a computed request.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Offer, ExchangeError>")]
-pub struct MakeOffer {
-    /// Prompt length.
-    pub num_prompt_tokens: u64,
-    /// The request's full position-indexed lists.
-    pub lists: Vec<Vec<BlockId>>,
+impl Handler<Admit> for ExchangeActor {
+    type Result = actix::ResponseActFuture<Self, Result<(), Refusal>>;
+
+    fn handle(&mut self, msg: Admit, _ctx: &mut Self::Context) -> Self::Result {
+        let hello = msg.hello;
+        if let Err(error) = check_compat(&self.hello, &hello) {
+            return Box::pin(actix::fut::ready(Err(Refusal::Incompatible(error.to_string()))));
+        }
+        let reads_from = self.hello.role == Role::Decode && hello.role == Role::Prefill;
+        let learn = match (&self.transfer, reads_from) {
+            (Some(transfer), true) => Some(transfer.send(AddPeer { hello: hello.clone() })),
+            _ => None,
+        };
+        let node = self.node().clone();
+        Box::pin(
+            async move {
+                if let Some(learn) = learn {
+                    let refused = |detail: String| Refusal::Incompatible(detail);
+                    learn
+                        .await
+                        .map_err(|error| refused(error.to_string()))?
+                        .map_err(|failure| refused(failure.to_string()))?;
+                }
+                Ok(())
+            }
+            .into_actor(self)
+            .map(move |result, actor, _ctx| {
+                result?;
+                if let Some(old) = actor.peers.admit(hello.clone()) {
+                    tracing::warn!(%node, peer = %hello.node, %old, new = %hello.incarnation, "peer restarted");
+                } else {
+                    tracing::debug!(%node, peer = %hello.node, "peer admitted");
+                }
+                Ok(())
+            }),
+        )
+    }
 }
 
-impl Handler<MakeOffer> for ExchangeActor {
-    type Result = Result<Offer, ExchangeError>;
+impl Handler<SetLink> for ExchangeActor {
+    type Result = ();
 
-    fn handle(&mut self, msg: MakeOffer, _ctx: &mut Self::Context) -> Self::Result {
-        match self.config.pairing {
-            PairingMode::Anchored => exchange::offer(&self.layout, msg.num_prompt_tokens, &msg.lists),
-            PairingMode::Legacy => Ok(exchange::legacy_offer(
-                &self.layout,
-                msg.num_prompt_tokens,
-                msg.lists,
-            )),
+    fn handle(&mut self, msg: SetLink, _ctx: &mut Self::Context) -> Self::Result {
+        self.peers.set_link(&msg.peer, msg.link);
+    }
+}
+
+impl Handler<Inbound> for ExchangeActor {
+    type Result = Result<(), Refusal>;
+
+    fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
+        self.peers.check(&msg)?;
+        let Envelope {
+            request,
+            from,
+            incarnation,
+            budget_ms,
+            body,
+        } = msg.envelope;
+        let misrouted = |body: &Body| Refusal::Misrouted {
+            node: self.hello.node.clone(),
+            what: format!("a {} leg", self.hello.role),
+            body: body_kind(body),
+        };
+        match body {
+            Body::Renew { grant, issuer } => {
+                if self.hello.role != Role::Prefill {
+                    return Err(misrouted(&Body::Renew { grant, issuer }));
+                }
+                if !self.issued_here(issuer, &from) {
+                    return Ok(());
+                }
+                let renew = RenewGrant {
+                    grant,
+                    peer: from.clone(),
+                };
+                ctx
+                    .spawn(self.allocator.send(renew).into_actor(self).map(
+                    move |result, actor, _ctx| match result {
+                        Ok(Ok(lease_ms)) => {
+                            actor.send(&from, request, budget_ms, Body::Renewed { grant, lease_ms });
+                        }
+                        Ok(Err(error)) => {
+                            tracing::warn!(node = %actor.node(), %from, %request, %error, "renewal refused");
+                        }
+                        Err(error) => tracing::error!(node = %actor.node(), %error, "allocator unreachable"),
+                    },
+                ));
+                Ok(())
+            }
+            Body::Release { grant, issuer } => {
+                if self.hello.role != Role::Prefill {
+                    return Err(misrouted(&Body::Release { grant, issuer }));
+                }
+                if !self.issued_here(issuer, &from) {
+                    return Ok(());
+                }
+                let release = ReleaseGrant { grant, peer: from };
+                ctx.spawn(self.allocator.send(release).into_actor(self).map(
+                    move |result, actor, _ctx| match result {
+                        Ok(Ok(())) => {}
+                        Ok(Err(error)) => {
+                            tracing::debug!(node = %actor.node(), %request, %error, "release of an ended grant")
+                        }
+                        Err(error) => tracing::error!(node = %actor.node(), %error, "allocator unreachable"),
+                    },
+                ));
+                Ok(())
+            }
+            body => {
+                let wrong_leg = match &body {
+                    Body::Prefill { .. } => self.hello.role != Role::Prefill,
+                    Body::Decode { .. } | Body::Renewed { .. } => self.hello.role != Role::Decode,
+                    Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => true,
+                    _ => false,
+                };
+                if wrong_leg {
+                    return Err(misrouted(&body));
+                }
+                if matches!(body, Body::Abort) && self.hello.role == Role::Prefill {
+                    // A finished prefill's grant outlives its machine: free it here.
+                    ctx.spawn(
+                        self.allocator
+                            .send(RevokeRequest { request })
+                            .into_actor(self)
+                            .map(|_, _, _| ()),
+                    );
+                }
+                let envelope = Envelope {
+                    request,
+                    from,
+                    incarnation,
+                    budget_ms,
+                    body,
+                };
+                self.scheduler
+                    .try_send(Deliver { envelope })
+                    .map_err(|error| Refusal::Busy {
+                        node: self.hello.node.clone(),
+                        detail: format!("scheduler: {error}"),
+                    })
+            }
         }
     }
 }
 
-/// What a decode leg reads for one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReadSpec {
-    /// Block pairs per group.
-    pub pairing: Pairing,
-    /// Coalesced byte ranges per layer.
-    pub plan: TransferPlan,
-    /// Generations to verify after the copy.
-    pub checks: Vec<GenerationCheck>,
-}
-
-/// Decode leg: pair local lists with the offer in `params`.
+/// The scheduler sends a message to a peer.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<ReadSpec, RequestError>")]
-pub struct PairWithOffer {
-    /// The prefill leg's parameters.
-    pub params: std::sync::Arc<KvParams>,
-    /// The decode leg's full position-indexed lists.
-    pub lists: Vec<Vec<BlockId>>,
-    /// Leading positions per group the decode leg holds already.
-    pub cached_blocks: Vec<u64>,
+#[rtype(result = "()")]
+pub struct Outbound {
+    /// The peer.
+    pub to: NodeId,
+    /// The request.
+    pub request: RequestId,
+    /// Milliseconds of the request's deadline left.
+    pub budget_ms: u64,
+    /// The message.
+    pub body: Body,
 }
 
-impl Handler<PairWithOffer> for ExchangeActor {
-    type Result = Result<ReadSpec, RequestError>;
+impl Handler<Outbound> for ExchangeActor {
+    type Result = ();
 
-    fn handle(&mut self, msg: PairWithOffer, _ctx: &mut Self::Context) -> Self::Result {
-        let params = &msg.params;
-        let offer = &params.offer;
-        let pairing = match self.config.pairing {
-            PairingMode::Anchored => {
-                let need = exchange::need(
-                    &self.layout,
-                    offer.num_prompt_tokens,
-                    &msg.lists,
-                    &msg.cached_blocks,
-                )?;
-                exchange::pair(&self.layout, offer, &need)?
-            }
-            PairingMode::Legacy => {
-                let remote: Vec<Vec<BlockId>> = offer.groups.iter().map(|list| list.blocks.clone()).collect();
-                exchange::legacy_pair(
-                    &self.layout,
-                    &remote,
-                    &msg.lists,
-                    self.config.max_decode_tail_blocks,
-                )?
-            }
-        };
-        let remote_regions = self
-            .remote_regions
-            .get(&params.prefill_node)
-            .ok_or_else(|| RequestError::UnknownNode(params.prefill_node.to_string()))?;
-        let plan = plan::plan(&self.layout, &pairing, &self.local_regions, remote_regions)?;
-        let checks = generation_checks(params, &pairing).map_err(RequestError::BadParams)?;
-        Ok(ReadSpec {
-            pairing,
-            plan,
-            checks,
-        })
+    fn handle(&mut self, msg: Outbound, _ctx: &mut Self::Context) -> Self::Result {
+        self.send(&msg.to, msg.request, msg.budget_ms, msg.body);
     }
 }

@@ -1,46 +1,80 @@
-//! The router: sends a request to a prefill leg, then its KV parameters to a decode leg.
+//! The router: a thin shell around one [`RouterMachine`] per request.
 //!
-//! Legs are picked round-robin per role. The whole request is bounded by
-//! `limits.request_timeout_ms`, a deadline both legs are told: a prefill leg hands out no grant
-//! after it, a decode leg stops waiting and releases by then. A request cut short here releases
-//! what it held at once: a grant that arrives after the router gave up on the prefill stage is
-//! released by the router itself, not left to its lease.
+//! It picks a prefill and a decode leg among the admitted peers (round-robin per role), starts
+//! the request's machine and carries out what it asks: messages to the legs over links, the
+//! client's answer at the end. It is also a door ([`Admit`], [`Inbound`]): legs answer over the
+//! same links. The whole request is bounded by `limits.request_timeout_ms`; the budget left
+//! travels in every envelope. A leg that restarts (says hello with a new incarnation) fails the
+//! requests it served, and a link that refuses a message fails its request at once.
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use actix::{Actor, Addr, Context, Handler, Message, Recipient, ResponseFuture};
-use pdkv_core::wire::{NodeId, RequestId};
+use actix::{
+    Actor, ActorFutureExt, AsyncContext, Context, Handler, Message, ResponseActFuture, ResponseFuture,
+    SpawnHandle, WrapFuture,
+};
+use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine};
+use pdkv_core::wire::{Body, Envelope, KvParams, NodeId, RequestId, Role, Stage};
+use pdkv_transport::clock::MonotonicClock;
+use pdkv_transport::control::{Hello, check_compat};
+use tokio::sync::oneshot;
 
-use crate::allocator::ReleaseGrant;
 use crate::config::{PromptLimit, PromptTooLong};
-use crate::error::{RequestError, ask};
-use crate::scheduler::{Deadline, Decode, Direct, Output, Prefill, Scheduler};
+use crate::error::RequestError;
+use crate::link::{Admit, Inbound, Peers, Refusal, SetLink};
+use crate::scheduler::Output;
 
-/// A prefill leg as the router sees it.
-#[derive(Clone)]
-pub struct PrefillRoute {
-    /// Its name.
-    pub node: NodeId,
-    /// Its scheduler.
-    pub scheduler: Addr<Scheduler>,
-    /// Where to release a grant nobody will read.
-    pub release: Recipient<ReleaseGrant>,
+/// What a client waits on.
+type Reply = oneshot::Sender<Result<Output, RequestError>>;
+
+struct Pending {
+    machine: RouterMachine,
+    reply: Option<Reply>,
+    timer: Option<(u64, SpawnHandle)>,
 }
 
-/// Immutable routing state shared by in-flight requests.
-pub struct RouterContext {
-    prefill: Vec<PrefillRoute>,
-    decode: Vec<(NodeId, Addr<Scheduler>)>,
-    next_request: AtomicU64,
-    next_prefill: AtomicUsize,
-    next_decode: AtomicUsize,
-    request_timeout: Duration,
+/// A request sent to one leg outside any [`RouterMachine`] (diagnosis and tests): the first
+/// answer about it is handed back as is.
+struct Probe {
+    reply: oneshot::Sender<Body>,
+    leg: NodeId,
+}
+
+/// The router actor.
+pub struct Router {
+    hello: Hello,
+    peers: Peers,
+    clock: MonotonicClock,
+    next_request: u64,
+    next_prefill: usize,
+    next_decode: usize,
+    request_timeout_ms: u64,
     prompt_limit: PromptLimit,
+    mailbox: usize,
+    requests: HashMap<RequestId, Pending>,
+    probes: HashMap<RequestId, Probe>,
 }
 
-impl RouterContext {
+impl Router {
+    /// A router that says `hello` to the legs.
+    pub fn new(hello: Hello, request_timeout_ms: u64, prompt_limit: PromptLimit, mailbox: usize) -> Self {
+        Router {
+            peers: Peers::new(hello.node.clone(), hello.incarnation),
+            hello,
+            clock: MonotonicClock::new(),
+            next_request: 1,
+            next_prefill: 0,
+            next_decode: 0,
+            request_timeout_ms,
+            prompt_limit,
+            mailbox,
+            requests: HashMap::new(),
+            probes: HashMap::new(),
+        }
+    }
+
     /// Refuses a prompt no leg can hold before any leg does work for it.
     fn check_prompt(&self, prompt: &[u32]) -> Result<(), RequestError> {
         let num_prompt_tokens = prompt.len() as u64;
@@ -57,141 +91,133 @@ impl RouterContext {
         Ok(())
     }
 
-    fn pick<T: Clone>(legs: &[T], next: &AtomicUsize) -> Option<T> {
+    /// The next leg of `role`, round-robin over admitted legs in name order.
+    fn pick(&mut self, role: Role) -> Result<Hello, RequestError> {
+        let mut legs: Vec<&Hello> = self.peers.hellos().filter(|hello| hello.role == role).collect();
         if legs.is_empty() {
-            return None;
+            return Err(RequestError::UnknownNode(format!("no {role} leg")));
         }
-        let index = next.fetch_add(1, Ordering::Relaxed) % legs.len();
-        Some(legs[index].clone())
+        legs.sort_by(|a, b| a.node.cmp(&b.node));
+        let next = match role {
+            Role::Prefill => &mut self.next_prefill,
+            _ => &mut self.next_decode,
+        };
+        let hello = legs[*next % legs.len()].clone();
+        *next = next.wrapping_add(1);
+        Ok(hello)
     }
 
-    async fn generate(&self, prompt: Arc<[u32]>, max_tokens: u32) -> Result<Output, RequestError> {
-        self.check_prompt(&prompt)?;
-        let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let route = Self::pick(&self.prefill, &self.next_prefill)
-            .ok_or_else(|| RequestError::UnknownNode("no prefill leg".into()))?;
-        let (decode_node, decode) = Self::pick(&self.decode, &self.next_decode)
-            .ok_or_else(|| RequestError::UnknownNode("no decode leg".into()))?;
-        let deadline = Deadline::after(self.request_timeout);
-        let message = Prefill {
-            request,
-            prompt,
-            peer: decode_node.clone(),
-            deadline,
-        };
-        // Spawned, so that an answer arriving after the deadline is still seen (and released).
-        let scheduler = route.scheduler.clone();
-        let mut prefill = actix::spawn(async move { ask(&scheduler, message, "prefill scheduler").await });
-        let params = match tokio::time::timeout_at(deadline.at.into(), &mut prefill).await {
-            Ok(joined) => joined.map_err(|error| RequestError::Mailbox {
-                actor: "prefill scheduler",
-                detail: error.to_string(),
-            })???,
-            Err(_) => {
-                release_late_grant(prefill, route.release.clone(), decode_node, request);
-                return Err(deadline.passed("prefill"));
+    fn new_request(&mut self) -> RequestId {
+        let request = RequestId(self.next_request);
+        self.next_request += 1;
+        request
+    }
+
+    fn drive(&mut self, request: RequestId, ctx: &mut Context<Self>) {
+        let now = self.clock.now_ms();
+        loop {
+            let Some(pending) = self.requests.get_mut(&request) else {
+                return;
+            };
+            let Some(command) = pending.machine.poll_command() else {
+                break;
+            };
+            match command {
+                RouterCommand::Send { to, body } => {
+                    let budget_ms = pending
+                        .machine
+                        .poll_timeout()
+                        .map_or(0, |deadline| deadline.saturating_sub(now));
+                    if let Err(error) = self.peers.send(&to, request, budget_ms, body)
+                        && let Some(pending) = self.requests.get_mut(&request)
+                    {
+                        tracing::warn!(%request, %to, %error, "message not sent");
+                        pending.machine.handle_send_failed(&to, error.to_string());
+                    }
+                }
+                RouterCommand::Complete(outcome) => {
+                    let result = match outcome {
+                        RequestOutcome::Output(output) => Ok(Output {
+                            request,
+                            tokens: output.tokens,
+                            logits_digest: output.logits_digest,
+                            read_bytes: output.read_bytes,
+                            read_runs: output.read_runs,
+                            cached_blocks: output.cached_blocks,
+                        }),
+                        RequestOutcome::Failed { stage, reason } => {
+                            tracing::debug!(%request, %stage, %reason, "request failed");
+                            Err(RequestError::from_failure(stage, reason, self.request_timeout_ms))
+                        }
+                    };
+                    if let Some(reply) = pending.reply.take() {
+                        // The client may have gone; nothing else waits for the answer.
+                        let _ = reply.send(result);
+                    }
+                }
             }
-        };
-        tracing::debug!(%request, prefill = %route.node, decode = %decode_node, "prefilled");
-        let message = Decode {
-            params,
-            max_tokens,
-            deadline,
-        };
-        tokio::time::timeout_at(deadline.at.into(), ask(&decode, message, "decode scheduler"))
-            .await
-            .map_err(|_| deadline.passed("decode"))??
-    }
-
-    async fn direct(
-        &self,
-        prompt: Arc<[u32]>,
-        max_tokens: u32,
-        node: Option<NodeId>,
-    ) -> Result<Output, RequestError> {
-        self.check_prompt(&prompt)?;
-        let request = RequestId(self.next_request.fetch_add(1, Ordering::Relaxed));
-        let scheduler = match node {
-            Some(node) => self
-                .prefill
-                .iter()
-                .map(|route| (&route.node, &route.scheduler))
-                .chain(self.decode.iter().map(|(name, addr)| (name, addr)))
-                .find(|(name, _)| **name == node)
-                .map(|(_, addr)| addr.clone())
-                .ok_or_else(|| RequestError::UnknownNode(node.to_string()))?,
-            None => {
-                Self::pick(&self.prefill, &self.next_prefill)
-                    .ok_or_else(|| RequestError::UnknownNode("no prefill leg".into()))?
-                    .scheduler
-            }
-        };
-        let message = Direct {
-            request,
-            prompt,
-            max_tokens,
-        };
-        tokio::time::timeout(self.request_timeout, ask(&scheduler, message, "scheduler"))
-            .await
-            .map_err(|_| RequestError::Timeout {
-                stage: "direct",
-                after_ms: self.request_timeout.as_millis() as u64,
-            })??
-    }
-}
-
-/// Waits (in the background) for a prefill the router stopped waiting for, and releases the
-/// grant it hands back, so blocks are not pinned until the lease lapses. The prefill leg itself
-/// grants nothing past the deadline, so this covers an answer already on its way.
-fn release_late_grant(
-    prefill: tokio::task::JoinHandle<Result<Result<pdkv_core::wire::KvParams, RequestError>, RequestError>>,
-    release: Recipient<ReleaseGrant>,
-    peer: NodeId,
-    request: RequestId,
-) {
-    actix::spawn(async move {
-        let Ok(Ok(Ok(params))) = prefill.await else {
+        }
+        let Some(pending) = self.requests.get_mut(&request) else {
             return;
         };
-        let message = ReleaseGrant {
-            grant: params.grant,
-            peer,
-        };
-        match release.send(message).await {
-            Ok(Ok(())) => tracing::debug!(%request, "released a grant that arrived after the deadline"),
-            Ok(Err(error)) => tracing::warn!(%request, %error, "late grant release refused"),
-            Err(error) => tracing::warn!(%request, %error, "late grant release not delivered"),
+        if pending.machine.is_done() {
+            if let Some((_, timer)) = self.requests.remove(&request).and_then(|pending| pending.timer) {
+                ctx.cancel_future(timer);
+            }
+            return;
         }
-    });
-}
-
-/// The router actor.
-pub struct Router {
-    context: Arc<RouterContext>,
-    mailbox: usize,
-}
-
-impl Router {
-    /// A router over the given legs.
-    pub fn new(
-        prefill: Vec<PrefillRoute>,
-        decode: Vec<(NodeId, Addr<Scheduler>)>,
-        request_timeout: Duration,
-        prompt_limit: PromptLimit,
-        mailbox: usize,
-    ) -> Self {
-        Router {
-            context: Arc::new(RouterContext {
-                prefill,
-                decode,
-                next_request: AtomicU64::new(1),
-                next_prefill: AtomicUsize::new(0),
-                next_decode: AtomicUsize::new(0),
-                request_timeout,
-                prompt_limit,
-            }),
-            mailbox,
+        let next = pending.machine.poll_timeout();
+        if pending.timer.as_ref().map(|(at, _)| *at) == next {
+            return;
         }
+        if let Some((_, timer)) = pending.timer.take() {
+            ctx.cancel_future(timer);
+        }
+        if let Some(at) = next {
+            let delay = Duration::from_millis(at.saturating_sub(now));
+            let timer = ctx.run_later(delay, move |router, ctx| {
+                let now = router.clock.now_ms();
+                if let Some(pending) = router.requests.get_mut(&request) {
+                    pending.timer = None;
+                    pending.machine.handle_timeout(now);
+                }
+                router.drive(request, ctx);
+            });
+            pending.timer = Some((at, timer));
+        }
+    }
+
+    /// Sends one message to one leg outside any machine and waits (bounded) for its first answer.
+    fn probe(
+        &mut self,
+        request: RequestId,
+        leg: NodeId,
+        body: Body,
+    ) -> ResponseFuture<Result<Body, RequestError>> {
+        let (reply, answer) = oneshot::channel();
+        let budget_ms = self.request_timeout_ms;
+        if let Err(error) = self.peers.send(&leg, request, budget_ms, body) {
+            let error = RequestError::Link {
+                peer: leg.to_string(),
+                detail: error.to_string(),
+            };
+            return Box::pin(async move { Err(error) });
+        }
+        self.probes.insert(request, Probe { reply, leg });
+        let timeout = Duration::from_millis(budget_ms);
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, answer).await {
+                Ok(Ok(body)) => Ok(body),
+                Ok(Err(_)) => Err(RequestError::Mailbox {
+                    actor: "router",
+                    detail: "stopped".into(),
+                }),
+                Err(_) => Err(RequestError::Timeout {
+                    stage: Stage::Router.as_str(),
+                    after_ms: budget_ms,
+                }),
+            }
+        })
     }
 }
 
@@ -200,6 +226,79 @@ impl Actor for Router {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(self.mailbox);
+    }
+}
+
+impl Handler<Admit> for Router {
+    type Result = Result<(), Refusal>;
+
+    fn handle(&mut self, msg: Admit, ctx: &mut Self::Context) -> Self::Result {
+        check_compat(&self.hello, &msg.hello).map_err(|error| Refusal::Incompatible(error.to_string()))?;
+        let node = msg.hello.node.clone();
+        if let Some(old) = self.peers.admit(msg.hello) {
+            tracing::warn!(leg = %node, %old, "leg restarted: failing its requests");
+            let affected: Vec<RequestId> = self
+                .requests
+                .iter()
+                .filter(|(_, pending)| {
+                    let (prefill, decode) = pending.machine.legs();
+                    *prefill == node || *decode == node
+                })
+                .map(|(&request, _)| request)
+                .collect();
+            for request in affected {
+                if let Some(pending) = self.requests.get_mut(&request) {
+                    pending.machine.handle_peer_lost(&node);
+                }
+                self.drive(request, ctx);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Handler<SetLink> for Router {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetLink, _ctx: &mut Self::Context) -> Self::Result {
+        self.peers.set_link(&msg.peer, msg.link);
+    }
+}
+
+impl Handler<Inbound> for Router {
+    type Result = Result<(), Refusal>;
+
+    fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
+        self.peers.check(&msg)?;
+        let Envelope {
+            request,
+            from,
+            incarnation,
+            body,
+            ..
+        } = msg.envelope;
+        if self.probes.get(&request).is_some_and(|probe| probe.leg == from) {
+            if let Some(probe) = self.probes.remove(&request) {
+                let _ = probe.reply.send(body);
+            }
+            return Ok(());
+        }
+        if let Body::KvReady(params) = &body {
+            tracing::debug!(%request, prefill = %from, grant = params.grant.0, "prefilled");
+        }
+        if self.requests.contains_key(&request) {
+            if let Some(pending) = self.requests.get_mut(&request) {
+                pending.machine.handle_message(&from, incarnation, body);
+            }
+            self.drive(request, ctx);
+        } else if let Body::KvReady(params) = body {
+            // A grant for a request that is over: free it now rather than at lease end.
+            tracing::debug!(%request, leg = %from, grant = params.grant.0, "late grant aborted");
+            if let Err(error) = self.peers.send(&from, request, 0, Body::Abort) {
+                tracing::warn!(%request, leg = %from, %error, "abort not sent");
+            }
+        }
+        Ok(())
     }
 }
 
@@ -214,31 +313,134 @@ pub struct Generate {
 }
 
 impl Handler<Generate> for Router {
-    type Result = ResponseFuture<Result<Output, RequestError>>;
+    type Result = ResponseActFuture<Self, Result<Output, RequestError>>;
 
-    fn handle(&mut self, msg: Generate, _ctx: &mut Self::Context) -> Self::Result {
-        let context = self.context.clone();
-        Box::pin(async move { context.generate(msg.prompt, msg.max_tokens).await })
+    fn handle(&mut self, msg: Generate, ctx: &mut Self::Context) -> Self::Result {
+        let started = self.check_prompt(&msg.prompt).and_then(|()| {
+            let prefill = self.pick(Role::Prefill)?;
+            let decode = self.pick(Role::Decode)?;
+            Ok((prefill, decode))
+        });
+        let (prefill, decode) = match started {
+            Ok(legs) => legs,
+            Err(error) => return Box::pin(actix::fut::ready(Err(error))),
+        };
+        let request = self.new_request();
+        let now = self.clock.now_ms();
+        let machine = RouterMachine::new(
+            request,
+            msg.prompt.to_vec(),
+            msg.max_tokens,
+            (prefill.node, prefill.incarnation),
+            (decode.node, decode.incarnation),
+            now.saturating_add(self.request_timeout_ms),
+            now,
+        );
+        let (reply, answer) = oneshot::channel();
+        let pending = Pending {
+            machine,
+            reply: Some(reply),
+            timer: None,
+        };
+        self.requests.insert(request, pending);
+        self.drive(request, ctx);
+        Box::pin(
+            async move {
+                answer.await.unwrap_or_else(|_| {
+                    Err(RequestError::Mailbox {
+                        actor: "router",
+                        detail: "stopped before answering".into(),
+                    })
+                })
+            }
+            .into_actor(self)
+            .map(|result, _, _| result),
+        )
     }
 }
 
-/// Serve a request on one leg alone (the reference output).
+/// Diagnosis: ask one prefill leg to compute a prompt and grant `decode` a READ, without a
+/// decode stage. The grant lives until released or its lease lapses.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Output, RequestError>")]
-pub struct GenerateDirect {
-    /// Prompt tokens.
-    pub prompt: Arc<[u32]>,
-    /// Tokens to generate.
-    pub max_tokens: u32,
-    /// The leg to run on (default: a prefill leg).
-    pub node: Option<NodeId>,
+#[rtype(result = "Result<KvParams, RequestError>")]
+pub struct PrefillOnly {
+    /// The prefill leg.
+    pub prefill: NodeId,
+    /// The decode leg the grant is for.
+    pub decode: NodeId,
+    /// The prompt.
+    pub prompt: Vec<u32>,
 }
 
-impl Handler<GenerateDirect> for Router {
+impl Handler<PrefillOnly> for Router {
+    type Result = ResponseFuture<Result<KvParams, RequestError>>;
+
+    fn handle(&mut self, msg: PrefillOnly, _ctx: &mut Self::Context) -> Self::Result {
+        let budget_ms = self.request_timeout_ms;
+        let request = self.new_request();
+        let answer = self.probe(
+            request,
+            msg.prefill,
+            Body::Prefill {
+                prompt: msg.prompt,
+                decode: msg.decode,
+            },
+        );
+        Box::pin(async move {
+            match answer.await? {
+                Body::KvReady(params) => Ok(params),
+                Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
+                other => Err(RequestError::BadParams(format!(
+                    "unexpected answer {}",
+                    crate::link::body_kind(&other)
+                ))),
+            }
+        })
+    }
+}
+
+/// Diagnosis: ask one decode leg to READ and decode under `params`, without a prefill stage.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Output, RequestError>")]
+pub struct DecodeOnly {
+    /// The decode leg.
+    pub decode: NodeId,
+    /// What a prefill leg handed back.
+    pub params: KvParams,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+}
+
+impl Handler<DecodeOnly> for Router {
     type Result = ResponseFuture<Result<Output, RequestError>>;
 
-    fn handle(&mut self, msg: GenerateDirect, _ctx: &mut Self::Context) -> Self::Result {
-        let context = self.context.clone();
-        Box::pin(async move { context.direct(msg.prompt, msg.max_tokens, msg.node).await })
+    fn handle(&mut self, msg: DecodeOnly, _ctx: &mut Self::Context) -> Self::Result {
+        let budget_ms = self.request_timeout_ms;
+        let request = msg.params.request;
+        let answer = self.probe(
+            request,
+            msg.decode,
+            Body::Decode {
+                params: msg.params,
+                max_tokens: msg.max_tokens,
+            },
+        );
+        Box::pin(async move {
+            match answer.await? {
+                Body::Output(output) => Ok(Output {
+                    request,
+                    tokens: output.tokens,
+                    logits_digest: output.logits_digest,
+                    read_bytes: output.read_bytes,
+                    read_runs: output.read_runs,
+                    cached_blocks: output.cached_blocks,
+                }),
+                Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
+                other => Err(RequestError::BadParams(format!(
+                    "unexpected answer {}",
+                    crate::link::body_kind(&other)
+                ))),
+            }
+        })
     }
 }

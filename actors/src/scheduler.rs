@@ -1,72 +1,44 @@
-//! The scheduler actor: drives one request at a time through its leg (many may be in flight).
+//! The scheduler actor: a thin shell around one leg's request machines
+//! ([`pdkv_core::leg::PrefillMachine`], [`pdkv_core::leg::DecodeMachine`]).
 //!
-//! - Prefill leg: allocate `T + k_P` slots for the `T` tokens it computes (`N`, or `N - 1` with
-//!   `prefill_tokens = "all_but_last"`; the mamba state is kept as it stood after `N - 1`
-//!   tokens either way), free window blocks the decode leg will not read, offer, pin and grant
-//!   the blocks holding tokens up to `N - 2`, and hand back the [`KvParams`].
-//! - Decode leg: allocate `N + k_D` slots (window groups null below the last token's window,
-//!   prefix hits reused), pair with the offer, READ, release the grant, recompute the last prompt
-//!   token and decode.
-//! - Direct: one leg does everything; the reference P/D output is checked against.
+//! The machines decide everything about a request: how long to wait for blocks, when to renew a
+//! lease, what to release on each path, when the request is over. The scheduler feeds them what
+//! happened (a message from a peer, the allocator's answer, a finished computation or READ, blocks
+//! freed, a timer) and carries out what they ask, in order: allocator commands go to the
+//! allocator actor, computations to the leg's [`ComputePool`], READs to the transfer actor,
+//! messages out through the exchange actor. It arms one timer per request at the machine's
+//! `poll_timeout`, and bounds how many requests may wait for blocks (`limits.wait_queue`).
 //!
-//! The scheduler holds no mutable state: each handler runs a future over an immutable
-//! [`LegContext`], so requests interleave while the allocator actor serialises block changes.
-//! Every failure path releases what the request holds: its blocks, and the grant it read under.
+//! Time is a [`MonotonicClock`] in milliseconds; a request's deadline is its receive time plus
+//! the budget its envelope carried, so nodes need no synchronised clocks.
+//!
+//! [`Direct`] runs a request on this leg alone, outside the protocol: it is the reference that
+//! P/D output is checked against.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use actix::{Actor, Addr, Context, Handler, Message, Recipient, ResponseFuture};
+use actix::{
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, SpawnHandle,
+    WrapFuture,
+};
 use pdkv_core::allocator::{AllocError, Allocation, window_crosses_block};
 use pdkv_core::block::BlockId;
 use pdkv_core::layout::GroupKind;
-use pdkv_core::wire::{Incarnation, KvParams, NodeId, RequestId};
-use pdkv_transport::engine::EngineKey;
-use tokio::sync::Notify;
+use pdkv_core::leg::{DecodeCommand, DecodeMachine, LegConfig, PrefillCommand, PrefillMachine};
+use pdkv_core::wire::{Body, Envelope, Failure, NodeId, RequestId, Stage};
+use pdkv_transport::clock::MonotonicClock;
+use tokio::sync::watch;
 
-use crate::allocator::{
-    Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseGrant, ReleaseWindow, RenewGrant,
-};
-use crate::config::{Limits, PrefillTokens, Role};
+use crate::allocator::{Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseWindow, RevokeGrant};
+use crate::compute::ComputePool;
+use crate::config::{Limits, Role};
 use crate::engine::{LogitsDigest, Model, argmax};
 use crate::error::{RequestError, ask};
-use crate::exchange::{ExchangeActor, MakeOffer, PairWithOffer};
+use crate::exchange::{Deliver, ExchangeActor, Outbound};
 use crate::memory::LegMemory;
 use crate::transfer::{Read, TransferActor};
-
-/// The moment a request is over for the router; legs stop waiting and release by then.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Deadline {
-    /// When it passes.
-    pub at: Instant,
-    /// The whole request's bound, for error messages.
-    pub budget_ms: u64,
-}
-
-impl Deadline {
-    /// A deadline `budget` from now.
-    pub fn after(budget: Duration) -> Self {
-        Deadline {
-            at: Instant::now() + budget,
-            budget_ms: budget.as_millis() as u64,
-        }
-    }
-
-    /// Whether it has passed.
-    pub fn is_past(&self) -> bool {
-        Instant::now() >= self.at
-    }
-
-    /// The error of a request that ran out of time in `stage`.
-    pub fn passed(&self, stage: &'static str) -> RequestError {
-        RequestError::Timeout {
-            stage,
-            after_ms: self.budget_ms,
-        }
-    }
-}
 
 /// A finished request's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,32 +52,17 @@ pub struct Output {
     /// Bytes the decode leg read (0 for direct runs).
     pub read_bytes: u64,
     /// READ ranges posted.
-    pub read_runs: usize,
+    pub read_runs: u64,
     /// Prefix-hit blocks the decode leg reused.
     pub cached_blocks: u64,
 }
 
-/// How a decode leg reaches a prefill leg's grants.
-#[derive(Clone)]
-pub struct GrantPeer {
-    /// Ends a grant once the READ is over.
-    pub release: Recipient<ReleaseGrant>,
-    /// Extends a grant's lease while the decode leg waits.
-    pub renew: Recipient<RenewGrant>,
-}
-
-/// Everything a leg's request futures need; immutable once built.
+/// Everything a leg's scheduler and its computations need; immutable once built.
 pub struct LegContext {
-    /// Leg name (also its READ engine key).
-    pub node: NodeId,
-    /// This leg's incarnation, named in the grants it issues.
-    pub incarnation: Incarnation,
+    /// What the request machines know about the leg.
+    pub config: LegConfig,
     /// Prefill or decode.
     pub role: Role,
-    /// Slots reserved beyond the prompt.
-    pub lookahead_tokens: u64,
-    /// How much of a prompt this leg computes when it prefills.
-    pub prefill_tokens: PrefillTokens,
     /// Bounds.
     pub limits: Limits,
     /// The reference model.
@@ -114,89 +71,20 @@ pub struct LegContext {
     pub memory: Arc<LegMemory>,
     /// The allocator actor.
     pub allocator: Addr<AllocatorActor>,
-    /// The exchange actor.
-    pub exchange: Addr<ExchangeActor>,
     /// The transfer actor (decode legs).
     pub transfer: Option<Addr<TransferActor>>,
-    /// Where to renew and release grants, per prefill leg (decode legs).
-    pub grant_peers: HashMap<NodeId, GrantPeer>,
-    /// Woken when the allocator frees blocks.
-    pub freed: Arc<Notify>,
-    /// Requests now waiting for blocks (bounded by `limits.wait_queue`).
-    pub waiting: AtomicUsize,
+    /// Where the engine runs.
+    pub compute: ComputePool,
+    /// Counts frees on this leg.
+    pub freed: watch::Receiver<u64>,
+    /// The leg's clock.
+    pub clock: MonotonicClock,
 }
 
 impl LegContext {
-    /// Allocates, waiting (bounded in count and time) while the leg is out of blocks: at most
-    /// `alloc_wait_ms`, and never past the request's `deadline`.
-    async fn allocate(
-        &self,
-        request: RequestId,
-        prompt: &Arc<[u32]>,
-        slots: u64,
-        attending_token: Option<u64>,
-        deadline: Deadline,
-        stage: &'static str,
-    ) -> Result<Allocation, RequestError> {
-        let started = Instant::now();
-        let alloc_deadline = started + Duration::from_millis(self.limits.alloc_wait_ms);
-        let wait_until = alloc_deadline.min(deadline.at);
-        loop {
-            let notified = self.freed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let message = Allocate {
-                request,
-                prompt: prompt.clone(),
-                slots,
-                attending_token,
-            };
-            let last = match ask(&self.allocator, message, "allocator").await? {
-                Ok(allocation) => return Ok(allocation),
-                Err(error @ AllocError::OutOfBlocks { .. }) => error,
-                Err(error) => return Err(error.into()),
-            };
-            if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.limits.wait_queue {
-                self.waiting.fetch_sub(1, Ordering::SeqCst);
-                return Err(RequestError::QueueFull {
-                    leg: self.node.to_string(),
-                    capacity: self.limits.wait_queue,
-                });
-            }
-            let woken = tokio::time::timeout_at(wait_until.into(), notified).await;
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            if woken.is_err() {
-                if wait_until < alloc_deadline {
-                    return Err(deadline.passed(stage));
-                }
-                return Err(RequestError::AllocTimeout {
-                    waited_ms: started.elapsed().as_millis() as u64,
-                    last,
-                });
-            }
-        }
-    }
-
-    async fn finish(&self, request: RequestId, cache_prompt: Option<Arc<[u32]>>) {
-        let message = Finish {
-            request,
-            cache_prompt,
-        };
-        match ask(&self.allocator, message, "allocator").await {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => tracing::error!(node = %self.node, %request, %error, "finish failed"),
-            Err(error) => tracing::error!(node = %self.node, %request, %error, "finish not delivered"),
-        }
-    }
-
-    /// Token slots a request of `tokens` computed tokens holds here: plus the lookahead tail.
-    fn slots_for(&self, tokens: u64) -> Result<u64, RequestError> {
-        tokens
-            .checked_add(self.lookahead_tokens)
-            .ok_or(RequestError::SlotOverflow {
-                tokens,
-                lookahead_tokens: self.lookahead_tokens,
-            })
+    /// The leg's name.
+    pub fn node(&self) -> &NodeId {
+        &self.config.node
     }
 
     fn has_window_groups(&self) -> bool {
@@ -206,392 +94,520 @@ impl LegContext {
             .iter()
             .any(|group| matches!(group.kind(), GroupKind::SlidingWindow { .. }))
     }
+}
 
-    /// Prefill leg: compute the prompt, offer its KV and grant `peer` a READ of it, unless the
-    /// request's deadline passes first: then nothing stays granted.
-    async fn prefill(
-        &self,
-        request: RequestId,
-        prompt: Arc<[u32]>,
-        peer: NodeId,
-        deadline: Deadline,
-    ) -> Result<KvParams, RequestError> {
-        let num_tokens = prompt.len() as u64;
-        if num_tokens == 0 {
-            return Err(RequestError::EmptyPrompt);
-        }
-        // A request holds at least one slot, even a one-token prompt computed up to N - 1 = 0.
-        let slots = self.slots_for(self.prefill_tokens.computed(num_tokens))?.max(1);
-        let allocation = self
-            .allocate(request, &prompt, slots, None, deadline, "prefill")
-            .await?;
-        let result = self
-            .prefill_allocated(request, &prompt, peer.clone(), &allocation, deadline)
-            .await;
-        // The request's own hold ends here; granted blocks stay pinned until released or expired.
-        self.finish(request, None).await;
-        let params = result?;
-        if deadline.is_past() {
-            // Nobody waits for these parameters any more: unpin now rather than at lease end.
-            let release = ReleaseGrant {
-                grant: params.grant,
-                peer,
-            };
-            if let Err(error) = ask(&self.allocator, release, "allocator").await? {
-                tracing::warn!(node = %self.node, %request, %error, "release of a late grant failed");
-            }
-            return Err(deadline.passed("prefill"));
-        }
-        Ok(params)
-    }
+enum Machine {
+    Prefill(PrefillMachine),
+    Decode(DecodeMachine),
+}
 
-    async fn prefill_allocated(
-        &self,
-        request: RequestId,
-        prompt: &Arc<[u32]>,
-        peer: NodeId,
-        allocation: &Allocation,
-        deadline: Deadline,
-    ) -> Result<KvParams, RequestError> {
-        let num_tokens = prompt.len() as u64;
-        let computed = self.prefill_tokens.computed(num_tokens) as usize;
-        for (position, &token) in prompt.iter().enumerate().take(computed) {
-            // The mamba state stays as it was after N - 1 tokens: the decode leg recomputes N - 1.
-            let commit_state = (position as u64) + 1 < num_tokens;
-            self.model.step(
-                &self.memory,
-                &allocation.blocks,
-                position as u64,
-                token,
-                commit_state,
-            )?;
-        }
-        if deadline.is_past() {
-            return Err(deadline.passed("prefill"));
-        }
-        let release = ReleaseWindow {
-            request,
-            attending_token: num_tokens - 1,
-        };
-        let lists = ask(&self.allocator, release, "allocator").await??;
-        let offer = ask(
-            &self.exchange,
-            MakeOffer {
-                num_prompt_tokens: num_tokens,
-                lists,
-            },
-            "exchange",
-        )
-        .await??;
-        let offered: Vec<Vec<BlockId>> = offer.groups.iter().map(|list| list.blocks.clone()).collect();
-        let issued = ask(
-            &self.allocator,
-            GrantBlocks {
-                request,
-                peer,
-                lists: offered,
-            },
-            "allocator",
-        )
-        .await??;
-        Ok(KvParams {
-            request,
-            prefill_node: self.node.clone(),
-            prefill_incarnation: self.incarnation,
-            offer,
-            generations: issued.generations,
-            grant: issued.grant,
-            lease_ms: issued.lease_ms,
-            prompt: prompt.to_vec(),
-        })
-    }
+enum Command {
+    Prefill(PrefillCommand),
+    Decode(DecodeCommand),
+}
 
-    /// Decode leg: READ the offered KV, recompute the last prompt token and decode, or stop at
-    /// the request's deadline with everything released.
-    async fn decode(
-        &self,
-        params: KvParams,
-        max_tokens: u32,
-        deadline: Deadline,
-    ) -> Result<Output, RequestError> {
-        let params = Arc::new(params);
-        let request = params.request;
-        let result = self.decode_granted(&params, max_tokens, deadline).await;
-        if let Err(error) = &result {
-            tracing::warn!(node = %self.node, %request, %error, "decode failed");
-        }
-        result
-    }
-
-    async fn decode_granted(
-        &self,
-        params: &Arc<KvParams>,
-        max_tokens: u32,
-        deadline: Deadline,
-    ) -> Result<Output, RequestError> {
-        let request = params.request;
-        let prompt: Arc<[u32]> = params.prompt.clone().into();
-        let num_tokens = prompt.len() as u64;
-        let renewal = self.keep_lease_alive(params);
-        let read = async {
-            if num_tokens == 0 {
-                return Err(RequestError::EmptyPrompt);
-            }
-            if params.offer.num_prompt_tokens != num_tokens {
-                return Err(RequestError::BadParams(format!(
-                    "offer is for {} tokens, prompt has {num_tokens}",
-                    params.offer.num_prompt_tokens
-                )));
-            }
-            let allocation = self
-                .allocate(
-                    request,
-                    &prompt,
-                    self.slots_for(num_tokens)?,
-                    Some(num_tokens - 1),
-                    deadline,
-                    "decode",
-                )
-                .await?;
-            let read = self.read(params, &allocation).await;
-            Ok((allocation, read))
-        }
-        .await;
-        // Whatever happened, the READ is over: let the prefill leg unpin now, not at lease end.
-        // The release travels on its own while this leg decodes.
-        if let Some(renewal) = renewal {
-            renewal.abort();
-        }
-        self.release_grant(params);
-        let (allocation, read) = read?;
-        // A READ in flight is never abandoned (its bytes would land in blocks freed for others);
-        // the deadline is checked once it is over.
-        let read = read.and_then(|report| {
-            if deadline.is_past() {
-                Err(deadline.passed("decode"))
-            } else {
-                Ok(report)
-            }
-        });
-        let report = match read {
-            Ok(report) => report,
-            Err(error) => {
-                self.finish(request, None).await;
-                return Err(error);
-            }
-        };
-        // The allocation above succeeded with this many slots, so the sum did not overflow.
-        let slots = num_tokens + self.lookahead_tokens;
-        let generated = self
-            .generate(
-                request,
-                &prompt,
-                allocation.blocks.clone(),
-                slots,
-                max_tokens,
-                Some(num_tokens - 1),
-                deadline,
-            )
-            .await;
-        match generated {
-            Ok((tokens, digest)) => {
-                self.finish(request, Some(prompt)).await;
-                Ok(Output {
-                    request,
-                    tokens,
-                    logits_digest: digest,
-                    read_bytes: report.bytes,
-                    read_runs: report.runs,
-                    cached_blocks: allocation.cached_blocks.iter().sum(),
-                })
-            }
-            Err(error) => {
-                self.finish(request, None).await;
-                Err(error)
-            }
+impl Machine {
+    fn poll_command(&mut self) -> Option<Command> {
+        match self {
+            Machine::Prefill(machine) => machine.poll_command().map(Command::Prefill),
+            Machine::Decode(machine) => machine.poll_command().map(Command::Decode),
         }
     }
 
-    async fn read(
-        &self,
-        params: &Arc<KvParams>,
-        allocation: &Allocation,
-    ) -> Result<pdkv_transport::engine::ReadReport, RequestError> {
-        let pair = PairWithOffer {
-            params: params.clone(),
-            lists: allocation.blocks.clone(),
-            cached_blocks: allocation.cached_blocks.clone(),
-        };
-        let spec = ask(&self.exchange, pair, "exchange").await??;
-        let transfer = self.transfer.as_ref().ok_or_else(|| {
-            RequestError::BadParams(format!("{} is a {} leg and cannot read", self.node, self.role))
-        })?;
-        let read = Read {
-            request: params.request,
-            remote: EngineKey(params.prefill_node.0.clone()),
-            grant: params.grant,
-            plan: spec.plan,
-            checks: spec.checks,
-        };
-        ask(transfer, read, "transfer").await?
-    }
-
-    /// Renews the grant every third of its lease until aborted, so a decode leg that waits
-    /// (for blocks, for its READ) does not lose the KV it is about to read.
-    fn keep_lease_alive(&self, params: &KvParams) -> Option<tokio::task::JoinHandle<()>> {
-        let peer = self.grant_peers.get(&params.prefill_node)?.renew.clone();
-        let period = std::time::Duration::from_millis((params.lease_ms / 3).max(1));
-        let (grant, node, request) = (params.grant, self.node.clone(), params.request);
-        Some(actix::spawn(async move {
-            loop {
-                tokio::time::sleep(period).await;
-                let renew = RenewGrant {
-                    grant,
-                    peer: node.clone(),
-                };
-                match peer.send(renew).await {
-                    Ok(Ok(_)) => tracing::trace!(%node, %request, "lease renewed"),
-                    Ok(Err(error)) => {
-                        tracing::warn!(%node, %request, %error, "lease renewal refused");
-                        return;
-                    }
-                    Err(error) => {
-                        tracing::warn!(%node, %request, %error, "lease renewal not delivered");
-                        return;
-                    }
-                }
-            }
-        }))
-    }
-
-    /// Sends the grant's release without waiting for it; the prefill leg's bounded mailbox
-    /// applies backpressure to the spawned send, and a lost release is covered by the lease.
-    fn release_grant(&self, params: &KvParams) {
-        let Some(recipient) = self
-            .grant_peers
-            .get(&params.prefill_node)
-            .map(|peer| peer.release.clone())
-        else {
-            tracing::error!(node = %self.node, prefill = %params.prefill_node, "no route to release a grant");
-            return;
-        };
-        let message = ReleaseGrant {
-            grant: params.grant,
-            peer: self.node.clone(),
-        };
-        let (node, request) = (self.node.clone(), params.request);
-        actix::spawn(async move {
-            match recipient.send(message).await {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => tracing::warn!(%node, %request, %error, "grant release refused"),
-                Err(error) => tracing::warn!(%node, %request, %error, "grant release not delivered"),
-            }
-        });
-    }
-
-    /// Computes the last prompt token and `max_tokens - 1` more, greedily. `lists` cover `slots`
-    /// slots; more blocks are taken as decoding passes them, window blocks freed as it moves.
-    /// `windows_released_for` is the attending token the window groups were last trimmed for
-    /// (`None`: never), so the allocator is asked only when a block falls out of a window. Stops
-    /// between tokens once `deadline` has passed.
-    #[allow(clippy::too_many_arguments)]
-    async fn generate(
-        &self,
-        request: RequestId,
-        prompt: &Arc<[u32]>,
-        mut lists: Vec<Vec<BlockId>>,
-        mut slots: u64,
-        max_tokens: u32,
-        mut windows_released_for: Option<u64>,
-        deadline: Deadline,
-    ) -> Result<(Vec<u32>, u64), RequestError> {
-        let first_position = prompt.len() as u64 - 1;
-        let mut token = prompt[prompt.len() - 1];
-        let mut digest = LogitsDigest::default();
-        let mut tokens = Vec::with_capacity(max_tokens as usize);
-        let windows = self.has_window_groups();
-        for position in first_position..first_position + u64::from(max_tokens.max(1)) {
-            if deadline.is_past() {
-                return Err(deadline.passed("decode"));
-            }
-            if position >= slots {
-                slots = position + 1;
-                lists = ask(&self.allocator, Extend { request, slots }, "allocator").await??;
-            }
-            let logits = self.model.step(&self.memory, &lists, position, token, true)?;
-            digest.update(&logits);
-            token = argmax(&logits);
-            tokens.push(token);
-            let attending_token = position + 1;
-            let moved = windows_released_for
-                .is_none_or(|from| window_crosses_block(self.model.layout(), from, attending_token));
-            if windows && moved {
-                let release = ReleaseWindow {
-                    request,
-                    attending_token,
-                };
-                lists = ask(&self.allocator, release, "allocator").await??;
-                windows_released_for = Some(attending_token);
-            }
+    fn poll_timeout(&self) -> Option<u64> {
+        match self {
+            Machine::Prefill(machine) => machine.poll_timeout(),
+            Machine::Decode(machine) => machine.poll_timeout(),
         }
-        Ok((tokens, digest.finish()))
     }
 
-    /// One leg alone: compute the prompt and decode (the reference for P/D).
-    async fn direct(
-        &self,
-        request: RequestId,
-        prompt: Arc<[u32]>,
-        max_tokens: u32,
-    ) -> Result<Output, RequestError> {
-        let num_tokens = prompt.len() as u64;
-        if num_tokens == 0 {
-            return Err(RequestError::EmptyPrompt);
+    fn is_done(&self) -> bool {
+        match self {
+            Machine::Prefill(machine) => machine.is_done(),
+            Machine::Decode(machine) => machine.is_done(),
         }
-        let slots = self.slots_for(num_tokens)?;
-        let deadline = Deadline::after(Duration::from_millis(self.limits.request_timeout_ms));
-        let allocation = self
-            .allocate(request, &prompt, slots, None, deadline, "direct")
-            .await?;
-        let result = async {
-            for (position, &token) in prompt.iter().enumerate().take(prompt.len() - 1) {
-                self.model
-                    .step(&self.memory, &allocation.blocks, position as u64, token, true)?;
-            }
-            self.generate(
-                request,
-                &prompt,
-                allocation.blocks.clone(),
-                slots,
-                max_tokens,
-                None,
-                deadline,
-            )
-            .await
-        }
-        .await;
-        self.finish(request, None).await;
-        let (tokens, logits_digest) = result?;
-        Ok(Output {
-            request,
-            tokens,
-            logits_digest,
-            read_bytes: 0,
-            read_runs: 0,
-            cached_blocks: 0,
-        })
     }
+
+    fn is_waiting_for_blocks(&self) -> bool {
+        match self {
+            Machine::Prefill(machine) => machine.is_waiting_for_blocks(),
+            Machine::Decode(machine) => machine.is_waiting_for_blocks(),
+        }
+    }
+
+    fn handle_queue_full(&mut self, capacity: u64) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_queue_full(capacity),
+            Machine::Decode(machine) => machine.handle_queue_full(capacity),
+        }
+    }
+
+    fn handle_blocks_freed(&mut self) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_blocks_freed(),
+            Machine::Decode(machine) => machine.handle_blocks_freed(),
+        }
+    }
+
+    fn handle_timeout(&mut self, now_ms: u64) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_timeout(now_ms),
+            Machine::Decode(machine) => machine.handle_timeout(now_ms),
+        }
+    }
+
+    fn handle_abort(&mut self) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_abort(),
+            Machine::Decode(machine) => machine.handle_abort(),
+        }
+    }
+}
+
+/// One request on this leg: its machine and what the shell keeps for it.
+struct Job {
+    machine: Machine,
+    prompt: Arc<[u32]>,
+    /// The request's blocks per group, as the allocator last listed them.
+    lists: Vec<Vec<BlockId>>,
+    deadline_ms: u64,
+    timer: Option<(u64, SpawnHandle)>,
 }
 
 /// The scheduler actor of one leg.
 pub struct Scheduler {
     leg: Arc<LegContext>,
+    exchange: Addr<ExchangeActor>,
+    jobs: HashMap<RequestId, Job>,
+    /// Taken while a wait for the next free is pending.
+    freed: Option<watch::Receiver<u64>>,
 }
 
 impl Scheduler {
-    /// A scheduler over `leg`.
-    pub fn new(leg: Arc<LegContext>) -> Self {
-        Scheduler { leg }
+    /// A scheduler over `leg`, sending through `exchange`.
+    pub fn new(leg: Arc<LegContext>, exchange: Addr<ExchangeActor>) -> Self {
+        let freed = Some(leg.freed.clone());
+        Scheduler {
+            leg,
+            exchange,
+            jobs: HashMap::new(),
+            freed,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.leg.clock.now_ms()
+    }
+
+    /// Wakes waiting requests whenever the allocator frees blocks.
+    fn watch_frees(&mut self, ctx: &mut Context<Self>) {
+        let Some(mut freed) = self.freed.take() else {
+            return;
+        };
+        let changed = async move {
+            let open = freed.changed().await.is_ok();
+            (open, freed)
+        };
+        ctx.spawn(changed.into_actor(self).map(|(open, freed), actor, ctx| {
+            actor.freed = Some(freed);
+            if !open {
+                return;
+            }
+            let waiting: Vec<RequestId> = actor
+                .jobs
+                .iter()
+                .filter(|(_, job)| job.machine.is_waiting_for_blocks())
+                .map(|(&request, _)| request)
+                .collect();
+            for request in waiting {
+                if let Some(job) = actor.jobs.get_mut(&request) {
+                    job.machine.handle_blocks_freed();
+                }
+                actor.drive(request, ctx);
+            }
+            actor.watch_frees(ctx);
+        }));
+    }
+
+    /// Carries out what the request's machine asks, then re-arms its timer or forgets it.
+    fn drive(&mut self, request: RequestId, ctx: &mut Context<Self>) {
+        loop {
+            let Some(job) = self.jobs.get_mut(&request) else {
+                return;
+            };
+            let Some(command) = job.machine.poll_command() else {
+                break;
+            };
+            match command {
+                Command::Prefill(command) => self.prefill_command(request, command, ctx),
+                Command::Decode(command) => self.decode_command(request, command, ctx),
+            }
+        }
+        let Some(job) = self.jobs.get_mut(&request) else {
+            return;
+        };
+        if job.machine.is_done() {
+            if let Some((_, timer)) = self.jobs.remove(&request).and_then(|job| job.timer) {
+                ctx.cancel_future(timer);
+            }
+            return;
+        }
+        let next = job.machine.poll_timeout();
+        if job.timer.as_ref().map(|(at, _)| *at) == next {
+            return;
+        }
+        if let Some((_, timer)) = job.timer.take() {
+            ctx.cancel_future(timer);
+        }
+        if let Some(at) = next {
+            let delay = Duration::from_millis(at.saturating_sub(self.leg.clock.now_ms()));
+            let timer = ctx.run_later(delay, move |actor, ctx| {
+                let now = actor.now_ms();
+                if let Some(job) = actor.jobs.get_mut(&request) {
+                    job.timer = None;
+                    job.machine.handle_timeout(now);
+                }
+                actor.drive(request, ctx);
+            });
+            job.timer = Some((at, timer));
+        }
+    }
+
+    /// Feeds the machine of `request` (if it still runs) and drives it.
+    fn with_machine(
+        &mut self,
+        request: RequestId,
+        ctx: &mut Context<Self>,
+        feed: impl FnOnce(&mut Job, u64),
+    ) {
+        let now = self.now_ms();
+        if let Some(job) = self.jobs.get_mut(&request) {
+            feed(job, now);
+            if job.machine.is_waiting_for_blocks() {
+                let capacity = self.leg.limits.wait_queue;
+                let waiting = self
+                    .jobs
+                    .values()
+                    .filter(|job| job.machine.is_waiting_for_blocks())
+                    .count();
+                if waiting > capacity
+                    && let Some(job) = self.jobs.get_mut(&request)
+                {
+                    job.machine.handle_queue_full(capacity as u64);
+                }
+            }
+        }
+        self.drive(request, ctx);
+    }
+
+    fn send(&self, request: RequestId, to: NodeId, body: Body, ctx: &mut Context<Self>) {
+        let deadline_ms = self.jobs.get(&request).map_or(0, |job| job.deadline_ms);
+        let message = Outbound {
+            to,
+            request,
+            budget_ms: deadline_ms.saturating_sub(self.now_ms()),
+            body,
+        };
+        ctx.spawn(
+            self.exchange
+                .send(message)
+                .into_actor(self)
+                .map(|result, actor, _| {
+                    if let Err(error) = result {
+                        tracing::error!(node = %actor.leg.node(), %error, "exchange unreachable");
+                    }
+                }),
+        );
+    }
+
+    fn allocate(
+        &self,
+        request: RequestId,
+        slots: u64,
+        attending_token: Option<u64>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some(job) = self.jobs.get(&request) else {
+            return;
+        };
+        let message = Allocate {
+            request,
+            prompt: job.prompt.clone(),
+            slots,
+            attending_token,
+        };
+        ctx.spawn(
+            self.leg
+                .allocator
+                .send(message)
+                .into_actor(self)
+                .map(move |result, actor, ctx| {
+                    let result = match result {
+                        Ok(result) => result,
+                        Err(error) => return actor.lost_allocator(request, error),
+                    };
+                    actor.with_machine(request, ctx, |job, now| {
+                        if let Ok(allocation) = &result {
+                            job.lists = allocation.blocks.clone();
+                        }
+                        match &mut job.machine {
+                            Machine::Prefill(machine) => machine.handle_allocated(result.map(|_| ()), now),
+                            Machine::Decode(machine) => machine.handle_allocated(result, now),
+                        }
+                    });
+                }),
+        );
+    }
+
+    fn finish(&self, request: RequestId, cache_prompt: Option<Arc<[u32]>>, ctx: &mut Context<Self>) {
+        let message = Finish {
+            request,
+            cache_prompt,
+        };
+        ctx.spawn(self.leg.allocator.send(message).into_actor(self).map(
+            move |result, actor, _| match result {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::error!(node = %actor.leg.node(), %request, %error, "finish failed")
+                }
+                Err(error) => {
+                    tracing::error!(node = %actor.leg.node(), %request, %error, "finish not delivered")
+                }
+            },
+        ));
+    }
+
+    /// The allocator is gone (the leg is shutting down): nothing more can happen for `request`.
+    fn lost_allocator(&mut self, request: RequestId, error: actix::MailboxError) {
+        tracing::error!(node = %self.leg.node(), %request, %error, "allocator unreachable, dropping the request");
+        self.jobs.remove(&request);
+    }
+
+    fn prefill_command(&mut self, request: RequestId, command: PrefillCommand, ctx: &mut Context<Self>) {
+        match command {
+            PrefillCommand::Allocate { slots } => self.allocate(request, slots, None, ctx),
+            PrefillCommand::Compute { tokens } => {
+                let Some(job) = self.jobs.get(&request) else {
+                    return;
+                };
+                let (leg, prompt, lists) = (self.leg.clone(), job.prompt.clone(), job.lists.clone());
+                let work = async move {
+                    let pool = leg.compute.clone();
+                    pool.run(move || compute_prompt(&leg, &prompt, &lists, tokens))
+                        .await
+                };
+                ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
+                    actor.with_machine(request, ctx, |job, now| {
+                        if let Machine::Prefill(machine) = &mut job.machine {
+                            machine.handle_computed(result, now);
+                        }
+                    });
+                }));
+            }
+            PrefillCommand::ReleaseWindow { attending_token } => {
+                let message = ReleaseWindow {
+                    request,
+                    attending_token,
+                };
+                ctx.spawn(self.leg.allocator.send(message).into_actor(self).map(
+                    move |result, actor, ctx| {
+                        let result = match result {
+                            Ok(result) => result,
+                            Err(error) => return actor.lost_allocator(request, error),
+                        };
+                        actor.with_machine(request, ctx, |job, _| {
+                            if let Ok(lists) = &result {
+                                job.lists = lists.clone();
+                            }
+                            if let Machine::Prefill(machine) = &mut job.machine {
+                                machine.handle_window_released(result);
+                            }
+                        });
+                    },
+                ));
+            }
+            PrefillCommand::Grant { lists, peer } => {
+                let message = GrantBlocks { request, peer, lists };
+                ctx.spawn(self.leg.allocator.send(message).into_actor(self).map(
+                    move |result, actor, ctx| {
+                        let result = match result {
+                            Ok(result) => result.map_err(|error| error.to_failure()),
+                            Err(error) => return actor.lost_allocator(request, error),
+                        };
+                        actor.with_machine(request, ctx, |job, now| {
+                            if let Machine::Prefill(machine) = &mut job.machine {
+                                machine.handle_granted(result, now);
+                            }
+                        });
+                    },
+                ));
+            }
+            PrefillCommand::Revoke { grant } => {
+                ctx.spawn(
+                    self.leg
+                        .allocator
+                        .send(RevokeGrant { grant })
+                        .into_actor(self)
+                        .map(|_, _, _| ()),
+                );
+            }
+            PrefillCommand::Finish => self.finish(request, None, ctx),
+            PrefillCommand::Send { to, body } => self.send(request, to, body, ctx),
+        }
+    }
+
+    fn decode_command(&mut self, request: RequestId, command: DecodeCommand, ctx: &mut Context<Self>) {
+        match command {
+            DecodeCommand::Allocate {
+                slots,
+                attending_token,
+            } => self.allocate(request, slots, Some(attending_token), ctx),
+            DecodeCommand::Read { pairing, checks } => {
+                let Some(Job {
+                    machine: Machine::Decode(machine),
+                    ..
+                }) = self.jobs.get(&request)
+                else {
+                    return;
+                };
+                let read = Read {
+                    request,
+                    prefill: machine.prefill_node().clone(),
+                    grant: machine.grant(),
+                    pairing,
+                    checks,
+                };
+                let transfer = self.leg.transfer.clone();
+                let node = self.leg.node().clone();
+                let work = async move {
+                    match transfer {
+                        Some(transfer) => transfer
+                            .send(read)
+                            .await
+                            .unwrap_or_else(|error| Err(Failure::Read(format!("transfer actor: {error}")))),
+                        None => Err(Failure::BadParams(format!(
+                            "{node} is a prefill leg and cannot read"
+                        ))),
+                    }
+                };
+                ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
+                    actor.with_machine(request, ctx, |job, now| {
+                        if let Machine::Decode(machine) = &mut job.machine {
+                            machine.handle_read_done(result, now);
+                        }
+                    });
+                }));
+            }
+            DecodeCommand::Generate {
+                slots,
+                max_tokens,
+                deadline_ms,
+            } => {
+                let Some(job) = self.jobs.get(&request) else {
+                    return;
+                };
+                let prompt = job.prompt.clone();
+                let run = Generation {
+                    request,
+                    lists: job.lists.clone(),
+                    slots,
+                    max_tokens,
+                    windows_released_for: Some(prompt.len() as u64 - 1),
+                    deadline_ms,
+                };
+                let work = generate(self.leg.clone(), prompt, run);
+                ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
+                    actor.with_machine(request, ctx, |job, _| {
+                        if let Machine::Decode(machine) = &mut job.machine {
+                            machine.handle_generated(result);
+                        }
+                    });
+                }));
+            }
+            DecodeCommand::Finish { cache_prompt } => {
+                let prompt = self.jobs.get(&request).map(|job| job.prompt.clone());
+                self.finish(request, prompt.filter(|_| cache_prompt), ctx);
+            }
+            DecodeCommand::Send { to, body } => self.send(request, to, body, ctx),
+        }
+    }
+
+    fn deliver(&mut self, envelope: Envelope, ctx: &mut Context<Self>) {
+        let now = self.now_ms();
+        let Envelope {
+            request,
+            from,
+            budget_ms,
+            body,
+            ..
+        } = envelope;
+        let deadline_ms = now.saturating_add(budget_ms);
+        match body {
+            Body::Prefill { prompt, decode } if !self.jobs.contains_key(&request) => {
+                let prompt_arc: Arc<[u32]> = prompt.clone().into();
+                let machine = PrefillMachine::new(
+                    self.leg.config.clone(),
+                    request,
+                    from,
+                    prompt,
+                    decode,
+                    deadline_ms,
+                    now,
+                );
+                self.start(request, Machine::Prefill(machine), prompt_arc, deadline_ms, ctx);
+            }
+            Body::Decode { params, max_tokens } if !self.jobs.contains_key(&request) => {
+                let prompt: Arc<[u32]> = params.prompt.clone().into();
+                let machine = DecodeMachine::new(
+                    self.leg.config.clone(),
+                    from,
+                    params,
+                    max_tokens,
+                    deadline_ms,
+                    now,
+                );
+                self.start(request, Machine::Decode(machine), prompt, deadline_ms, ctx);
+            }
+            Body::Renewed { grant, lease_ms } => {
+                if let Some(Job {
+                    machine: Machine::Decode(machine),
+                    ..
+                }) = self.jobs.get_mut(&request)
+                    && machine.grant() == grant
+                {
+                    machine.handle_renewed(lease_ms, now);
+                }
+                self.drive(request, ctx);
+            }
+            Body::Abort => {
+                if let Some(job) = self.jobs.get_mut(&request) {
+                    job.machine.handle_abort();
+                }
+                self.drive(request, ctx);
+            }
+            body => {
+                tracing::debug!(node = %self.leg.node(), %request, kind = crate::link::body_kind(&body), "ignored (duplicate or late)");
+            }
+        }
+    }
+
+    fn start(
+        &mut self,
+        request: RequestId,
+        machine: Machine,
+        prompt: Arc<[u32]>,
+        deadline_ms: u64,
+        ctx: &mut Context<Self>,
+    ) {
+        let job = Job {
+            machine,
+            prompt,
+            lists: Vec::new(),
+            deadline_ms,
+            timer: None,
+        };
+        self.jobs.insert(request, job);
+        self.drive(request, ctx);
     }
 }
 
@@ -600,52 +616,144 @@ impl Actor for Scheduler {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(self.leg.limits.mailbox);
+        self.watch_frees(ctx);
     }
 }
 
-/// Prefill leg: compute a prompt and grant `peer` a READ of its KV.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<KvParams, RequestError>")]
-pub struct Prefill {
-    /// The request.
-    pub request: RequestId,
-    /// Its prompt.
-    pub prompt: Arc<[u32]>,
-    /// The decode leg that will read.
-    pub peer: NodeId,
-    /// When the router stops waiting: no grant is handed out after it.
-    pub deadline: Deadline,
-}
+impl Handler<Deliver> for Scheduler {
+    type Result = ();
 
-impl Handler<Prefill> for Scheduler {
-    type Result = ResponseFuture<Result<KvParams, RequestError>>;
-
-    fn handle(&mut self, msg: Prefill, _ctx: &mut Self::Context) -> Self::Result {
-        let leg = self.leg.clone();
-        Box::pin(async move { leg.prefill(msg.request, msg.prompt, msg.peer, msg.deadline).await })
+    fn handle(&mut self, msg: Deliver, ctx: &mut Self::Context) -> Self::Result {
+        self.deliver(msg.envelope, ctx);
     }
 }
 
-/// Decode leg: READ a prefilled request's KV and decode `max_tokens` tokens.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<Output, RequestError>")]
-pub struct Decode {
-    /// What the prefill leg handed back.
-    pub params: KvParams,
-    /// Tokens to generate.
-    pub max_tokens: u32,
-    /// When the router stops waiting: the leg releases the grant and its blocks by then (or as
-    /// soon as a READ already in flight ends).
-    pub deadline: Deadline,
+/// Computes the first `tokens` prompt tokens into `lists`. The mamba state is committed only up
+/// to `N - 1` tokens: the decode leg recomputes the last one.
+fn compute_prompt(
+    leg: &LegContext,
+    prompt: &[u32],
+    lists: &[Vec<BlockId>],
+    tokens: u64,
+) -> Result<(), Failure> {
+    let num_tokens = prompt.len() as u64;
+    for (position, &token) in prompt.iter().enumerate().take(tokens as usize) {
+        let commit_state = (position as u64) + 1 < num_tokens;
+        leg.model
+            .step(&leg.memory, lists, position as u64, token, commit_state)
+            .map_err(|error| Failure::Engine(error.to_string()))?;
+    }
+    Ok(())
 }
 
-impl Handler<Decode> for Scheduler {
-    type Result = ResponseFuture<Result<Output, RequestError>>;
+/// A decode run: from the last prompt token, `max_tokens` tokens (at least one).
+struct Generation {
+    request: RequestId,
+    lists: Vec<Vec<BlockId>>,
+    slots: u64,
+    max_tokens: u32,
+    /// The attending token the window groups were last trimmed for (`None`: never).
+    windows_released_for: Option<u64>,
+    deadline_ms: u64,
+}
 
-    fn handle(&mut self, msg: Decode, _ctx: &mut Self::Context) -> Self::Result {
-        let leg = self.leg.clone();
-        Box::pin(async move { leg.decode(msg.params, msg.max_tokens, msg.deadline).await })
+/// Where a run of steps on the compute pool stopped.
+struct StepRun {
+    position: u64,
+    token: u32,
+    digest: LogitsDigest,
+    tokens: Vec<u32>,
+    /// A window group's oldest block fell out of the window at this attending token.
+    window_moved: bool,
+}
+
+/// Computes the last prompt token and `max_tokens - 1` more, greedily, on the compute pool.
+/// Steps run in batches: a batch ends where the allocator must act (more blocks as decoding
+/// passes the allocation, window blocks freed as the window moves). Stops between tokens once
+/// the deadline has passed.
+async fn generate(
+    leg: Arc<LegContext>,
+    prompt: Arc<[u32]>,
+    mut run: Generation,
+) -> Result<(Vec<u32>, u64), Failure> {
+    let first_position = prompt.len() as u64 - 1;
+    let end = first_position + u64::from(run.max_tokens.max(1));
+    let windows = leg.has_window_groups();
+    let mut state = StepRun {
+        position: first_position,
+        token: prompt[prompt.len() - 1],
+        digest: LogitsDigest::default(),
+        tokens: Vec::with_capacity(run.max_tokens as usize),
+        window_moved: false,
+    };
+    let alloc = |error: AllocError| Failure::Alloc(error.to_string());
+    let mailbox = |error: actix::MailboxError| Failure::Engine(format!("allocator unreachable: {error}"));
+    while state.position < end {
+        if state.position >= run.slots {
+            run.slots = state.position + 1;
+            let extend = Extend {
+                request: run.request,
+                slots: run.slots,
+            };
+            run.lists = leg
+                .allocator
+                .send(extend)
+                .await
+                .map_err(mailbox)?
+                .map_err(alloc)?;
+        }
+        let (batch_leg, lists, slots, released_for, deadline_ms) = (
+            leg.clone(),
+            run.lists.clone(),
+            run.slots,
+            run.windows_released_for,
+            run.deadline_ms,
+        );
+        state = leg
+            .compute
+            .run(move || {
+                let mut state = state;
+                state.window_moved = false;
+                while state.position < end && state.position < slots {
+                    if batch_leg.clock.now_ms() >= deadline_ms {
+                        return Err(Failure::DeadlinePassed);
+                    }
+                    let logits = batch_leg
+                        .model
+                        .step(&batch_leg.memory, &lists, state.position, state.token, true)
+                        .map_err(|error| Failure::Engine(error.to_string()))?;
+                    state.digest.update(&logits);
+                    state.token = argmax(&logits);
+                    state.tokens.push(state.token);
+                    state.position += 1;
+                    let attending_token = state.position;
+                    if windows
+                        && released_for.is_none_or(|from| {
+                            window_crosses_block(batch_leg.model.layout(), from, attending_token)
+                        })
+                    {
+                        state.window_moved = true;
+                        break;
+                    }
+                }
+                Ok(state)
+            })
+            .await?;
+        if state.window_moved {
+            let release = ReleaseWindow {
+                request: run.request,
+                attending_token: state.position,
+            };
+            run.lists = leg
+                .allocator
+                .send(release)
+                .await
+                .map_err(mailbox)?
+                .map_err(alloc)?;
+            run.windows_released_for = Some(state.position);
+        }
     }
+    Ok((state.tokens, state.digest.finish()))
 }
 
 /// Any leg: run a request alone, for reference.
@@ -664,7 +772,98 @@ impl Handler<Direct> for Scheduler {
     type Result = ResponseFuture<Result<Output, RequestError>>;
 
     fn handle(&mut self, msg: Direct, _ctx: &mut Self::Context) -> Self::Result {
-        let leg = self.leg.clone();
-        Box::pin(async move { leg.direct(msg.request, msg.prompt, msg.max_tokens).await })
+        Box::pin(direct(self.leg.clone(), msg))
+    }
+}
+
+/// One leg alone: compute the prompt and decode, waiting for blocks at most `alloc_wait_ms`.
+async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestError> {
+    let Direct {
+        request,
+        prompt,
+        max_tokens,
+    } = msg;
+    let num_tokens = prompt.len() as u64;
+    if num_tokens == 0 {
+        return Err(RequestError::EmptyPrompt);
+    }
+    let slots = num_tokens
+        .checked_add(leg.config.lookahead_tokens)
+        .ok_or(RequestError::SlotOverflow {
+            tokens: num_tokens,
+            lookahead_tokens: leg.config.lookahead_tokens,
+        })?;
+    let deadline_ms = leg.clock.now_ms() + leg.limits.request_timeout_ms;
+    let allocation = allocate_waiting(&leg, request, &prompt, slots).await?;
+    let result = async {
+        let lists = allocation.blocks.clone();
+        let (compute_leg, compute_prompt_tokens) = (leg.clone(), prompt.clone());
+        leg.compute
+            .run(move || compute_prompt(&compute_leg, &compute_prompt_tokens, &lists, num_tokens - 1))
+            .await?;
+        let run = Generation {
+            request,
+            lists: allocation.blocks.clone(),
+            slots,
+            max_tokens,
+            windows_released_for: None,
+            deadline_ms,
+        };
+        generate(leg.clone(), prompt.clone(), run).await
+    }
+    .await;
+    let finish = Finish {
+        request,
+        cache_prompt: None,
+    };
+    ask(&leg.allocator, finish, "allocator").await??;
+    let (tokens, logits_digest) = result.map_err(|failure| {
+        RequestError::from_failure(Stage::Decode, failure, leg.limits.request_timeout_ms)
+    })?;
+    Ok(Output {
+        request,
+        tokens,
+        logits_digest,
+        read_bytes: 0,
+        read_runs: 0,
+        cached_blocks: 0,
+    })
+}
+
+/// Allocates for a direct run, retrying as blocks are freed, for at most `alloc_wait_ms`.
+async fn allocate_waiting(
+    leg: &LegContext,
+    request: RequestId,
+    prompt: &Arc<[u32]>,
+    slots: u64,
+) -> Result<Allocation, RequestError> {
+    let wait = Duration::from_millis(leg.limits.alloc_wait_ms);
+    let until = tokio::time::Instant::now() + wait;
+    let mut freed = leg.freed.clone();
+    loop {
+        freed.borrow_and_update();
+        let message = Allocate {
+            request,
+            prompt: prompt.clone(),
+            slots,
+            attending_token: None,
+        };
+        let last = match ask(&leg.allocator, message, "allocator").await? {
+            Ok(allocation) => return Ok(allocation),
+            Err(error @ AllocError::OutOfBlocks { .. }) => error,
+            Err(error) => return Err(error.into()),
+        };
+        match tokio::time::timeout_at(until, freed.changed()).await {
+            Ok(Ok(())) => continue,
+            _ => {
+                return Err(RequestError::Failed {
+                    stage: Stage::Decode,
+                    failure: Failure::NoFreeBlocks {
+                        waited_ms: leg.limits.alloc_wait_ms,
+                        last: last.to_string(),
+                    },
+                });
+            }
+        }
     }
 }

@@ -20,7 +20,7 @@ pub struct Comparison {
     /// Bytes the decode leg read.
     pub read_bytes: u64,
     /// READ ranges posted.
-    pub read_runs: usize,
+    pub read_runs: u64,
 }
 
 /// The demo's prompt lengths: 102 lengths spread over 1..=1101 tokens.

@@ -7,21 +7,26 @@
 //! the copy it reads the prefill leg's generation words for every source block: a block freed and
 //! possibly reused during the copy fails the READ (fail closed), as does any partial transfer.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, Context, Handler, Message, ResponseFuture};
-use pdkv_core::plan::TransferPlan;
-use pdkv_core::wire::{GrantId, RequestId};
-use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp, ReadReport};
-
-use crate::error::RequestError;
-use crate::exchange::GenerationCheck;
+use pdkv_core::exchange::Pairing;
+use pdkv_core::layout::KvLayout;
+use pdkv_core::leg::{GenerationCheck, ReadDone};
+use pdkv_core::plan::{self, RegionLayout, TransferPlan};
+use pdkv_core::wire::{Failure, GrantId, NodeId, RequestId};
+use pdkv_transport::control::Hello;
+use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp};
 
 /// The transfer actor of one decode leg.
 pub struct TransferActor {
     engine: Arc<dyn ReadEngine>,
+    layout: KvLayout,
+    local_regions: RegionLayout,
+    /// Region layouts of the prefill legs this leg reads from, learned from their hellos.
+    remote_regions: HashMap<NodeId, RegionLayout>,
     /// Region id of group 0's generation table on every leg (layers come first).
     generation_region_base: u32,
     read_timeout: Duration,
@@ -29,15 +34,21 @@ pub struct TransferActor {
 }
 
 impl TransferActor {
-    /// A transfer actor over `engine`; generation tables start at region `generation_region_base`.
+    /// A transfer actor over `engine` for a leg whose memory is placed as `local_regions`;
+    /// generation tables start at region `generation_region_base`.
     pub fn new(
         engine: Arc<dyn ReadEngine>,
+        layout: KvLayout,
+        local_regions: RegionLayout,
         generation_region_base: u32,
         read_timeout: Duration,
         mailbox: usize,
     ) -> Self {
         TransferActor {
             engine,
+            layout,
+            local_regions,
+            remote_regions: HashMap::new(),
             generation_region_base,
             read_timeout,
             mailbox,
@@ -53,57 +64,112 @@ impl Actor for TransferActor {
     }
 }
 
-/// READ a plan from a prefill leg's engine.
+/// A prefill leg said hello: learn its READ engine and where its blocks sit.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<ReadReport, RequestError>")]
+#[rtype(result = "Result<(), Failure>")]
+pub struct AddPeer {
+    /// The prefill leg's hello.
+    pub hello: Hello,
+}
+
+impl Handler<AddPeer> for TransferActor {
+    type Result = Result<(), Failure>;
+
+    fn handle(&mut self, msg: AddPeer, _ctx: &mut Self::Context) -> Self::Result {
+        let ours = self.engine.descriptor().kind;
+        let advert = msg
+            .hello
+            .engines
+            .iter()
+            .find(|advert| advert.engine.kind == ours)
+            .ok_or_else(|| Failure::Read(format!("{} offers no {ours:?} READ engine", msg.hello.node)))?;
+        self.engine
+            .register_remote(&advert.engine, &advert.regions)
+            .map_err(|error| Failure::Read(error.to_string()))?;
+        self.remote_regions
+            .insert(msg.hello.node.clone(), msg.hello.regions.clone());
+        Ok(())
+    }
+}
+
+/// READ the paired blocks from a prefill leg.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<ReadDone, Failure>")]
 pub struct Read {
     /// The request (for logs).
     pub request: RequestId,
-    /// The prefill leg's engine.
-    pub remote: EngineKey,
+    /// The prefill leg.
+    pub prefill: NodeId,
     /// The grant the READ is made under.
     pub grant: GrantId,
-    /// Byte ranges per layer.
-    pub plan: TransferPlan,
+    /// Block pairs per group.
+    pub pairing: Pairing,
     /// Generations to verify after the copy.
     pub checks: Vec<GenerationCheck>,
 }
 
 impl Handler<Read> for TransferActor {
-    type Result = ResponseFuture<Result<ReadReport, RequestError>>;
+    type Result = ResponseFuture<Result<ReadDone, Failure>>;
 
     fn handle(&mut self, msg: Read, _ctx: &mut Self::Context) -> Self::Result {
+        let plan = match self.remote_regions.get(&msg.prefill) {
+            Some(remote) => plan::plan(&self.layout, &msg.pairing, &self.local_regions, remote)
+                .map_err(|error| Failure::Plan(error.to_string())),
+            None => Err(Failure::Read(format!("{} never said hello", msg.prefill))),
+        };
         let engine = self.engine.clone();
         let generation_region_base = self.generation_region_base;
         let read_timeout = self.read_timeout;
         Box::pin(async move {
-            let ops: Vec<ReadOp> = msg
-                .plan
-                .layers
-                .iter()
-                .map(|layer| ReadOp {
-                    grant: msg.grant,
-                    local_region: layer.local_region,
-                    remote_engine: msg.remote.clone(),
-                    remote_region: layer.remote_region,
-                    runs: layer.runs.clone(),
-                })
-                .collect();
-            let report = engine.batch_read(ops)?.wait(read_timeout).await?;
-            verify_generations(engine.as_ref(), &msg, generation_region_base).await?;
+            let plan = plan?;
+            let remote = EngineKey(msg.prefill.0.clone());
+            let report = read_plan(engine.as_ref(), &remote, msg.grant, &plan, read_timeout).await?;
+            verify_generations(engine.as_ref(), &remote, &msg, generation_region_base).await?;
             tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
             Ok(report)
         })
     }
 }
 
+async fn read_plan(
+    engine: &dyn ReadEngine,
+    remote: &EngineKey,
+    grant: GrantId,
+    plan: &TransferPlan,
+    read_timeout: Duration,
+) -> Result<ReadDone, Failure> {
+    let ops: Vec<ReadOp> = plan
+        .layers
+        .iter()
+        .map(|layer| ReadOp {
+            grant,
+            local_region: layer.local_region,
+            remote_engine: remote.clone(),
+            remote_region: layer.remote_region,
+            runs: layer.runs.clone(),
+        })
+        .collect();
+    let read = |error: pdkv_transport::engine::EngineError| Failure::Read(error.to_string());
+    let report = engine
+        .batch_read(ops)
+        .map_err(read)?
+        .wait(read_timeout)
+        .await
+        .map_err(read)?;
+    Ok(ReadDone {
+        bytes: report.bytes,
+        runs: report.runs as u64,
+    })
+}
+
 /// Reads the prefill leg's generation words after the copy: any change means a source block was
 /// freed (and maybe reused) while it was being read.
 async fn verify_generations(
     engine: &dyn ReadEngine,
+    remote: &EngineKey,
     msg: &Read,
     generation_region_base: u32,
-) -> Result<(), RequestError> {
+) -> Result<(), Failure> {
     let mut by_group: BTreeMap<usize, Vec<&GenerationCheck>> = BTreeMap::new();
     for check in &msg.checks {
         by_group.entry(check.group).or_default().push(check);
@@ -111,18 +177,14 @@ async fn verify_generations(
     for (group, checks) in by_group {
         let blocks: Vec<u32> = checks.iter().map(|check| check.block).collect();
         let found = engine
-            .read_remote_words(
-                &msg.remote,
-                msg.grant,
-                generation_region_base + group as u32,
-                &blocks,
-            )
-            .await?;
+            .read_remote_words(remote, msg.grant, generation_region_base + group as u32, &blocks)
+            .await
+            .map_err(|error| Failure::Read(error.to_string()))?;
         for (check, found) in checks.iter().zip(found) {
             if found != check.generation {
                 tracing::warn!(request = %msg.request, group, block = check.block, "stale block after read");
-                return Err(RequestError::StaleBlock {
-                    group,
+                return Err(Failure::StaleBlock {
+                    group: group as u64,
                     block: check.block,
                     expected: check.generation,
                     found,

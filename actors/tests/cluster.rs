@@ -7,13 +7,18 @@ use std::time::Duration;
 
 use pdkv_actors::allocator::{Allocate, Finish, Stats};
 use pdkv_actors::cluster::LocalCluster;
-use pdkv_actors::config::{ClusterConfig, DEFAULT_CLUSTER_TOML};
+use pdkv_actors::config::{ClusterConfig, DEFAULT_CLUSTER_TOML, LinkKind};
 use pdkv_actors::engine::prompt_tokens;
 use pdkv_actors::error::RequestError;
-use pdkv_actors::router::Generate;
-use pdkv_actors::scheduler::{Deadline, Decode, Prefill};
+use pdkv_actors::router::{DecodeOnly, Generate, PrefillOnly};
 use pdkv_actors::sweep::{self, legacy_predicted_failure};
-use pdkv_core::wire::{NodeId, RequestId};
+use pdkv_core::wire::{Failure, NodeId, RequestId, Stage};
+
+/// Starts `config` on `links`.
+async fn start(mut config: ClusterConfig, links: LinkKind) -> LocalCluster {
+    config.transport.links = links;
+    LocalCluster::start(config).await.unwrap()
+}
 
 /// The shipped cluster.toml with `(from, to)` replacements applied.
 fn config(edits: &[(&str, &str)]) -> ClusterConfig {
@@ -69,35 +74,38 @@ async fn release_decode_blocks(cluster: &LocalCluster) {
     decode.allocator.send(finish).await.unwrap().unwrap();
 }
 
-#[actix_rt::test]
-async fn pd_equals_direct_for_every_tail_combination() {
+async fn pd_equals_direct_for_every_tail_combination(links: LinkKind) {
     for (prefill, decode) in [(0, 0), (0, 9), (9, 0), (9, 9)] {
         let prefill_edit = format!("lookahead_tokens = {prefill}");
         let decode_edit = format!("lookahead_tokens = {decode}");
-        let cluster = LocalCluster::start(config(&[
-            ("lookahead_tokens = 0", &prefill_edit),
-            ("lookahead_tokens = 9", &decode_edit),
-        ]))
-        .unwrap();
+        let cluster = start(
+            config(&[
+                ("lookahead_tokens = 0", &prefill_edit),
+                ("lookahead_tokens = 9", &decode_edit),
+            ]),
+            links,
+        )
+        .await;
         assert_all_match(&cluster, BOUNDARY_LENGTHS).await;
         cluster.shutdown();
     }
 }
 
 /// The same through the heap-memory engine (the default engine is shared memory).
-#[actix_rt::test]
-async fn pd_equals_direct_through_the_local_engine_too() {
-    let cluster = LocalCluster::start(config(&[
-        ("read_engine = \"shm\"", "read_engine = \"local\""),
-        ("lookahead_tokens = 0", "lookahead_tokens = 5"),
-    ]))
-    .unwrap();
+async fn pd_equals_direct_through_the_local_engine_too(links: LinkKind) {
+    let cluster = start(
+        config(&[
+            ("read_engine = \"shm\"", "read_engine = \"local\""),
+            ("lookahead_tokens = 0", "lookahead_tokens = 5"),
+        ]),
+        links,
+    )
+    .await;
     assert_all_match(&cluster, BOUNDARY_LENGTHS).await;
     cluster.shutdown();
 }
 
-#[actix_rt::test]
-async fn pd_equals_direct_with_a_mamba_group_and_dcp() {
+async fn pd_equals_direct_with_a_mamba_group_and_dcp(links: LinkKind) {
     let text = r#"
         [model]
         seed = 11
@@ -126,7 +134,7 @@ async fn pd_equals_direct_with_a_mamba_group_and_dcp() {
         blocks_per_group = 32
         prefix_caching = true
     "#;
-    let cluster = LocalCluster::start(ClusterConfig::from_toml(text).unwrap()).unwrap();
+    let cluster = start(ClusterConfig::from_toml(text).unwrap(), links).await;
     let lengths: Vec<u64> = (1..=90).chain([127, 128, 129, 200, 255]).collect();
     assert_all_match(&cluster, &lengths).await;
     cluster.shutdown();
@@ -134,9 +142,8 @@ async fn pd_equals_direct_with_a_mamba_group_and_dcp() {
 
 /// After a first request, a second prompt sharing its first 300 tokens hits 4 full blocks
 /// (300 / 64) on the decode leg, and only the other positions are read: counted in bytes.
-#[actix_rt::test]
-async fn decode_prefix_hit_reads_only_the_suffix() {
-    let cluster = LocalCluster::start(config(&[])).unwrap();
+async fn decode_prefix_hit_reads_only_the_suffix(links: LinkKind) {
+    let cluster = start(config(&[]), links).await;
     let first = prompt_tokens(5, 300, 256);
     let mut second = first.clone();
     second.extend(prompt_tokens(6, 100, 256));
@@ -160,9 +167,12 @@ async fn decode_prefix_hit_reads_only_the_suffix() {
 
 /// With legacy pairing, P/D differs from direct exactly where the seed predicts: prompts longer
 /// than the window whose decode-side lookahead tail adds a block; everywhere else it matches.
-#[actix_rt::test]
-async fn legacy_pairing_fails_exactly_on_predicted_lengths() {
-    let cluster = LocalCluster::start(config(&[("pairing = \"anchored\"", "pairing = \"legacy\"")])).unwrap();
+async fn legacy_pairing_fails_exactly_on_predicted_lengths(links: LinkKind) {
+    let cluster = start(
+        config(&[("pairing = \"anchored\"", "pairing = \"legacy\"")]),
+        links,
+    )
+    .await;
     let mut failures = Vec::new();
     let mut predicted = Vec::new();
     for length in 1..=460u64 {
@@ -186,13 +196,12 @@ async fn legacy_pairing_fails_exactly_on_predicted_lengths() {
 
 const DECODE_BLOCKS: &str = "blocks_per_group = 64\nprefix_caching = true";
 
-#[actix_rt::test]
-async fn a_leg_too_small_for_a_prompt_fails_clearly_and_leaks_nothing() {
-    let cluster = LocalCluster::start(config(&[(
-        DECODE_BLOCKS,
-        "blocks_per_group = 4\nprefix_caching = true",
-    )]))
-    .unwrap();
+async fn a_leg_too_small_for_a_prompt_fails_clearly_and_leaks_nothing(links: LinkKind) {
+    let cluster = start(
+        config(&[(DECODE_BLOCKS, "blocks_per_group = 4\nprefix_caching = true")]),
+        links,
+    )
+    .await;
     let error = cluster.generate(prompt_tokens(1, 300, 256), 4).await.unwrap_err();
     assert!(matches!(error, RequestError::PromptTooLong(_)), "{error}");
     assert_eq!(
@@ -207,13 +216,12 @@ async fn a_leg_too_small_for_a_prompt_fails_clearly_and_leaks_nothing() {
 
 /// Six concurrent requests on a decode leg that fits two at a time: the rest wait for blocks
 /// and all complete with the right output.
-#[actix_rt::test]
-async fn requests_wait_for_blocks_and_all_complete() {
-    let cluster = LocalCluster::start(config(&[(
-        DECODE_BLOCKS,
-        "blocks_per_group = 12\nprefix_caching = true",
-    )]))
-    .unwrap();
+async fn requests_wait_for_blocks_and_all_complete(links: LinkKind) {
+    let cluster = start(
+        config(&[(DECODE_BLOCKS, "blocks_per_group = 12\nprefix_caching = true")]),
+        links,
+    )
+    .await;
     let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt_tokens(100 + i, 250, 256)).collect();
     let pending: Vec<_> = prompts
         .iter()
@@ -237,13 +245,15 @@ async fn requests_wait_for_blocks_and_all_complete() {
 }
 
 /// A full wait queue refuses at once; a wait past `alloc_wait_ms` fails with the last refusal.
-#[actix_rt::test]
-async fn waits_for_blocks_are_bounded_in_count_and_time() {
-    let cluster = LocalCluster::start(config(&[
-        ("alloc_wait_ms = 5000", "alloc_wait_ms = 1000"),
-        ("wait_queue = 64", "wait_queue = 1"),
-    ]))
-    .unwrap();
+async fn waits_for_blocks_are_bounded_in_count_and_time(links: LinkKind) {
+    let cluster = start(
+        config(&[
+            ("alloc_wait_ms = 5000", "alloc_wait_ms = 1000"),
+            ("wait_queue = 64", "wait_queue = 1"),
+        ]),
+        links,
+    )
+    .await;
     hold_every_decode_block(&cluster).await;
     let pending: Vec<_> = (0..3)
         .map(|i| {
@@ -259,11 +269,27 @@ async fn waits_for_blocks_are_bounded_in_count_and_time() {
     }
     let timeouts = errors
         .iter()
-        .filter(|error| matches!(error, RequestError::AllocTimeout { .. }))
+        .filter(|error| {
+            matches!(
+                error,
+                RequestError::Failed {
+                    stage: Stage::Decode,
+                    failure: Failure::NoFreeBlocks { waited_ms: 1000, .. }
+                }
+            )
+        })
         .count();
     let refused = errors
         .iter()
-        .filter(|error| matches!(error, RequestError::QueueFull { .. }))
+        .filter(|error| {
+            matches!(
+                error,
+                RequestError::Failed {
+                    stage: Stage::Decode,
+                    failure: Failure::QueueFull { capacity: 1, .. }
+                }
+            )
+        })
         .count();
     assert_eq!((timeouts, refused), (1, 2), "{errors:?}");
     assert!(
@@ -279,9 +305,8 @@ async fn waits_for_blocks_are_bounded_in_count_and_time() {
 
 /// A READ that stops half-way fails the request (fail closed), frees everything, and the next
 /// request is served correctly.
-#[actix_rt::test]
-async fn a_partial_read_fails_closed_and_leaks_nothing() {
-    let cluster = LocalCluster::start(config(&[])).unwrap();
+async fn a_partial_read_fails_closed_and_leaks_nothing(links: LinkKind) {
+    let cluster = start(config(&[]), links).await;
     cluster
         .leg("decode-0")
         .unwrap()
@@ -294,21 +319,19 @@ async fn a_partial_read_fails_closed_and_leaks_nothing() {
     cluster.shutdown();
 }
 
-fn prefill_only(request: u64) -> Prefill {
-    Prefill {
-        request: RequestId(request),
-        prompt: prompt_tokens(1, 300, 256).into(),
-        peer: NodeId("decode-0".into()),
-        deadline: Deadline::after(Duration::from_secs(30)),
+fn prefill_only() -> PrefillOnly {
+    PrefillOnly {
+        prefill: NodeId("prefill-0".into()),
+        decode: NodeId("decode-0".into()),
+        prompt: prompt_tokens(1, 300, 256),
     }
 }
 
 /// A grant nobody reads expires with its lease and its blocks come back.
-#[actix_rt::test]
-async fn an_unread_grant_expires_and_frees_its_blocks() {
-    let cluster = LocalCluster::start(config(&[("lease_ms = 10000", "lease_ms = 30")])).unwrap();
+async fn an_unread_grant_expires_and_frees_its_blocks(links: LinkKind) {
+    let cluster = start(config(&[("lease_ms = 10000", "lease_ms = 30")]), links).await;
     let prefill = cluster.leg("prefill-0").unwrap();
-    prefill.scheduler.send(prefill_only(7)).await.unwrap().unwrap();
+    cluster.router().send(prefill_only()).await.unwrap().unwrap();
     let held = prefill.allocator.send(Stats).await.unwrap();
     assert_eq!(held.grants, 1);
     assert!(!held.is_idle());
@@ -318,38 +341,45 @@ async fn an_unread_grant_expires_and_frees_its_blocks() {
 
 /// A decode leg that reads after the grant's lease lapsed (its blocks freed and reused) fails
 /// with a stale-block error instead of decoding from someone else's KV.
-#[actix_rt::test]
-async fn a_read_after_the_lease_lapsed_fails_closed() {
-    let cluster = LocalCluster::start(config(&[("lease_ms = 10000", "lease_ms = 30")])).unwrap();
+async fn a_read_after_the_lease_lapsed_fails_closed(links: LinkKind) {
+    let cluster = start(config(&[("lease_ms = 10000", "lease_ms = 30")]), links).await;
     let prefill = cluster.leg("prefill-0").unwrap();
-    let params = prefill.scheduler.send(prefill_only(7)).await.unwrap().unwrap();
+    let params = cluster.router().send(prefill_only()).await.unwrap().unwrap();
+    assert_eq!(params.prefill_incarnation, prefill.incarnation);
     assert_idle(&cluster).await;
     // Reuse the freed blocks for another prompt.
     assert!(sweep::compare(&cluster, 300, 2).await.matched);
-    let decode = cluster.leg("decode-0").unwrap();
-    let error = decode
-        .scheduler
-        .send(Decode {
+    let error = cluster
+        .router()
+        .send(DecodeOnly {
+            decode: NodeId("decode-0".into()),
             params,
             max_tokens: 4,
-            deadline: Deadline::after(Duration::from_secs(30)),
         })
         .await
         .unwrap()
         .unwrap_err();
-    assert!(matches!(error, RequestError::StaleBlock { .. }), "{error}");
+    assert!(
+        matches!(
+            error,
+            RequestError::Failed {
+                stage: Stage::Read,
+                failure: Failure::StaleBlock { .. }
+            }
+        ),
+        "{error}"
+    );
     assert_idle(&cluster).await;
     cluster.shutdown();
 }
 
 /// A decode leg that waits for blocks several leases long renews the grant meanwhile, so the
 /// prefill leg keeps the KV and the request still decodes correctly.
-#[actix_rt::test]
-async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant() {
+async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant(links: LinkKind) {
     // Long enough that a loaded CI machine cannot delay one renewal (every 100 ms) past it.
     let lease_ms = 300;
     let lease_edit = format!("lease_ms = {lease_ms}");
-    let cluster = LocalCluster::start(config(&[("lease_ms = 10000", &lease_edit)])).unwrap();
+    let cluster = start(config(&[("lease_ms = 10000", &lease_edit)]), links).await;
     hold_every_decode_block(&cluster).await;
     let prompt = prompt_tokens(4, 300, 256);
     let pending = cluster.router().send(Generate {
@@ -455,17 +485,15 @@ const HYBRID_ALL_BUT_LAST: &str = r#"
 /// A prefill leg that computes only the first N - 1 tokens (vLLM's hybrid prefill) pairs with
 /// the decode leg at every length 1..=300 of a full + window + mamba layout: P/D equals direct,
 /// the decode leg reads exactly the blocks holding tokens up to N - 2, nothing leaks.
-#[actix_rt::test]
-async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_hybrid_layout() {
+async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_hybrid_layout(links: LinkKind) {
     let config = ClusterConfig::from_toml(HYBRID_ALL_BUT_LAST).unwrap();
-    let cluster = LocalCluster::start(config).unwrap();
+    let cluster = start(config, links).await;
     assert_all_match_reading_exactly(&cluster, 1..=300).await;
     cluster.shutdown();
 }
 
 /// The same with a DCP = 2 full group (blocks of 2 x 8 tokens) and a decode-side tail.
-#[actix_rt::test]
-async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_dcp_layout() {
+async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_dcp_layout(links: LinkKind) {
     let text = r#"
         [model]
         seed = 9
@@ -488,18 +516,17 @@ async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_dcp_layout() {
         lookahead_tokens = 5
         blocks_per_group = 48
     "#;
-    let cluster = LocalCluster::start(ClusterConfig::from_toml(text).unwrap()).unwrap();
+    let cluster = start(ClusterConfig::from_toml(text).unwrap(), links).await;
     assert_all_match_reading_exactly(&cluster, 1..=300).await;
     cluster.shutdown();
 }
 
 /// Whether the prefill leg computes every token or stops at N - 1, the default shipped layout
 /// reads the same bytes and decodes the same output at its boundary lengths.
-#[actix_rt::test]
-async fn both_prefill_token_settings_read_the_same_bytes() {
+async fn both_prefill_token_settings_read_the_same_bytes(links: LinkKind) {
     for setting in ["all", "all_but_last"] {
         let edit = format!("lookahead_tokens = 0\nprefill_tokens = \"{setting}\"");
-        let cluster = LocalCluster::start(config(&[("lookahead_tokens = 0", &edit)])).unwrap();
+        let cluster = start(config(&[("lookahead_tokens = 0", &edit)]), links).await;
         assert_all_match_reading_exactly(&cluster, BOUNDARY_LENGTHS.iter().copied()).await;
         cluster.shutdown();
     }
@@ -508,8 +535,7 @@ async fn both_prefill_token_settings_read_the_same_bytes() {
 /// A decode leg whose prefix cache holds every block it needs reads no attention bytes: with
 /// N = 129 and B = 64 the needed tokens 0..=127 fill blocks 0 and 1, both cached by the first
 /// request; only the mamba state is read.
-#[actix_rt::test]
-async fn a_prefix_hit_covering_every_needed_block_reads_no_attention_bytes() {
+async fn a_prefix_hit_covering_every_needed_block_reads_no_attention_bytes(links: LinkKind) {
     let text = r#"
         [model]
         seed = 3
@@ -534,7 +560,7 @@ async fn a_prefix_hit_covering_every_needed_block_reads_no_attention_bytes() {
     "#;
     let config = ClusterConfig::from_toml(text).unwrap();
     let mamba_state_bytes = 8 * 4;
-    let cluster = LocalCluster::start(config.clone()).unwrap();
+    let cluster = start(config.clone(), links).await;
     let prompt = prompt_tokens(21, 129, 64);
     let first = cluster.generate(prompt.clone(), 2).await.unwrap();
     assert_eq!(first.read_bytes, expected_read_bytes(&config, 129, &[]));
@@ -553,14 +579,13 @@ async fn a_prefix_hit_covering_every_needed_block_reads_no_attention_bytes() {
 
 /// `all_but_last` really stops at N - 1: a prefill leg with one 16-token block per group serves
 /// a 17-token prompt that way, and refuses it when it must compute all 17 tokens.
-#[actix_rt::test]
-async fn a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer() {
+async fn a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer(links: LinkKind) {
     let one_block = HYBRID_ALL_BUT_LAST
         .replacen("window = 20", "window = 32", 1)
         .replacen("block_size = 8", "block_size = 16", 1)
         .replacen("blocks_per_group = 48", "blocks_per_group = 1", 1);
     let config = ClusterConfig::from_toml(&one_block).unwrap();
-    let cluster = LocalCluster::start(config.clone()).unwrap();
+    let cluster = start(config.clone(), links).await;
     let prompt = prompt_tokens(1, 17, 64);
     let pd = cluster.generate(prompt.clone(), 2).await.unwrap();
     // The prefill leg cannot run the prompt alone, so the reference runs on the decode leg.
@@ -573,7 +598,7 @@ async fn a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer() {
     assert_idle(&cluster).await;
     cluster.shutdown();
     let all = one_block.replacen("prefill_tokens = \"all_but_last\"", "prefill_tokens = \"all\"", 1);
-    let cluster = LocalCluster::start(ClusterConfig::from_toml(&all).unwrap()).unwrap();
+    let cluster = start(ClusterConfig::from_toml(&all).unwrap(), links).await;
     let error = cluster.generate(prompt_tokens(1, 17, 64), 2).await.unwrap_err();
     assert_eq!(
         error.to_string(),
@@ -586,13 +611,15 @@ async fn a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer() {
 /// A request that times out in its prefill stage releases the grant at once: the prefill leg
 /// grants nothing past the deadline, and a grant already on its way is released by the router.
 /// The lease is a minute long, so only an explicit release frees the blocks within the wait.
-#[actix_rt::test]
-async fn a_request_timing_out_in_prefill_leaves_no_grant_pinned() {
-    let cluster = LocalCluster::start(config(&[
-        ("request_timeout_ms = 30000", "request_timeout_ms = 1"),
-        ("lease_ms = 10000", "lease_ms = 60000"),
-    ]))
-    .unwrap();
+async fn a_request_timing_out_in_prefill_leaves_no_grant_pinned(links: LinkKind) {
+    let cluster = start(
+        config(&[
+            ("request_timeout_ms = 30000", "request_timeout_ms = 1"),
+            ("lease_ms = 10000", "lease_ms = 60000"),
+        ]),
+        links,
+    )
+    .await;
     for length in [300, 1000] {
         let error = cluster
             .generate(prompt_tokens(8, length, 256), 2)
@@ -612,15 +639,17 @@ async fn a_request_timing_out_in_prefill_leaves_no_grant_pinned() {
 
 /// A decode leg still waiting for blocks when the deadline passes stops waiting, releases the
 /// grant and fails with the stage named, instead of renewing the lease until `alloc_wait_ms`.
-#[actix_rt::test]
-async fn a_request_timing_out_in_decode_releases_its_grant_by_the_deadline() {
+async fn a_request_timing_out_in_decode_releases_its_grant_by_the_deadline(links: LinkKind) {
     // A 20-token prefill takes milliseconds even on a loaded machine, far inside the 1 s budget.
-    let cluster = LocalCluster::start(config(&[
-        ("request_timeout_ms = 30000", "request_timeout_ms = 1000"),
-        ("lease_ms = 10000", "lease_ms = 60000"),
-        ("alloc_wait_ms = 5000", "alloc_wait_ms = 60000"),
-    ]))
-    .unwrap();
+    let cluster = start(
+        config(&[
+            ("request_timeout_ms = 30000", "request_timeout_ms = 1000"),
+            ("lease_ms = 10000", "lease_ms = 60000"),
+            ("alloc_wait_ms = 5000", "alloc_wait_ms = 60000"),
+        ]),
+        links,
+    )
+    .await;
     hold_every_decode_block(&cluster).await;
     let error = cluster.generate(prompt_tokens(9, 20, 256), 2).await.unwrap_err();
     assert_eq!(
@@ -640,3 +669,47 @@ async fn a_request_timing_out_in_decode_releases_its_grant_by_the_deadline() {
     assert!(sweep::compare(&cluster, 100, 2).await.matched);
     cluster.shutdown();
 }
+
+/// Every scenario above, once on in-process links and once on QUIC links.
+macro_rules! on_both_links {
+    ($($name:ident),* $(,)?) => {
+        mod local_links {
+            $(
+                #[actix_rt::test]
+                async fn $name() {
+                    super::$name(super::LinkKind::Local).await;
+                }
+            )*
+        }
+        mod quic_links {
+            $(
+                #[actix_rt::test]
+                async fn $name() {
+                    super::$name(super::LinkKind::Quic).await;
+                }
+            )*
+        }
+    };
+}
+
+on_both_links!(
+    pd_equals_direct_for_every_tail_combination,
+    pd_equals_direct_through_the_local_engine_too,
+    pd_equals_direct_with_a_mamba_group_and_dcp,
+    decode_prefix_hit_reads_only_the_suffix,
+    legacy_pairing_fails_exactly_on_predicted_lengths,
+    a_leg_too_small_for_a_prompt_fails_clearly_and_leaks_nothing,
+    requests_wait_for_blocks_and_all_complete,
+    waits_for_blocks_are_bounded_in_count_and_time,
+    a_partial_read_fails_closed_and_leaks_nothing,
+    an_unread_grant_expires_and_frees_its_blocks,
+    a_read_after_the_lease_lapsed_fails_closed,
+    a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant,
+    a_prefill_leg_stopping_at_n_minus_1_serves_a_hybrid_layout,
+    a_prefill_leg_stopping_at_n_minus_1_serves_a_dcp_layout,
+    both_prefill_token_settings_read_the_same_bytes,
+    a_prefix_hit_covering_every_needed_block_reads_no_attention_bytes,
+    a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer,
+    a_request_timing_out_in_prefill_leaves_no_grant_pinned,
+    a_request_timing_out_in_decode_releases_its_grant_by_the_deadline,
+);

@@ -31,7 +31,7 @@ use crate::allocator::{AllocError, Allocation};
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::exchange::{self, Pairing, PairingMode};
 use crate::layout::KvLayout;
-use crate::wire::{Body, DecodeOutput, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage};
+use crate::wire::{Body, DecodeOutput, Failure, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage};
 
 /// How much of a prompt a prefill leg computes and keeps.
 ///
@@ -214,6 +214,8 @@ pub struct PrefillMachine {
     /// Token slots the request asks for (computed tokens plus lookahead, at least 1).
     slots: u64,
     state: PrefillState,
+    /// The allocator's last refusal while waiting for blocks.
+    last_refusal: String,
     allocated: bool,
     aborted: bool,
     offer: Option<exchange::Offer>,
@@ -242,13 +244,14 @@ impl PrefillMachine {
             deadline_ms,
             slots: 0,
             state: PrefillState::Allocating,
+            last_refusal: String::new(),
             allocated: false,
             aborted: false,
             offer: None,
             commands: VecDeque::new(),
         };
         if machine.prompt.is_empty() {
-            machine.fail("empty prompt: at least one token is required".into());
+            machine.fail(Failure::EmptyPrompt);
         } else if now_ms >= deadline_ms {
             machine.fail_timeout();
         } else {
@@ -260,10 +263,10 @@ impl PrefillMachine {
                         .commands
                         .push_back(PrefillCommand::Allocate { slots: machine.slots });
                 }
-                None => machine.fail(format!(
-                    "{computed} prompt tokens plus {} lookahead tokens overflow the slot count",
-                    machine.config.lookahead_tokens
-                )),
+                None => machine.fail(Failure::SlotOverflow {
+                    tokens: computed,
+                    lookahead_tokens: machine.config.lookahead_tokens,
+                }),
             }
         }
         machine
@@ -312,7 +315,10 @@ impl PrefillMachine {
                     self.commands.push_back(PrefillCommand::Compute { tokens });
                 }
             }
-            Err(AllocError::OutOfBlocks { .. }) if !self.aborted && now_ms < self.alloc_deadline_ms => {
+            Err(error @ AllocError::OutOfBlocks { .. })
+                if !self.aborted && now_ms < self.alloc_deadline_ms =>
+            {
+                self.last_refusal = error.to_string();
                 self.state = PrefillState::WaitingForBlocks {
                     until_ms: self.alloc_deadline_ms,
                 };
@@ -325,13 +331,28 @@ impl PrefillMachine {
                 if now_ms >= self.deadline_ms {
                     self.fail_timeout();
                 } else {
-                    self.fail(format!(
-                        "no free blocks within {} ms: {error}",
-                        self.config.alloc_wait_ms
-                    ));
+                    self.fail(Failure::NoFreeBlocks {
+                        waited_ms: self.config.alloc_wait_ms,
+                        last: error.to_string(),
+                    });
                 }
             }
-            Err(error) => self.fail(format!("allocation failed: {error}")),
+            Err(error) => self.fail(Failure::Alloc(error.to_string())),
+        }
+    }
+
+    /// Whether the request waits for blocks (the shell bounds how many may).
+    pub fn is_waiting_for_blocks(&self) -> bool {
+        matches!(self.state, PrefillState::WaitingForBlocks { .. })
+    }
+
+    /// The leg's wait queue is full: a request that would wait for blocks fails at once.
+    pub fn handle_queue_full(&mut self, capacity: u64) {
+        if self.is_waiting_for_blocks() {
+            self.fail(Failure::QueueFull {
+                leg: self.config.node.clone(),
+                capacity,
+            });
         }
     }
 
@@ -345,13 +366,13 @@ impl PrefillMachine {
     }
 
     /// The engine answered [`PrefillCommand::Compute`].
-    pub fn handle_computed(&mut self, result: Result<(), String>, now_ms: u64) {
+    pub fn handle_computed(&mut self, result: Result<(), Failure>, now_ms: u64) {
         if self.state != PrefillState::Computing {
             return;
         }
         match result {
             _ if self.aborted => self.finish_quietly(),
-            Err(reason) => self.fail(format!("engine failed: {reason}")),
+            Err(reason) => self.fail(reason),
             Ok(()) if now_ms >= self.deadline_ms => self.fail_timeout(),
             Ok(()) => {
                 self.state = PrefillState::ReleasingWindow;
@@ -372,7 +393,7 @@ impl PrefillMachine {
         }
         let lists = match lists {
             Ok(lists) => lists,
-            Err(error) => return self.fail(format!("allocation failed: {error}")),
+            Err(error) => return self.fail(Failure::Alloc(error.to_string())),
         };
         let offer = match self.config.pairing {
             PairingMode::Anchored => exchange::offer(&self.config.layout, self.num_tokens(), &lists),
@@ -392,13 +413,13 @@ impl PrefillMachine {
                     peer: self.decode.clone(),
                 });
             }
-            Err(error) => self.fail(format!("exchange failed: {error}")),
+            Err(error) => self.fail(Failure::Exchange(error.to_string())),
         }
     }
 
     /// The allocator answered [`PrefillCommand::Grant`]. Past the deadline, or after an abort,
     /// the grant is revoked at once instead of handed out.
-    pub fn handle_granted(&mut self, result: Result<IssuedGrant, String>, now_ms: u64) {
+    pub fn handle_granted(&mut self, result: Result<IssuedGrant, Failure>, now_ms: u64) {
         if self.state != PrefillState::Granting {
             return;
         }
@@ -408,7 +429,7 @@ impl PrefillMachine {
                 let _ = reason;
                 return self.finish_quietly();
             }
-            Err(reason) => return self.fail(format!("grant failed: {reason}")),
+            Err(reason) => return self.fail(reason),
         };
         if self.aborted || now_ms >= self.deadline_ms {
             self.commands
@@ -423,7 +444,7 @@ impl PrefillMachine {
         self.commands.push_back(PrefillCommand::Finish);
         self.allocated = false;
         let Some(offer) = self.offer.take() else {
-            return self.fail("granted without an offer".into());
+            return self.fail(Failure::Grant("granted without an offer".into()));
         };
         let params = KvParams {
             request: self.request,
@@ -459,7 +480,10 @@ impl PrefillMachine {
             if now_ms >= self.deadline_ms {
                 self.fail_timeout();
             } else {
-                self.fail(format!("no free blocks within {} ms", self.config.alloc_wait_ms));
+                self.fail(Failure::NoFreeBlocks {
+                    waited_ms: self.config.alloc_wait_ms,
+                    last: self.last_refusal.clone(),
+                });
             }
         }
     }
@@ -479,7 +503,7 @@ impl PrefillMachine {
         self.state = PrefillState::Done;
     }
 
-    fn fail(&mut self, reason: String) {
+    fn fail(&mut self, reason: Failure) {
         self.finish_quietly();
         self.send_router(Body::Failed {
             stage: Stage::Prefill,
@@ -488,7 +512,7 @@ impl PrefillMachine {
     }
 
     fn fail_timeout(&mut self) {
-        self.fail("deadline passed".into());
+        self.fail(Failure::DeadlinePassed);
     }
 }
 
@@ -568,6 +592,8 @@ pub struct DecodeMachine {
     /// Token slots the request asks for (prompt plus lookahead).
     slots: u64,
     state: DecodeState,
+    /// The allocator's last refusal while waiting for blocks.
+    last_refusal: String,
     /// Next lease renewal, while the grant is held.
     renew_at_ms: Option<u64>,
     allocated: Option<Allocation>,
@@ -597,6 +623,7 @@ impl DecodeMachine {
             deadline_ms,
             slots: 0,
             state: DecodeState::Allocating,
+            last_refusal: String::new(),
             allocated: None,
             read: ReadDone::default(),
             aborted: false,
@@ -604,20 +631,17 @@ impl DecodeMachine {
         };
         let num_tokens = machine.params.prompt.len() as u64;
         if num_tokens == 0 {
-            machine.fail(
-                Stage::Decode,
-                "empty prompt: at least one token is required".into(),
-            );
+            machine.fail(Stage::Decode, Failure::EmptyPrompt);
         } else if machine.params.offer.num_prompt_tokens != num_tokens {
             machine.fail(
                 Stage::Decode,
-                format!(
-                    "bad kv params: offer is for {} tokens, prompt has {num_tokens}",
+                Failure::BadParams(format!(
+                    "offer is for {} tokens, prompt has {num_tokens}",
                     machine.params.offer.num_prompt_tokens
-                ),
+                )),
             );
         } else if now_ms >= deadline_ms {
-            machine.fail(Stage::Decode, "deadline passed".into());
+            machine.fail(Stage::Decode, Failure::DeadlinePassed);
         } else {
             match num_tokens.checked_add(machine.config.lookahead_tokens) {
                 Some(slots) => {
@@ -627,10 +651,16 @@ impl DecodeMachine {
                         attending_token: num_tokens - 1,
                     });
                 }
-                None => machine.fail(
-                    Stage::Decode,
-                    "prompt plus lookahead overflow the slot count".into(),
-                ),
+                None => {
+                    let lookahead_tokens = machine.config.lookahead_tokens;
+                    machine.fail(
+                        Stage::Decode,
+                        Failure::SlotOverflow {
+                            tokens: num_tokens,
+                            lookahead_tokens,
+                        },
+                    )
+                }
             }
         }
         machine
@@ -683,7 +713,10 @@ impl DecodeMachine {
         }
         let allocation = match result {
             Ok(allocation) => allocation,
-            Err(AllocError::OutOfBlocks { .. }) if !self.aborted && now_ms < self.alloc_deadline_ms => {
+            Err(error @ AllocError::OutOfBlocks { .. })
+                if !self.aborted && now_ms < self.alloc_deadline_ms =>
+            {
+                self.last_refusal = error.to_string();
                 self.state = DecodeState::WaitingForBlocks {
                     until_ms: self.alloc_deadline_ms,
                 };
@@ -693,18 +726,21 @@ impl DecodeMachine {
             Err(error @ AllocError::OutOfBlocks { .. }) if now_ms < self.deadline_ms => {
                 return self.fail(
                     Stage::Decode,
-                    format!("no free blocks within {} ms: {error}", self.config.alloc_wait_ms),
+                    Failure::NoFreeBlocks {
+                        waited_ms: self.config.alloc_wait_ms,
+                        last: error.to_string(),
+                    },
                 );
             }
-            Err(AllocError::OutOfBlocks { .. }) => return self.fail(Stage::Decode, "deadline passed".into()),
-            Err(error) => return self.fail(Stage::Decode, format!("allocation failed: {error}")),
+            Err(AllocError::OutOfBlocks { .. }) => return self.fail(Stage::Decode, Failure::DeadlinePassed),
+            Err(error) => return self.fail(Stage::Decode, Failure::Alloc(error.to_string())),
         };
         self.allocated = Some(allocation);
         if self.aborted {
             return self.end_quietly();
         }
         if now_ms >= self.deadline_ms {
-            return self.fail(Stage::Decode, "deadline passed".into());
+            return self.fail(Stage::Decode, Failure::DeadlinePassed);
         }
         match self.pair() {
             Ok((pairing, checks)) => {
@@ -715,9 +751,9 @@ impl DecodeMachine {
         }
     }
 
-    fn pair(&self) -> Result<(Pairing, Vec<GenerationCheck>), String> {
+    fn pair(&self) -> Result<(Pairing, Vec<GenerationCheck>), Failure> {
         let Some(allocation) = &self.allocated else {
-            return Err("paired before allocating".into());
+            return Err(Failure::Exchange("paired before allocating".into()));
         };
         let layout = &self.config.layout;
         let offer = &self.params.offer;
@@ -739,10 +775,22 @@ impl DecodeMachine {
                 )
             }
         }
-        .map_err(|error| format!("exchange failed: {error}"))?;
-        let checks =
-            generation_checks(&self.params, &pairing).map_err(|reason| format!("bad kv params: {reason}"))?;
+        .map_err(|error| Failure::Exchange(error.to_string()))?;
+        let checks = generation_checks(&self.params, &pairing).map_err(Failure::BadParams)?;
         Ok((pairing, checks))
+    }
+
+    /// Whether the request waits for blocks (the shell bounds how many may).
+    pub fn is_waiting_for_blocks(&self) -> bool {
+        matches!(self.state, DecodeState::WaitingForBlocks { .. })
+    }
+
+    /// The leg's wait queue is full: a request that would wait for blocks fails at once.
+    pub fn handle_queue_full(&mut self, capacity: u64) {
+        if self.is_waiting_for_blocks() {
+            let leg = self.config.node.clone();
+            self.fail(Stage::Decode, Failure::QueueFull { leg, capacity });
+        }
     }
 
     /// Blocks were freed on this leg: a request waiting for blocks tries again.
@@ -758,15 +806,15 @@ impl DecodeMachine {
 
     /// The READ engine answered [`DecodeCommand::Read`] (complete and verified, or failed: a
     /// partial READ is a failure). The grant is released either way.
-    pub fn handle_read_done(&mut self, result: Result<ReadDone, String>, now_ms: u64) {
+    pub fn handle_read_done(&mut self, result: Result<ReadDone, Failure>, now_ms: u64) {
         if self.state != DecodeState::Reading {
             return;
         }
         self.release_grant();
         match result {
             _ if self.aborted => self.end_quietly(),
-            Err(reason) => self.fail(Stage::Read, format!("read failed: {reason}")),
-            Ok(_) if now_ms >= self.deadline_ms => self.fail(Stage::Read, "deadline passed".into()),
+            Err(reason) => self.fail(Stage::Read, reason),
+            Ok(_) if now_ms >= self.deadline_ms => self.fail(Stage::Read, Failure::DeadlinePassed),
             Ok(done) => {
                 self.read = done;
                 self.state = DecodeState::Generating;
@@ -780,7 +828,7 @@ impl DecodeMachine {
     }
 
     /// The engine answered [`DecodeCommand::Generate`]: tokens and their logits digest.
-    pub fn handle_generated(&mut self, result: Result<(Vec<u32>, u64), String>) {
+    pub fn handle_generated(&mut self, result: Result<(Vec<u32>, u64), Failure>) {
         if self.state != DecodeState::Generating {
             return;
         }
@@ -846,9 +894,12 @@ impl DecodeMachine {
             && now_ms >= until_ms
         {
             let reason = if now_ms >= self.deadline_ms {
-                "deadline passed".to_string()
+                Failure::DeadlinePassed
             } else {
-                format!("no free blocks within {} ms", self.config.alloc_wait_ms)
+                Failure::NoFreeBlocks {
+                    waited_ms: self.config.alloc_wait_ms,
+                    last: self.last_refusal.clone(),
+                }
             };
             self.fail(Stage::Decode, reason);
         }
@@ -886,7 +937,7 @@ impl DecodeMachine {
         self.state = DecodeState::Done;
     }
 
-    fn fail(&mut self, stage: Stage, reason: String) {
+    fn fail(&mut self, stage: Stage, reason: Failure) {
         self.end_quietly();
         self.send_router(Body::Failed { stage, reason });
     }
@@ -913,7 +964,7 @@ pub enum RequestOutcome {
         /// Where.
         stage: Stage,
         /// Why.
-        reason: String,
+        reason: Failure,
     },
 }
 
@@ -976,7 +1027,7 @@ impl RouterMachine {
             commands: VecDeque::new(),
         };
         if now_ms >= deadline_ms {
-            machine.complete_failed(Stage::Router, "deadline passed before the request started".into());
+            machine.complete_failed(Stage::Router, Failure::DeadlinePassed);
         } else {
             machine.commands.push_back(RouterCommand::Send {
                 to: machine.prefill.clone(),
@@ -1069,7 +1120,28 @@ impl RouterMachine {
                 self.send(other, Body::Abort);
             }
         }
-        self.complete_failed(stage, format!("leg {leg} was lost"));
+        self.complete_failed(stage, Failure::LegLost(leg.clone()));
+    }
+
+    /// A message to `to` could not be delivered (its link is down or full): the request fails
+    /// at once naming the stage, and the other leg is told to free what it holds.
+    pub fn handle_send_failed(&mut self, to: &NodeId, detail: String) {
+        if self.state == RouterState::Done {
+            return;
+        }
+        let stage = self.stage();
+        for other in [self.prefill.clone(), self.decode.clone()] {
+            if other != *to {
+                self.send(other, Body::Abort);
+            }
+        }
+        self.complete_failed(
+            stage,
+            Failure::Unreachable {
+                to: to.clone(),
+                detail,
+            },
+        );
     }
 
     /// The client went away (disconnect, cancel): both legs are told to free what they hold now,
@@ -1078,7 +1150,7 @@ impl RouterMachine {
         if self.state == RouterState::Done {
             return;
         }
-        self.abort_both(Stage::Router, "cancelled by the client");
+        self.abort_both(Stage::Router, Failure::Cancelled);
     }
 
     /// Time passed: at the deadline the request fails naming the stage, and both legs are told
@@ -1087,7 +1159,7 @@ impl RouterMachine {
         if self.state == RouterState::Done || now_ms < self.deadline_ms {
             return;
         }
-        self.abort_both(self.stage(), "deadline passed");
+        self.abort_both(self.stage(), Failure::DeadlinePassed);
     }
 
     /// The stage an open request is in.
@@ -1099,17 +1171,17 @@ impl RouterMachine {
     }
 
     /// Tells both legs to free what they hold and ends the request as failed.
-    fn abort_both(&mut self, stage: Stage, reason: &str) {
+    fn abort_both(&mut self, stage: Stage, reason: Failure) {
         self.send(self.prefill.clone(), Body::Abort);
         self.send(self.decode.clone(), Body::Abort);
-        self.complete_failed(stage, reason.into());
+        self.complete_failed(stage, reason);
     }
 
     fn send(&mut self, to: NodeId, body: Body) {
         self.commands.push_back(RouterCommand::Send { to, body });
     }
 
-    fn complete_failed(&mut self, stage: Stage, reason: String) {
+    fn complete_failed(&mut self, stage: Stage, reason: Failure) {
         self.state = RouterState::Done;
         self.commands
             .push_back(RouterCommand::Complete(RequestOutcome::Failed { stage, reason }));

@@ -33,7 +33,7 @@ use crate::leg::{
     DecodeCommand, DecodeMachine, GenerationCheck, IssuedGrant, LegConfig, PrefillCommand, PrefillMachine,
     PrefillTokens, ReadDone, RequestOutcome, RouterCommand, RouterMachine,
 };
-use crate::wire::{Body, Envelope, Incarnation, NodeId, RequestId};
+use crate::wire::{Body, Envelope, Failure, Incarnation, NodeId, RequestId};
 
 /// What one simulated scenario runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -832,7 +832,7 @@ impl Sim {
                 }
             }
             RequestOutcome::Failed { reason, .. } => {
-                if reason.is_empty() {
+                if reason.to_string().is_empty() {
                     self.violation(format!("{request} failed without a reason"));
                 }
                 self.report.failed += 1;
@@ -1032,7 +1032,7 @@ impl Sim {
             }
             PrefillCommand::Grant { lists, peer } => {
                 let result = match leg.allocator.pin(&lists) {
-                    Err(error) => Err(error.to_string()),
+                    Err(error) => Err(Failure::Grant(error.to_string())),
                     Ok(generations) => match leg.grants.issue(request, peer, lists.clone(), LEASE_MS, now) {
                         Ok(grant) => Ok(IssuedGrant {
                             grant,
@@ -1041,7 +1041,7 @@ impl Sim {
                         }),
                         Err(error) => {
                             leg.allocator.unpin(&lists).ok();
-                            Err(error.to_string())
+                            Err(Failure::Grant(error.to_string()))
                         }
                     },
                 };
@@ -1157,9 +1157,11 @@ impl Sim {
         issuer: Incarnation,
         pairing: &Pairing,
         checks: &[GenerationCheck],
-    ) -> Result<ReadDone, String> {
+    ) -> Result<ReadDone, Failure> {
         if issuer != self.prefill.incarnation {
-            return Err("the prefill leg restarted: its memory is gone".into());
+            return Err(Failure::Read(
+                "the prefill leg restarted: its memory is gone".into(),
+            ));
         }
         let peer = self.decode.name.clone();
         let now = self.now_ms;
@@ -1178,7 +1180,7 @@ impl Sim {
         }
         if let Some(error) = outside_grant {
             match self.engine {
-                Engine::Served => return Err(format!("remote refused the read: {error}")),
+                Engine::Served => return Err(Failure::Read(format!("remote refused the read: {error}"))),
                 Engine::OneSided => self.report.late_one_sided_reads += 1,
             }
         }
@@ -1189,7 +1191,7 @@ impl Sim {
             let per_block = slots_per_block(&self.layout.groups()[group]);
             for pair in pairs {
                 if fail_half && copied * 2 >= total.max(1) {
-                    return Err(format!("injected fault after {bytes} bytes"));
+                    return Err(Failure::Read(format!("injected fault after {bytes} bytes")));
                 }
                 if pair.remote == NULL_BLOCK {
                     continue;
@@ -1203,15 +1205,17 @@ impl Sim {
             }
         }
         if fail_half {
-            return Err(format!("injected fault after {bytes} bytes"));
+            return Err(Failure::Read(format!("injected fault after {bytes} bytes")));
         }
         for check in checks {
             let found = self.prefill.allocator.generation(check.group, check.block);
             if found != Some(check.generation) {
-                return Err(format!(
-                    "group {}: prefill block {} changed generation during the read",
-                    check.group, check.block
-                ));
+                return Err(Failure::StaleBlock {
+                    group: check.group as u64,
+                    block: check.block,
+                    expected: check.generation,
+                    found: found.unwrap_or(0),
+                });
             }
         }
         Ok(ReadDone {
@@ -1223,11 +1227,11 @@ impl Sim {
     /// The decode leg recomputes the last prompt token and "decodes": a digest of every KV value
     /// it uses from its own blocks (read or prefix hits), which equals the expected digest only
     /// if every one is right.
-    fn generate(&mut self, request: RequestId) -> Result<(Vec<u32>, u64), String> {
+    fn generate(&mut self, request: RequestId) -> Result<(Vec<u32>, u64), Failure> {
         let leg = &mut self.decode;
         let (Some(prompt), Some(lists)) = (leg.prompts.get(&request).cloned(), leg.allocator.blocks(request))
         else {
-            return Err("request gone".into());
+            return Err(Failure::Engine("request gone".into()));
         };
         let lists = lists.to_vec();
         let mut digest = 0u64;
@@ -1245,7 +1249,9 @@ impl Sim {
                     .copied()
                     .unwrap_or(NULL_BLOCK);
                 if block == NULL_BLOCK {
-                    return Err(format!("group {group}: no block at token {position}"));
+                    return Err(Failure::Engine(format!(
+                        "group {group}: no block at token {position}"
+                    )));
                 }
                 digest = mix(
                     digest,

@@ -82,15 +82,138 @@ pub enum Stage {
     Router,
 }
 
-impl std::fmt::Display for Stage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl Stage {
+    /// The stage's name as logs and errors print it.
+    pub fn as_str(self) -> &'static str {
+        match self {
             Stage::Prefill => "prefill",
             Stage::Read => "read",
             Stage::Decode => "decode",
             Stage::Router => "router",
+        }
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A node's part in the cluster, named the same in `cluster.toml`, the handshake and the
+/// exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Computes prompts and grants READs of their KV.
+    Prefill,
+    /// READs KV and decodes.
+    Decode,
+    /// Sends requests to legs and answers clients (not a leg: no `[[nodes]]` entry has it).
+    Router,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Router => "router",
         })
     }
+}
+
+/// Why a request failed, as it crosses the wire: each variant names the fault, so a router (and
+/// its client) can tell a timeout from a full queue from KV that failed verification.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum Failure {
+    /// The request's deadline passed.
+    #[error("deadline passed")]
+    DeadlinePassed,
+    /// A prompt must hold at least one token.
+    #[error("empty prompt: at least one token is required")]
+    EmptyPrompt,
+    /// Prompt plus lookahead do not fit in 64 bits of token slots.
+    #[error("{tokens} prompt tokens plus {lookahead_tokens} lookahead tokens overflow the slot count")]
+    SlotOverflow {
+        /// Prompt tokens the leg holds.
+        tokens: u64,
+        /// The leg's lookahead.
+        lookahead_tokens: u64,
+    },
+    /// No blocks freed up within the leg's wait bound.
+    #[error("no free blocks within {waited_ms} ms: {last}")]
+    NoFreeBlocks {
+        /// The wait bound.
+        waited_ms: u64,
+        /// The allocator's last refusal.
+        last: String,
+    },
+    /// Too many requests already wait for blocks on the leg.
+    #[error("{leg}: wait queue full ({capacity} requests wait for blocks)")]
+    QueueFull {
+        /// The leg.
+        leg: NodeId,
+        /// Queue capacity.
+        capacity: u64,
+    },
+    /// The allocator refused for good (the request can never fit, or is malformed).
+    #[error("allocation failed: {0}")]
+    Alloc(String),
+    /// The exchange refused to pair (a needed position missing on either leg, …).
+    #[error("exchange failed: {0}")]
+    Exchange(String),
+    /// The transfer plan could not be built.
+    #[error("transfer plan failed: {0}")]
+    Plan(String),
+    /// The grant was refused or is gone.
+    #[error("grant failed: {0}")]
+    Grant(String),
+    /// The READ failed or was partial.
+    #[error("read failed: {0}")]
+    Read(String),
+    /// A source block was freed (and maybe reused) while it was read.
+    #[error(
+        "group {group}: prefill block {block} changed generation during the read ({expected} -> {found})"
+    )]
+    StaleBlock {
+        /// Group index.
+        group: u64,
+        /// Prefill block id.
+        block: u32,
+        /// Generation at grant time.
+        expected: u32,
+        /// Generation after the copy.
+        found: u32,
+    },
+    /// The engine could not compute.
+    #[error("engine failed: {0}")]
+    Engine(String),
+    /// The KV parameters do not fit the decode leg.
+    #[error("bad kv params: {0}")]
+    BadParams(String),
+    /// A leg of the request was lost (its link failed, it restarted).
+    #[error("leg {0} was lost")]
+    LegLost(NodeId),
+    /// A message for the request could not be delivered.
+    #[error("{to} unreachable: {detail}")]
+    Unreachable {
+        /// The node.
+        to: NodeId,
+        /// Why.
+        detail: String,
+    },
+    /// A leg refused the request (unknown sender, wrong role, shutting down, …).
+    #[error("refused by {node}: {reason}")]
+    Refused {
+        /// The refusing node.
+        node: NodeId,
+        /// Why.
+        reason: String,
+    },
+    /// The client cancelled.
+    #[error("cancelled by the client")]
+    Cancelled,
 }
 
 /// What a decode leg answers when a request is done.
@@ -156,8 +279,8 @@ pub enum Body {
     Failed {
         /// Where it failed.
         stage: Stage,
-        /// Why, in words.
-        reason: String,
+        /// Why.
+        reason: Failure,
     },
 }
 

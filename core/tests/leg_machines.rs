@@ -10,7 +10,9 @@ use pdkv_core::leg::{
     DecodeCommand, DecodeMachine, IssuedGrant, LegConfig, PrefillCommand, PrefillMachine, PrefillTokens,
     ReadDone, RequestOutcome, RouterCommand, RouterMachine,
 };
-use pdkv_core::wire::{Body, DecodeOutput, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage};
+use pdkv_core::wire::{
+    Body, DecodeOutput, Failure, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage,
+};
 
 const LEASE_MS: u64 = 30;
 const PREFILL_INCARNATION: Incarnation = Incarnation(0xAAAA);
@@ -145,7 +147,7 @@ fn a_grant_after_the_deadline_is_revoked_not_handed_out() {
     assert_eq!(commands[1], PrefillCommand::Finish);
     assert!(matches!(
         &commands[2],
-        PrefillCommand::Send { body: Body::Failed { stage: Stage::Prefill, reason }, .. } if reason == "deadline passed"
+        PrefillCommand::Send { body: Body::Failed { stage: Stage::Prefill, reason }, .. } if *reason == Failure::DeadlinePassed
     ));
     assert_eq!(commands.len(), 3);
 }
@@ -181,7 +183,7 @@ fn a_prefill_waits_for_blocks_within_its_bound() {
         matches!(
             commands.as_slice(),
             [PrefillCommand::Send { body: Body::Failed { stage: Stage::Prefill, reason }, .. }]
-                if reason == "no free blocks within 100 ms"
+                if *reason == Failure::NoFreeBlocks { waited_ms: 100, last: out_of_blocks().to_string() }
         ),
         "{commands:?}"
     );
@@ -301,7 +303,7 @@ fn a_decode_renews_every_third_of_the_lease_while_it_waits() {
 #[test]
 fn a_read_failing_half_way_releases_frees_and_reports_the_read_stage() {
     let mut machine = decode_to_read(1);
-    machine.handle_read_done(Err("injected fault after 4096 bytes".into()), 5);
+    machine.handle_read_done(Err(Failure::Read("injected fault after 4096 bytes".into())), 5);
     let commands = drain_decode(&mut machine);
     assert_eq!(
         commands[..2],
@@ -319,7 +321,7 @@ fn a_read_failing_half_way_releases_frees_and_reports_the_read_stage() {
     assert!(matches!(
         &commands[2],
         DecodeCommand::Send { to, body: Body::Failed { stage: Stage::Read, reason } }
-            if *to == node("router") && reason == "read failed: injected fault after 4096 bytes"
+            if *to == node("router") && reason.to_string() == "read failed: injected fault after 4096 bytes"
     ));
     assert!(machine.is_done());
 }
@@ -358,7 +360,7 @@ fn a_read_ending_past_the_deadline_is_not_decoded() {
     assert!(
         matches!(
             commands.last(),
-            Some(DecodeCommand::Send { body: Body::Failed { stage: Stage::Read, reason }, .. }) if reason == "deadline passed"
+            Some(DecodeCommand::Send { body: Body::Failed { stage: Stage::Read, reason }, .. }) if *reason == Failure::DeadlinePassed
         ),
         "{commands:?}"
     );
@@ -454,7 +456,7 @@ fn a_lost_prefill_reply_ends_the_request_at_its_deadline() {
             },
             RouterCommand::Complete(RequestOutcome::Failed {
                 stage: Stage::Prefill,
-                reason: "deadline passed".into()
+                reason: Failure::DeadlinePassed
             }),
         ]
     );
@@ -532,7 +534,7 @@ fn a_cancelled_request_aborts_both_legs() {
             },
             RouterCommand::Complete(RequestOutcome::Failed {
                 stage: Stage::Router,
-                reason: "cancelled by the client".into()
+                reason: Failure::Cancelled
             }),
         ]
     );

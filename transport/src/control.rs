@@ -14,7 +14,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdkv_core::wire::NodeId;
+use pdkv_core::plan::RegionLayout;
+use pdkv_core::wire::{Incarnation, NodeId, Role};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -51,6 +52,11 @@ impl TransportRuntime {
         self.runtime.handle().clone()
     }
 
+    /// Stops the runtime without waiting for its tasks (safe inside another runtime).
+    pub fn shutdown_background(self) {
+        self.runtime.shutdown_background();
+    }
+
     /// Runs a future to completion on this runtime (for callers outside any runtime).
     pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
         self.runtime.block_on(future)
@@ -66,19 +72,30 @@ pub struct EngineAdvert {
     pub regions: Vec<MemoryDescriptor>,
 }
 
-/// What a node says about itself when a connection opens.
+/// What a node says about itself when a connection opens: everything a peer learns about it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
     /// Node name (must match the node's certificate).
     pub node: NodeId,
-    /// `prefill` or `decode`.
-    pub role: String,
+    /// Its role.
+    pub role: Role,
+    /// Its process start: a peer that restarts says hello with a new one.
+    pub incarnation: Incarnation,
+    /// Where its KV blocks sit in its registered regions (a reader's transfer plans need it).
+    pub regions: RegionLayout,
     /// [`crate::codec::PROTOCOL_VERSION`] of the sender.
     pub protocol_version: u32,
     /// `KvLayout::compat_hash` of the sender's model.
     pub layout_hash: u64,
     /// READ engines the sender offers.
     pub engines: Vec<EngineAdvert>,
+}
+
+/// A fresh random incarnation for a node starting now.
+pub fn new_incarnation() -> Result<Incarnation, getrandom::Error> {
+    let mut bytes = [0u8; 8];
+    getrandom::fill(&mut bytes)?;
+    Ok(Incarnation(u64::from_le_bytes(bytes)))
 }
 
 /// Checks that two nodes can work together; the error says what differs.
@@ -123,8 +140,21 @@ pub trait ControlService: Send + Sync + 'static {
     /// Response type.
     type Response: Serialize + DeserializeOwned + Send + Sync + 'static;
 
-    /// Answers one request from an authenticated, compatible `peer`.
-    fn handle(&self, peer: &NodeId, request: Self::Request) -> Result<Self::Response, String>;
+    /// Decides whether an authenticated, compatible peer that said `hello` may connect (a
+    /// node learns its peers' incarnations, engines and regions here). The error is the
+    /// refusal the peer sees. Admits everyone by default.
+    fn admit(&self, hello: &Hello) -> impl std::future::Future<Output = Result<(), String>> + Send {
+        let _ = hello;
+        async { Ok(()) }
+    }
+
+    /// Answers one request from an authenticated, compatible `peer`; may await the node's
+    /// actors. The error is a refusal the peer sees as text.
+    fn handle(
+        &self,
+        peer: &NodeId,
+        request: Self::Request,
+    ) -> impl std::future::Future<Output = Result<Self::Response, String>> + Send;
 }
 
 /// Bounds of a control server.
@@ -233,6 +263,12 @@ impl ControlServer {
     pub fn close(&self) {
         self.endpoint.close(0u32.into(), b"shutdown");
     }
+
+    /// Waits until every connection has finished closing (after [`Self::close`]).
+    pub fn wait_idle(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let endpoint = self.endpoint.clone();
+        async move { endpoint.wait_idle().await }
+    }
 }
 
 /// What a control server serves, and to whom.
@@ -283,6 +319,10 @@ async fn serve_connection<S: ControlService>(
     } else {
         check_compat(&shared.hello, &theirs).map_err(|error| error.to_string())
     };
+    let admitted = match admitted {
+        Ok(()) => shared.service.admit(&theirs).await,
+        refused => refused,
+    };
     if let Err(reason) = admitted {
         return Err(refuse(&connection, &mut send, reason).await);
     }
@@ -304,7 +344,7 @@ async fn serve_connection<S: ControlService>(
         tokio::spawn(async move {
             let frame = codec::read_message::<_, Frame<S::Request>>(&mut recv, MAX_FRAME_BYTES).await;
             let reply = match frame {
-                Ok(Frame::Request(request)) => match shared.service.handle(&peer, request) {
+                Ok(Frame::Request(request)) => match shared.service.handle(&peer, request).await {
                     Ok(response) => Reply::Response(response),
                     Err(reason) => Reply::Refused(reason),
                 },
@@ -375,6 +415,17 @@ impl ControlClient {
             endpoint,
             runtime: runtime.clone(),
         })
+    }
+
+    /// Closes every connection this client opened.
+    pub fn close(&self) {
+        self.endpoint.close(0u32.into(), b"shutdown");
+    }
+
+    /// Waits until every connection has finished closing (after [`Self::close`]).
+    pub fn wait_idle(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let endpoint = self.endpoint.clone();
+        async move { endpoint.wait_idle().await }
     }
 
     /// Dials node `peer` at `addr`, exchanges hellos and checks compatibility, within `timeout`.

@@ -10,8 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdkv_core::plan::ReadRun;
-use pdkv_core::wire::{GrantId, NodeId};
+use pdkv_core::plan::{ReadRun, RegionLayout};
+use pdkv_core::wire::{GrantId, Incarnation, NodeId, Role};
 use pdkv_transport::codec::PROTOCOL_VERSION;
 use pdkv_transport::codec::decode as decode_frame;
 use pdkv_transport::control::{
@@ -102,7 +102,9 @@ impl Drop for Peer {
 fn hello(node: &str) -> Hello {
     Hello {
         node: NodeId(node.into()),
-        role: "decode".into(),
+        role: Role::Decode,
+        incarnation: Incarnation(7),
+        regions: RegionLayout { layers: vec![] },
         protocol_version: PROTOCOL_VERSION,
         layout_hash: layout().compat_hash(),
         engines: vec![],

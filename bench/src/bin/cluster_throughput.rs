@@ -96,7 +96,7 @@ fn main() {
     let config = ClusterConfig::from_toml(CONFIG).expect("bench config is valid");
     let system = actix::System::new();
     system.block_on(async move {
-        let cluster = LocalCluster::start(config.clone()).expect("cluster starts");
+        let cluster = LocalCluster::start(config.clone()).await.expect("cluster starts");
         let prompts: Vec<Vec<u32>> = (0..requests)
             .map(|i| prompt_tokens(i as u64, PROMPT_TOKENS, config.model.vocab))
             .collect();

@@ -15,11 +15,12 @@ use std::time::Duration;
 
 use pdkv_core::grant::GrantTable;
 use pdkv_core::plan::RegionLayout;
-use pdkv_core::wire::{NodeId, RequestId};
+use pdkv_core::wire::{NodeId, RequestId, Role};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::codec::PROTOCOL_VERSION;
 use pdkv_transport::control::{
     ControlLimits, ControlServer, ControlService, EngineAdvert, Hello, ServerSetup, TransportRuntime,
+    new_incarnation,
 };
 use pdkv_transport::engine::{EngineKey, ReadEngine};
 use pdkv_transport::mapped::MappedEngine;
@@ -44,7 +45,7 @@ impl ControlService for PeerService {
     type Request = PeerRequest;
     type Response = PeerResponse;
 
-    fn handle(&self, peer: &NodeId, request: PeerRequest) -> Result<PeerResponse, String> {
+    async fn handle(&self, peer: &NodeId, request: PeerRequest) -> Result<PeerResponse, String> {
         match request {
             PeerRequest::Grant { blocks, lease_ms } => {
                 let mut next = self.next_request.lock().unwrap_or_else(PoisonError::into_inner);
@@ -140,7 +141,7 @@ fn run() -> Result<(), String> {
     let authorizer = Arc::new(GrantAuthorizer::new(
         grants.clone(),
         layout(),
-        regions,
+        regions.clone(),
         LAYERS as u32,
         clock,
     ));
@@ -181,7 +182,9 @@ fn run() -> Result<(), String> {
     }
     let hello = Hello {
         node: NodeId(name.clone()),
-        role: "prefill".into(),
+        role: Role::Prefill,
+        incarnation: new_incarnation().map_err(|error| error.to_string())?,
+        regions: regions.clone(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: layout().compat_hash(),
         engines: vec![

@@ -1,0 +1,376 @@
+//! Links: how one node's wire messages reach another, in one process or across hosts.
+//!
+//! A node (a leg's exchange actor, or the router) is a *door*: it admits peers from their
+//! [`Hello`] and receives [`Inbound`] envelopes, each tagged with the peer the link
+//! authenticated. Two kinds of [`Link`] carry envelopes to a door:
+//! - [`LocalLink`]: the peer's mailbox in this process (`try_send`: a full mailbox refuses at
+//!   once, it never queues without bound).
+//! - [`QuicLink`]: the control plane, one QUIC stream per envelope under mutual TLS; at most
+//!   `in_flight` envelopes outstanding per link.
+//!
+//! Either way, delivery is best effort: the leg protocol survives a lost message through leases
+//! and deadlines (the simulation in `pdkv_core::testing` checks it). [`Peers`] is the door's
+//! table of admitted peers: it refuses an envelope whose sender is not the link's peer, or whose
+//! incarnation is not the one the peer said hello with.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Message, Recipient};
+use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId};
+use pdkv_transport::control::{ControlService, Hello, PeerConnection};
+use tokio::sync::Semaphore;
+
+/// An envelope that arrived at a door over a link from `peer` (the name the link
+/// authenticated, not the one the envelope claims).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), Refusal>")]
+pub struct Inbound {
+    /// Who the link says sent it.
+    pub peer: NodeId,
+    /// The message.
+    pub envelope: Envelope,
+}
+
+/// A peer said hello (at connection setup, or again after a restart).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), Refusal>")]
+pub struct Admit {
+    /// The peer's hello.
+    pub hello: Hello,
+}
+
+/// Sets a door's link to an admitted peer (after dialling it, or in-process wiring).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SetLink {
+    /// The peer.
+    pub peer: NodeId,
+    /// The link.
+    pub link: Arc<dyn Link>,
+}
+
+/// Why a door refused a peer or an envelope.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    /// The sender never said hello to this node.
+    #[error("{0} is not a known peer of this node")]
+    UnknownPeer(NodeId),
+    /// The envelope names another sender than the link's peer.
+    #[error("envelope claims to come from {claimed}, but arrived on the link of {peer}")]
+    Impersonation {
+        /// The link's peer.
+        peer: NodeId,
+        /// The sender the envelope names.
+        claimed: NodeId,
+    },
+    /// The envelope comes from an incarnation of the peer this node does not know (a restarted
+    /// node, or a forged one).
+    #[error("{node} incarnation {got} is not the incarnation {known} that said hello")]
+    StaleIncarnation {
+        /// The peer.
+        node: NodeId,
+        /// The incarnation the envelope names.
+        got: Incarnation,
+        /// The incarnation the peer said hello with.
+        known: Incarnation,
+    },
+    /// The peers cannot work together (protocol, layout, names).
+    #[error("incompatible peer: {0}")]
+    Incompatible(String),
+    /// The message does not belong at this node (a decode request at a prefill leg, …).
+    #[error("{node} ({what}) does not accept {body}")]
+    Misrouted {
+        /// This node.
+        node: NodeId,
+        /// What this node is.
+        what: String,
+        /// The message kind.
+        body: &'static str,
+    },
+    /// The node cannot take the message now (its actors' mailboxes are full or stopped).
+    #[error("{node} is busy: {detail}")]
+    Busy {
+        /// This node.
+        node: NodeId,
+        /// Why.
+        detail: String,
+    },
+}
+
+/// Why a link could not take an envelope.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkError {
+    /// The node has no link to that peer.
+    #[error("no link to {0}")]
+    NoLink(NodeId),
+    /// Too many envelopes are in flight (or queued) on the link.
+    #[error("link to {to} is full")]
+    Full {
+        /// The peer.
+        to: NodeId,
+    },
+    /// The peer is gone (its actors stopped, its connection closed).
+    #[error("link to {to} is closed: {detail}")]
+    Closed {
+        /// The peer.
+        to: NodeId,
+        /// Why.
+        detail: String,
+    },
+}
+
+/// Carries envelopes to one peer.
+pub trait Link: Send + Sync + 'static {
+    /// Hands `envelope` to the link without waiting for delivery; refuses at once when the link
+    /// is full or closed.
+    fn send(&self, envelope: Envelope) -> Result<(), LinkError>;
+}
+
+/// A link to a door in this process: its mailbox.
+pub struct LocalLink {
+    from: NodeId,
+    to: NodeId,
+    inbox: Recipient<Inbound>,
+}
+
+impl LocalLink {
+    /// A link from node `from` to the door `inbox` of node `to`.
+    pub fn new(from: NodeId, to: NodeId, inbox: Recipient<Inbound>) -> Self {
+        LocalLink { from, to, inbox }
+    }
+}
+
+impl Link for LocalLink {
+    fn send(&self, envelope: Envelope) -> Result<(), LinkError> {
+        let message = Inbound {
+            peer: self.from.clone(),
+            envelope,
+        };
+        self.inbox.try_send(message).map_err(|error| match error {
+            actix::prelude::SendError::Full(_) => LinkError::Full { to: self.to.clone() },
+            actix::prelude::SendError::Closed(_) => LinkError::Closed {
+                to: self.to.clone(),
+                detail: "its actors stopped".into(),
+            },
+        })
+    }
+}
+
+/// A link over an admitted QUIC connection: one stream per envelope, answered by the peer's
+/// door with acceptance or a [`Refusal`] (logged here; the protocol's deadlines cover it).
+pub struct QuicLink {
+    to: NodeId,
+    connection: PeerConnection,
+    runtime: tokio::runtime::Handle,
+    in_flight: Arc<Semaphore>,
+    timeout: Duration,
+}
+
+impl QuicLink {
+    /// A link over `connection`, spawning sends on `runtime`, at most `in_flight` outstanding,
+    /// each bounded by `timeout`.
+    pub fn new(
+        connection: PeerConnection,
+        runtime: tokio::runtime::Handle,
+        in_flight: usize,
+        timeout: Duration,
+    ) -> Self {
+        QuicLink {
+            to: connection.peer.node.clone(),
+            connection,
+            runtime,
+            in_flight: Arc::new(Semaphore::new(in_flight)),
+            timeout,
+        }
+    }
+}
+
+impl Link for QuicLink {
+    fn send(&self, envelope: Envelope) -> Result<(), LinkError> {
+        if !self.connection.is_open() {
+            return Err(LinkError::Closed {
+                to: self.to.clone(),
+                detail: "connection closed".into(),
+            });
+        }
+        let permit = self
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| LinkError::Full { to: self.to.clone() })?;
+        let (connection, to, timeout) = (self.connection.clone(), self.to.clone(), self.timeout);
+        self.runtime.spawn(async move {
+            let _permit = permit;
+            let (request, kind) = (envelope.request, body_kind(&envelope.body));
+            if let Err(error) = connection.request::<_, ()>(envelope, timeout).await {
+                tracing::warn!(%to, %request, kind, %error, "message not delivered");
+            }
+        });
+        Ok(())
+    }
+}
+
+/// The control-plane service of a node: admits peers and hands their envelopes to its door,
+/// awaiting the door's answer.
+pub struct DoorService {
+    admit: Recipient<Admit>,
+    inbound: Recipient<Inbound>,
+}
+
+impl DoorService {
+    /// A service for the door behind `admit` and `inbound`.
+    pub fn new(admit: Recipient<Admit>, inbound: Recipient<Inbound>) -> Self {
+        DoorService { admit, inbound }
+    }
+}
+
+impl ControlService for DoorService {
+    type Request = Envelope;
+    type Response = ();
+
+    async fn admit(&self, hello: &Hello) -> Result<(), String> {
+        let message = Admit { hello: hello.clone() };
+        match self.admit.send(message).await {
+            Ok(result) => result.map_err(|refusal| refusal.to_string()),
+            Err(error) => Err(format!("node unavailable: {error}")),
+        }
+    }
+
+    async fn handle(&self, peer: &NodeId, envelope: Envelope) -> Result<(), String> {
+        let message = Inbound {
+            peer: peer.clone(),
+            envelope,
+        };
+        match self.inbound.send(message).await {
+            Ok(result) => result.map_err(|refusal| refusal.to_string()),
+            Err(error) => Err(format!("node unavailable: {error}")),
+        }
+    }
+}
+
+/// The message kind, for logs and refusals.
+pub fn body_kind(body: &Body) -> &'static str {
+    match body {
+        Body::Prefill { .. } => "prefill",
+        Body::KvReady(_) => "kv_ready",
+        Body::Decode { .. } => "decode",
+        Body::Renew { .. } => "renew",
+        Body::Renewed { .. } => "renewed",
+        Body::Release { .. } => "release",
+        Body::Abort => "abort",
+        Body::Output(_) => "output",
+        Body::Failed { .. } => "failed",
+    }
+}
+
+struct Peer {
+    hello: Hello,
+    link: Option<Arc<dyn Link>>,
+}
+
+/// A door's admitted peers and its links to them.
+pub struct Peers {
+    node: NodeId,
+    incarnation: Incarnation,
+    peers: HashMap<NodeId, Peer>,
+}
+
+impl Peers {
+    /// An empty table for node `node` of incarnation `incarnation`.
+    pub fn new(node: NodeId, incarnation: Incarnation) -> Self {
+        Peers {
+            node,
+            incarnation,
+            peers: HashMap::new(),
+        }
+    }
+
+    /// This node.
+    pub fn node(&self) -> &NodeId {
+        &self.node
+    }
+
+    /// This node's incarnation.
+    pub fn incarnation(&self) -> Incarnation {
+        self.incarnation
+    }
+
+    /// Admits (or re-admits) a peer. Returns the incarnation it replaces, if the peer restarted:
+    /// everything promised by the old one is void.
+    pub fn admit(&mut self, hello: Hello) -> Option<Incarnation> {
+        let node = hello.node.clone();
+        match self.peers.get_mut(&node) {
+            Some(peer) => {
+                let old = peer.hello.incarnation;
+                if old != hello.incarnation {
+                    // A new process: the old link went with the old connection.
+                    peer.link = None;
+                }
+                peer.hello = hello;
+                (old != peer.hello.incarnation).then_some(old)
+            }
+            None => {
+                self.peers.insert(node, Peer { hello, link: None });
+                None
+            }
+        }
+    }
+
+    /// Sets the link to an admitted peer.
+    pub fn set_link(&mut self, node: &NodeId, link: Arc<dyn Link>) {
+        if let Some(peer) = self.peers.get_mut(node) {
+            peer.link = Some(link);
+        }
+    }
+
+    /// The hello of an admitted peer.
+    pub fn hello(&self, node: &NodeId) -> Option<&Hello> {
+        self.peers.get(node).map(|peer| &peer.hello)
+    }
+
+    /// Every admitted peer's hello.
+    pub fn hellos(&self) -> impl Iterator<Item = &Hello> {
+        self.peers.values().map(|peer| &peer.hello)
+    }
+
+    /// Checks that an envelope really comes from an admitted incarnation of the link's peer.
+    pub fn check(&self, inbound: &Inbound) -> Result<(), Refusal> {
+        let envelope = &inbound.envelope;
+        if envelope.from != inbound.peer {
+            return Err(Refusal::Impersonation {
+                peer: inbound.peer.clone(),
+                claimed: envelope.from.clone(),
+            });
+        }
+        let peer = self
+            .peers
+            .get(&envelope.from)
+            .ok_or_else(|| Refusal::UnknownPeer(envelope.from.clone()))?;
+        if peer.hello.incarnation != envelope.incarnation {
+            return Err(Refusal::StaleIncarnation {
+                node: envelope.from.clone(),
+                got: envelope.incarnation,
+                known: peer.hello.incarnation,
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends `body` about `request` to `to`, with `budget_ms` of the request's time left.
+    pub fn send(&self, to: &NodeId, request: RequestId, budget_ms: u64, body: Body) -> Result<(), LinkError> {
+        let link = self
+            .peers
+            .get(to)
+            .and_then(|peer| peer.link.as_ref())
+            .ok_or_else(|| LinkError::NoLink(to.clone()))?;
+        link.send(Envelope {
+            request,
+            from: self.node.clone(),
+            incarnation: self.incarnation,
+            budget_ms,
+            body,
+        })
+    }
+}
