@@ -27,7 +27,7 @@ use pdkv_transport::control::{
 };
 use pdkv_transport::engine::{EngineKey, ReadEngine};
 use pdkv_transport::mapped::{LocalFabric, MappedEngine};
-use pdkv_transport::tls::ClusterCa;
+use pdkv_transport::tls::{ClusterCa, NodeIdentity};
 use tokio::sync::watch;
 
 use crate::allocator::{AllocatorActor, LegStats, Stats};
@@ -130,6 +130,8 @@ struct QuicNodes {
     servers: Vec<ControlServer>,
     clients: Vec<ControlClient>,
     addresses: HashMap<NodeId, SocketAddr>,
+    ca: ClusterCa,
+    runtime_handle: tokio::runtime::Handle,
 }
 
 /// How long closing the links may take at shutdown.
@@ -171,6 +173,7 @@ pub struct LocalCluster {
     config: ClusterConfig,
     model: Arc<Model>,
     router: Addr<Router>,
+    router_incarnation: Incarnation,
     legs: Vec<LegHandle>,
     arbiters: Vec<Arbiter>,
     quic: Option<QuicNodes>,
@@ -212,6 +215,7 @@ impl LocalCluster {
             config.limits.mailbox,
         )
         .start();
+        let router_incarnation = router_hello.incarnation;
         doors.push(Door {
             hello: router_hello,
             admit: router.clone().recipient(),
@@ -229,6 +233,7 @@ impl LocalCluster {
             config,
             model,
             router,
+            router_incarnation,
             legs,
             arbiters,
             quic,
@@ -251,6 +256,11 @@ impl LocalCluster {
         &self.router
     }
 
+    /// The router's incarnation (what it says in its hello).
+    pub fn router_incarnation(&self) -> Incarnation {
+        self.router_incarnation
+    }
+
     /// The running legs.
     pub fn legs(&self) -> &[LegHandle] {
         &self.legs
@@ -266,6 +276,14 @@ impl LocalCluster {
         self.quic
             .as_ref()
             .and_then(|quic| quic.addresses.get(&NodeId(name.into())).copied())
+    }
+
+    /// On QUIC links: a certificate for node `name` from the cluster's throwaway CA, and the
+    /// runtime the links run on, so a test can dial a node as one of its peers.
+    pub fn quic_identity(&self, name: &str) -> Option<(NodeIdentity, tokio::runtime::Handle)> {
+        let quic = self.quic.as_ref()?;
+        let identity = quic.ca.identity(name).ok()?;
+        Some((identity, quic.runtime_handle.clone()))
     }
 
     /// Serves a request P/D.
@@ -430,7 +448,10 @@ fn start_leg(
         memory: memory.clone(),
         allocator: allocator.clone(),
         transfer: transfer.clone(),
-        compute: ComputePool::new(limits.compute_workers),
+        compute: ComputePool::new(
+            limits.compute_workers,
+            Duration::from_micros(limits.inline_compute_us),
+        ),
         freed: freed_rx,
         clock: MonotonicClock::new(),
     });
@@ -539,10 +560,15 @@ async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNo
         servers: Vec::new(),
         clients: Vec::new(),
         addresses: HashMap::new(),
+        ca,
+        runtime_handle: handle.clone(),
     };
     for door in doors {
         let node = &door.hello.node;
-        let identity = ca.identity(&node.0).map_err(|error| link_error(node, error))?;
+        let identity = quic
+            .ca
+            .identity(&node.0)
+            .map_err(|error| link_error(node, error))?;
         let service = DoorService::new(door.admit.clone(), door.inbound.clone());
         let server_setup = ServerSetup {
             cluster: names.clone(),

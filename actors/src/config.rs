@@ -123,6 +123,10 @@ pub struct Limits {
     /// Threads per leg that run the reference engine, off the arbiter that serves control
     /// messages. Default 2.
     pub compute_workers: usize,
+    /// A computation expected (from the engine's measured cost per token) to take at most this
+    /// many microseconds runs on the leg's arbiter instead, saving a thread hand-off; 0 sends
+    /// every computation to the workers. Default 100.
+    pub inline_compute_us: u64,
     /// Protocol messages one link may have in flight; more are refused. Default 1024.
     pub link_in_flight: usize,
     /// Largest KV memory one leg may register (all layers' regions), in bytes; a node whose
@@ -140,6 +144,7 @@ impl Default for Limits {
             max_grants: 256,
             mailbox: 64,
             compute_workers: 2,
+            inline_compute_us: 100,
             link_in_flight: 1024,
             max_leg_bytes: 8 << 30,
         }
@@ -264,6 +269,12 @@ impl ClusterConfig {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!("limits.{key}: must be at least 1")));
             }
+        }
+        if limits.inline_compute_us > MAX_INLINE_COMPUTE_US {
+            return Err(ConfigError::Invalid(format!(
+                "limits.inline_compute_us: {} would let one computation hold a leg's arbiter for more than {MAX_INLINE_COMPUTE_US} us",
+                limits.inline_compute_us
+            )));
         }
         if limits.compute_workers > MAX_COMPUTE_WORKERS {
             return Err(ConfigError::Invalid(format!(
@@ -497,6 +508,10 @@ pub const RESERVED_NODE_NAMES: &[&str] = &["ca", ROUTER_NODE];
 
 /// Most reference-engine threads one leg may run.
 pub const MAX_COMPUTE_WORKERS: usize = 256;
+
+/// Longest computation a leg may run on its arbiter, in microseconds: lease renewals and
+/// releases wait behind it.
+pub const MAX_INLINE_COMPUTE_US: u64 = 10_000;
 
 /// The router's node name on links, in certificates and in logs.
 pub const ROUTER_NODE: &str = "router";

@@ -9,8 +9,11 @@
 //! The trimming, clipping and pairing of block lists are pure functions of `pdkv_core::exchange`
 //! that the request machines call; nothing about a peer is known here but what its hello said.
 
-use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, Recipient, WrapFuture};
-use pdkv_core::wire::{Body, Envelope, NodeId, RequestId, Role};
+use actix::{
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, Recipient, ResponseActFuture,
+    WrapFuture,
+};
+use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId, Role};
 use pdkv_transport::control::{Hello, check_compat};
 
 use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest};
@@ -19,7 +22,7 @@ use crate::transfer::{AddPeer, TransferActor};
 
 /// A message for the scheduler from a peer, already checked by the exchange.
 #[derive(Debug, Message)]
-#[rtype(result = "()")]
+#[rtype(result = "Result<(), Refusal>")]
 pub struct Deliver {
     /// The envelope.
     pub envelope: Envelope,
@@ -67,12 +70,17 @@ impl ExchangeActor {
 
     /// A renewal or release names the incarnation that issued the grant; another one's grant
     /// ids mean nothing here.
-    fn issued_here(&self, issuer: pdkv_core::wire::Incarnation, from: &NodeId) -> bool {
+    fn issued_here(&self, issuer: Incarnation) -> Result<(), Refusal> {
         if issuer == self.hello.incarnation {
-            return true;
+            return Ok(());
         }
-        tracing::warn!(node = %self.node(), %from, %issuer, "grant of another incarnation refused");
-        false
+        Err(Refusal::Grant {
+            node: self.hello.node.clone(),
+            detail: format!(
+                "the grant was issued by incarnation {issuer}, this node is incarnation {}",
+                self.hello.incarnation
+            ),
+        })
     }
 }
 
@@ -132,77 +140,90 @@ impl Handler<SetLink> for ExchangeActor {
 }
 
 impl Handler<Inbound> for ExchangeActor {
-    type Result = Result<(), Refusal>;
+    type Result = ResponseActFuture<Self, Result<(), Refusal>>;
 
     fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
+        match self.route(msg, ctx) {
+            Ok(answer) => answer,
+            Err(refusal) => Box::pin(actix::fut::ready(Err(refusal))),
+        }
+    }
+}
+
+/// The answer to an inbound envelope, once whoever it went to has taken it.
+type Answer = ResponseActFuture<ExchangeActor, Result<(), Refusal>>;
+
+impl ExchangeActor {
+    /// Checks an inbound envelope and sends it on: grant renewals and releases to the
+    /// allocator (answering the renewal), everything else to the scheduler.
+    fn route(&mut self, msg: Inbound, ctx: &mut Context<Self>) -> Result<Answer, Refusal> {
         self.peers.check(&msg)?;
-        let Envelope {
-            request,
-            from,
-            incarnation,
-            budget_ms,
-            body,
-        } = msg.envelope;
-        let misrouted = |body: &Body| Refusal::Misrouted {
-            node: self.hello.node.clone(),
-            what: format!("a {} leg", self.hello.role),
-            body: body_kind(body),
+        let sender_role = self.peers.hello(&msg.envelope.from).map(|hello| hello.role);
+        let expected = expected_sender(&msg.envelope.body);
+        if sender_role != Some(expected) {
+            return Err(Refusal::WrongSender {
+                node: msg.envelope.from.clone(),
+                body: body_kind(&msg.envelope.body),
+                expected,
+            });
+        }
+        let envelope = msg.envelope;
+        let wrong_leg = match &envelope.body {
+            Body::Prefill { .. } | Body::Renew { .. } | Body::Release { .. } => {
+                self.hello.role != Role::Prefill
+            }
+            Body::Decode { .. } | Body::Renewed { .. } => self.hello.role != Role::Decode,
+            Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => true,
+            Body::Abort => false,
         };
-        match body {
+        if wrong_leg {
+            return Err(Refusal::Misrouted {
+                node: self.hello.node.clone(),
+                what: format!("a {} leg", self.hello.role),
+                body: body_kind(&envelope.body),
+            });
+        }
+        let (request, from, budget_ms) = (envelope.request, envelope.from.clone(), envelope.budget_ms);
+        let node = self.hello.node.clone();
+        let grant_refused = move |error: String| Refusal::Grant {
+            node: node.clone(),
+            detail: error,
+        };
+        match envelope.body {
             Body::Renew { grant, issuer } => {
-                if self.hello.role != Role::Prefill {
-                    return Err(misrouted(&Body::Renew { grant, issuer }));
-                }
-                if !self.issued_here(issuer, &from) {
-                    return Ok(());
-                }
+                self.issued_here(issuer)?;
                 let renew = RenewGrant {
                     grant,
                     peer: from.clone(),
                 };
-                ctx
-                    .spawn(self.allocator.send(renew).into_actor(self).map(
-                    move |result, actor, _ctx| match result {
-                        Ok(Ok(lease_ms)) => {
-                            actor.send(&from, request, budget_ms, Body::Renewed { grant, lease_ms });
-                        }
-                        Ok(Err(error)) => {
-                            tracing::warn!(node = %actor.node(), %from, %request, %error, "renewal refused");
-                        }
-                        Err(error) => tracing::error!(node = %actor.node(), %error, "allocator unreachable"),
-                    },
-                ));
-                Ok(())
+                let answer = self
+                    .allocator
+                    .send(renew)
+                    .into_actor(self)
+                    .map(move |result, actor, _| {
+                        let lease_ms = result
+                            .map_err(|error| grant_refused(error.to_string()))?
+                            .map_err(|error| grant_refused(error.to_string()))?;
+                        actor.send(&from, request, budget_ms, Body::Renewed { grant, lease_ms });
+                        Ok(())
+                    });
+                Ok(Box::pin(answer))
             }
             Body::Release { grant, issuer } => {
-                if self.hello.role != Role::Prefill {
-                    return Err(misrouted(&Body::Release { grant, issuer }));
-                }
-                if !self.issued_here(issuer, &from) {
-                    return Ok(());
-                }
+                self.issued_here(issuer)?;
                 let release = ReleaseGrant { grant, peer: from };
-                ctx.spawn(self.allocator.send(release).into_actor(self).map(
-                    move |result, actor, _ctx| match result {
-                        Ok(Ok(())) => {}
-                        Ok(Err(error)) => {
-                            tracing::debug!(node = %actor.node(), %request, %error, "release of an ended grant")
-                        }
-                        Err(error) => tracing::error!(node = %actor.node(), %error, "allocator unreachable"),
-                    },
-                ));
-                Ok(())
+                let answer = self
+                    .allocator
+                    .send(release)
+                    .into_actor(self)
+                    .map(move |result, _, _| {
+                        result
+                            .map_err(|error| grant_refused(error.to_string()))?
+                            .map_err(|error| grant_refused(error.to_string()))
+                    });
+                Ok(Box::pin(answer))
             }
             body => {
-                let wrong_leg = match &body {
-                    Body::Prefill { .. } => self.hello.role != Role::Prefill,
-                    Body::Decode { .. } | Body::Renewed { .. } => self.hello.role != Role::Decode,
-                    Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => true,
-                    _ => false,
-                };
-                if wrong_leg {
-                    return Err(misrouted(&body));
-                }
                 if matches!(body, Body::Abort) && self.hello.role == Role::Prefill {
                     // A finished prefill's grant outlives its machine: free it here.
                     ctx.spawn(
@@ -212,19 +233,21 @@ impl Handler<Inbound> for ExchangeActor {
                             .map(|_, _, _| ()),
                     );
                 }
-                let envelope = Envelope {
-                    request,
-                    from,
-                    incarnation,
-                    budget_ms,
-                    body,
+                let deliver = Deliver {
+                    envelope: Envelope { body, ..envelope },
                 };
-                self.scheduler
-                    .try_send(Deliver { envelope })
-                    .map_err(|error| Refusal::Busy {
-                        node: self.hello.node.clone(),
-                        detail: format!("scheduler: {error}"),
-                    })
+                let node = self.hello.node.clone();
+                let answer = self
+                    .scheduler
+                    .send(deliver)
+                    .into_actor(self)
+                    .map(move |result, _, _| {
+                        result.map_err(|error| Refusal::Busy {
+                            node,
+                            detail: format!("scheduler: {error}"),
+                        })?
+                    });
+                Ok(Box::pin(answer))
             }
         }
     }
@@ -249,5 +272,16 @@ impl Handler<Outbound> for ExchangeActor {
 
     fn handle(&mut self, msg: Outbound, _ctx: &mut Self::Context) -> Self::Result {
         self.send(&msg.to, msg.request, msg.budget_ms, msg.body);
+    }
+}
+
+/// The role that alone may send a message of this kind to a leg.
+fn expected_sender(body: &Body) -> Role {
+    match body {
+        Body::Prefill { .. } | Body::Decode { .. } | Body::Abort => Role::Router,
+        Body::Renew { .. } | Body::Release { .. } => Role::Decode,
+        Body::Renewed { .. } => Role::Prefill,
+        // Answers go to the router, never to a leg: refused as misrouted below.
+        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => Role::Router,
     }
 }

@@ -76,6 +76,41 @@ pub enum Refusal {
         /// The incarnation the peer said hello with.
         known: Incarnation,
     },
+    /// A peer sent a message only another role may send (a decode leg asking for a prefill, …).
+    #[error("{node} may not send {body}: only a {expected} may")]
+    WrongSender {
+        /// The sender.
+        node: NodeId,
+        /// The message kind.
+        body: &'static str,
+        /// The role that may send it.
+        expected: pdkv_core::wire::Role,
+    },
+    /// A grant renewal or release was refused (unknown, ended, another peer's, another
+    /// incarnation's grant).
+    #[error("{node}: {detail}")]
+    Grant {
+        /// This node.
+        node: NodeId,
+        /// The grant table's refusal.
+        detail: String,
+    },
+    /// The message is about a request this node does not run.
+    #[error("{node} runs no request {request}")]
+    UnknownRequest {
+        /// This node.
+        node: NodeId,
+        /// The request.
+        request: RequestId,
+    },
+    /// The message contradicts itself (kv params for another request, …).
+    #[error("{node}: bad message: {detail}")]
+    BadMessage {
+        /// This node.
+        node: NodeId,
+        /// What is wrong.
+        detail: String,
+    },
     /// The peers cannot work together (protocol, layout, names).
     #[error("incompatible peer: {0}")]
     Incompatible(String),

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::{
     Actor, ActorFutureExt, AsyncContext, Context, Handler, Message, ResponseActFuture, ResponseFuture,
@@ -33,6 +33,9 @@ struct Pending {
     machine: RouterMachine,
     reply: Option<Reply>,
     timer: Option<(u64, SpawnHandle)>,
+    started: Instant,
+    /// When the prefill leg's KV parameters arrived.
+    kv_ready: Option<Instant>,
 }
 
 /// A request sent to one leg outside any [`RouterMachine`] (diagnosis and tests): the first
@@ -137,14 +140,20 @@ impl Router {
                 }
                 RouterCommand::Complete(outcome) => {
                     let result = match outcome {
-                        RequestOutcome::Output(output) => Ok(Output {
-                            request,
-                            tokens: output.tokens,
-                            logits_digest: output.logits_digest,
-                            read_bytes: output.read_bytes,
-                            read_runs: output.read_runs,
-                            cached_blocks: output.cached_blocks,
-                        }),
+                        RequestOutcome::Output(output) => {
+                            let done = Instant::now();
+                            let kv_ready = pending.kv_ready.unwrap_or(done);
+                            Ok(Output {
+                                request,
+                                tokens: output.tokens,
+                                logits_digest: output.logits_digest,
+                                read_bytes: output.read_bytes,
+                                read_runs: output.read_runs,
+                                cached_blocks: output.cached_blocks,
+                                prefill_stage: kv_ready.saturating_duration_since(pending.started),
+                                decode_stage: done.saturating_duration_since(kv_ready),
+                            })
+                        }
                         RequestOutcome::Failed { stage, reason } => {
                             tracing::debug!(%request, %stage, %reason, "request failed");
                             Err(RequestError::from_failure(stage, reason, self.request_timeout_ms))
@@ -288,6 +297,9 @@ impl Handler<Inbound> for Router {
         }
         if self.requests.contains_key(&request) {
             if let Some(pending) = self.requests.get_mut(&request) {
+                if matches!(body, Body::KvReady(_)) && pending.kv_ready.is_none() {
+                    pending.kv_ready = Some(Instant::now());
+                }
                 pending.machine.handle_message(&from, incarnation, body);
             }
             self.drive(request, ctx);
@@ -341,6 +353,8 @@ impl Handler<Generate> for Router {
             machine,
             reply: Some(reply),
             timer: None,
+            started: Instant::now(),
+            kv_ready: None,
         };
         self.requests.insert(request, pending);
         self.drive(request, ctx);
@@ -434,6 +448,8 @@ impl Handler<DecodeOnly> for Router {
                     read_bytes: output.read_bytes,
                     read_runs: output.read_runs,
                     cached_blocks: output.cached_blocks,
+                    prefill_stage: Duration::ZERO,
+                    decode_stage: Duration::ZERO,
                 }),
                 Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
                 other => Err(RequestError::BadParams(format!(

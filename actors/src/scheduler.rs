@@ -37,6 +37,7 @@ use crate::config::{Limits, Role};
 use crate::engine::{LogitsDigest, Model, argmax};
 use crate::error::{RequestError, ask};
 use crate::exchange::{Deliver, ExchangeActor, Outbound};
+use crate::link::Refusal;
 use crate::memory::LegMemory;
 use crate::transfer::{Read, TransferActor};
 
@@ -55,6 +56,10 @@ pub struct Output {
     pub read_runs: u64,
     /// Prefix-hit blocks the decode leg reused.
     pub cached_blocks: u64,
+    /// Router's view: from sending the prefill request to receiving the KV parameters.
+    pub prefill_stage: Duration,
+    /// Router's view: from receiving the KV parameters to receiving the output.
+    pub decode_stage: Duration,
 }
 
 /// Everything a leg's scheduler and its computations need; immutable once built.
@@ -393,7 +398,7 @@ impl Scheduler {
                 let (leg, prompt, lists) = (self.leg.clone(), job.prompt.clone(), job.lists.clone());
                 let work = async move {
                     let pool = leg.compute.clone();
-                    pool.run(move || compute_prompt(&leg, &prompt, &lists, tokens))
+                    pool.run(tokens, move || compute_prompt(&leg, &prompt, &lists, tokens))
                         .await
                 };
                 ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
@@ -532,7 +537,10 @@ impl Scheduler {
         }
     }
 
-    fn deliver(&mut self, envelope: Envelope, ctx: &mut Context<Self>) {
+    /// Starts or feeds the machine of the request an envelope is about. Duplicates of a request
+    /// already running and aborts of a request already over are accepted and change nothing;
+    /// a renewal for a request this leg does not run is refused.
+    fn deliver(&mut self, envelope: Envelope, ctx: &mut Context<Self>) -> Result<(), Refusal> {
         let now = self.now_ms();
         let Envelope {
             request,
@@ -555,6 +563,29 @@ impl Scheduler {
                     now,
                 );
                 self.start(request, Machine::Prefill(machine), prompt_arc, deadline_ms, ctx);
+                Ok(())
+            }
+            Body::Decode { params, .. } if params.request != request => {
+                tracing::warn!(node = %self.leg.node(), %request, named = %params.request, "decode refused: kv params name another request");
+                // Told to the sender as a refusal and, for its request machine, as a failure.
+                let failure = Failure::BadParams(format!(
+                    "kv params are for {}, the message for {request}",
+                    params.request
+                ));
+                let message = Outbound {
+                    to: from,
+                    request,
+                    budget_ms,
+                    body: Body::Failed {
+                        stage: Stage::Decode,
+                        reason: failure,
+                    },
+                };
+                ctx.spawn(self.exchange.send(message).into_actor(self).map(|_, _, _| ()));
+                Err(Refusal::BadMessage {
+                    node: self.leg.node().clone(),
+                    detail: format!("kv params are for {}, the message for {request}", params.request),
+                })
             }
             Body::Decode { params, max_tokens } if !self.jobs.contains_key(&request) => {
                 let prompt: Arc<[u32]> = params.prompt.clone().into();
@@ -567,26 +598,35 @@ impl Scheduler {
                     now,
                 );
                 self.start(request, Machine::Decode(machine), prompt, deadline_ms, ctx);
+                Ok(())
             }
             Body::Renewed { grant, lease_ms } => {
-                if let Some(Job {
+                let Some(Job {
                     machine: Machine::Decode(machine),
                     ..
                 }) = self.jobs.get_mut(&request)
-                    && machine.grant() == grant
-                {
+                else {
+                    return Err(Refusal::UnknownRequest {
+                        node: self.leg.node().clone(),
+                        request,
+                    });
+                };
+                if machine.grant() == grant {
                     machine.handle_renewed(lease_ms, now);
                 }
                 self.drive(request, ctx);
+                Ok(())
             }
             Body::Abort => {
                 if let Some(job) = self.jobs.get_mut(&request) {
                     job.machine.handle_abort();
                 }
                 self.drive(request, ctx);
+                Ok(())
             }
             body => {
                 tracing::debug!(node = %self.leg.node(), %request, kind = crate::link::body_kind(&body), "ignored (duplicate or late)");
+                Ok(())
             }
         }
     }
@@ -621,10 +661,10 @@ impl Actor for Scheduler {
 }
 
 impl Handler<Deliver> for Scheduler {
-    type Result = ();
+    type Result = Result<(), Refusal>;
 
     fn handle(&mut self, msg: Deliver, ctx: &mut Self::Context) -> Self::Result {
-        self.deliver(msg.envelope, ctx);
+        self.deliver(msg.envelope, ctx)
     }
 }
 
@@ -709,9 +749,10 @@ async fn generate(
             run.windows_released_for,
             run.deadline_ms,
         );
+        let steps = end.min(slots).saturating_sub(state.position).max(1);
         state = leg
             .compute
-            .run(move || {
+            .run(steps, move || {
                 let mut state = state;
                 state.window_moved = false;
                 while state.position < end && state.position < slots {
@@ -799,7 +840,9 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
         let lists = allocation.blocks.clone();
         let (compute_leg, compute_prompt_tokens) = (leg.clone(), prompt.clone());
         leg.compute
-            .run(move || compute_prompt(&compute_leg, &compute_prompt_tokens, &lists, num_tokens - 1))
+            .run(num_tokens - 1, move || {
+                compute_prompt(&compute_leg, &compute_prompt_tokens, &lists, num_tokens - 1)
+            })
             .await?;
         let run = Generation {
             request,
@@ -827,6 +870,8 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
         read_bytes: 0,
         read_runs: 0,
         cached_blocks: 0,
+        prefill_stage: Duration::ZERO,
+        decode_stage: Duration::ZERO,
     })
 }
 

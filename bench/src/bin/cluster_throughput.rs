@@ -11,14 +11,22 @@
 //! and to a thread that has been idle (parked) for 300 µs; a P/D request makes two such round
 //! trips (router to prefill leg and back, router to decode leg and back), each to an idle thread.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdkv_actors::cluster::LocalCluster;
-use pdkv_actors::config::ClusterConfig;
+use pdkv_actors::config::{ClusterConfig, LinkKind};
 use pdkv_actors::engine::{Model, argmax, prompt_tokens};
 use pdkv_actors::memory::LegMemory;
 use pdkv_actors::router::Generate;
+use pdkv_core::plan::RegionLayout;
+use pdkv_core::wire::{Incarnation, NodeId, Role};
+use pdkv_transport::codec::PROTOCOL_VERSION;
+use pdkv_transport::control::{
+    ControlClient, ControlLimits, ControlServer, ControlService, Hello, ServerSetup, TransportRuntime,
+};
+use pdkv_transport::tls::ClusterCa;
 
 const CONFIG: &str = r#"
 [model]
@@ -47,9 +55,9 @@ blocks_per_group = 1024
 const PROMPT_TOKENS: usize = 32;
 
 /// An actor that answers at once: the cross-arbiter baseline.
-struct Echo;
+struct EchoActor;
 
-impl actix::Actor for Echo {
+impl actix::Actor for EchoActor {
     type Context = actix::Context<Self>;
 }
 
@@ -57,7 +65,7 @@ impl actix::Actor for Echo {
 #[rtype(result = "u64")]
 struct Ping(u64);
 
-impl actix::Handler<Ping> for Echo {
+impl actix::Handler<Ping> for EchoActor {
     type Result = u64;
 
     fn handle(&mut self, msg: Ping, _ctx: &mut Self::Context) -> u64 {
@@ -74,18 +82,186 @@ fn micros(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1e6
 }
 
-/// The engine's work for one P/D request, without actors: prefill 32 tokens, decode 2.
-fn engine_only(model: &Model, memory: &LegMemory, prompt: &[u32]) -> Duration {
+/// The engine's work for one P/D request, without actors: prefill 32 tokens, then decode 2.
+fn engine_only(model: &Model, memory: &LegMemory, prompt: &[u32]) -> (Duration, Duration) {
     let lists = vec![vec![1, 2, 3], vec![1, 2, 3]];
     let started = Instant::now();
     for (position, &token) in prompt.iter().enumerate() {
         model.step(memory, &lists, position as u64, token, true).unwrap();
     }
+    let prefilled = Instant::now();
     let mut token = prompt[prompt.len() - 1];
     for position in prompt.len() as u64 - 1..prompt.len() as u64 - 1 + u64::from(MAX_TOKENS) {
         token = argmax(&model.step(memory, &lists, position, token, true).unwrap());
     }
-    started.elapsed()
+    (prefilled - started, prefilled.elapsed())
+}
+
+/// What one cluster run measured.
+struct Figures {
+    serial_rps: f64,
+    concurrent_rps: f64,
+    p50: Duration,
+    p99: Duration,
+    prefill_stage: Duration,
+    decode_stage: Duration,
+}
+
+/// `requests` P/D requests one after another, then 16 at a time, on `links`.
+async fn run_cluster(config: &ClusterConfig, links: LinkKind, prompts: &[Vec<u32>]) -> (Figures, Arc<Model>) {
+    let mut config = config.clone();
+    config.transport.links = links;
+    let cluster = LocalCluster::start(config).await.expect("cluster starts");
+    // Warm up.
+    for prompt in prompts.iter().take(50) {
+        cluster.generate(prompt.clone(), MAX_TOKENS).await.unwrap();
+    }
+    let mut latencies = Vec::with_capacity(prompts.len());
+    let (mut prefill_stages, mut decode_stages) = (Vec::new(), Vec::new());
+    let started = Instant::now();
+    for prompt in prompts {
+        let sent = Instant::now();
+        let output = cluster.generate(prompt.clone(), MAX_TOKENS).await.unwrap();
+        latencies.push(sent.elapsed());
+        prefill_stages.push(output.prefill_stage);
+        decode_stages.push(output.decode_stage);
+    }
+    let serial_elapsed = started.elapsed();
+    latencies.sort();
+    prefill_stages.sort();
+    decode_stages.sort();
+    let in_flight = 16;
+    let started = Instant::now();
+    for chunk in prompts.chunks(in_flight) {
+        let pending: Vec<_> = chunk
+            .iter()
+            .map(|prompt| {
+                cluster.router().send(Generate {
+                    prompt: Arc::from(prompt.clone()),
+                    max_tokens: MAX_TOKENS,
+                })
+            })
+            .collect();
+        for request in pending {
+            request.await.unwrap().unwrap();
+        }
+    }
+    let concurrent_elapsed = started.elapsed();
+    let stats = cluster.wait_idle(Duration::from_secs(2)).await.unwrap();
+    assert!(stats.iter().all(|leg| leg.is_idle()), "leak: {stats:?}");
+    let model = cluster.model().clone();
+    cluster.shutdown();
+    let requests = prompts.len() as f64;
+    let figures = Figures {
+        serial_rps: requests / serial_elapsed.as_secs_f64(),
+        concurrent_rps: requests / concurrent_elapsed.as_secs_f64(),
+        p50: percentile(&latencies, 0.5),
+        p99: percentile(&latencies, 0.99),
+        prefill_stage: percentile(&prefill_stages, 0.5),
+        decode_stage: percentile(&decode_stages, 0.5),
+    };
+    (figures, model)
+}
+
+/// Answers every request at once: the bare QUIC round trip baseline.
+struct Echo;
+
+impl ControlService for Echo {
+    type Request = u64;
+    type Response = u64;
+
+    async fn handle(&self, _peer: &NodeId, request: u64) -> Result<u64, String> {
+        Ok(request)
+    }
+}
+
+fn echo_hello(node: &str) -> Hello {
+    Hello {
+        node: NodeId(node.into()),
+        role: Role::Decode,
+        incarnation: Incarnation(1),
+        regions: RegionLayout { layers: vec![] },
+        protocol_version: PROTOCOL_VERSION,
+        layout_hash: 1,
+        engines: vec![],
+    }
+}
+
+/// p50 of a bare quinn request/response round trip (one stream per request, as the links use)
+/// between two endpoints with mutual TLS on loopback.
+async fn quic_round_trip(samples: usize) -> Duration {
+    let runtime = TransportRuntime::new(2).expect("runtime");
+    let handle = runtime.handle();
+    let ca = ClusterCa::generate("bench").expect("ca");
+    let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
+    let names = vec![NodeId("a".into()), NodeId("b".into())];
+    let setup = ServerSetup {
+        cluster: names,
+        hello: echo_hello("b"),
+        service: Arc::new(Echo),
+        tickets: None,
+        limits: ControlLimits::default(),
+    };
+    let server = ControlServer::start(&handle, loopback, &ca.identity("b").unwrap(), setup).unwrap();
+    let client = ControlClient::new(&handle, loopback, &ca.identity("a").unwrap()).unwrap();
+    let connection = client
+        .connect(
+            server.local_addr().unwrap(),
+            "b",
+            &echo_hello("a"),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let mut trips = Vec::with_capacity(samples);
+    for i in 0..samples as u64 + 50 {
+        let sent = Instant::now();
+        let echoed: u64 = connection.request(i, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(echoed, i);
+        if i >= 50 {
+            trips.push(sent.elapsed());
+        }
+    }
+    server.close();
+    client.close();
+    runtime.shutdown_background();
+    trips.sort();
+    percentile(&trips, 0.5)
+}
+
+fn print_figures(
+    name: &str,
+    figures: &Figures,
+    engine: &[Duration],
+    engine_prefill: &[Duration],
+    engine_decode: &[Duration],
+) -> Duration {
+    let engine_p50 = percentile(engine, 0.5);
+    let overhead = figures.p50.saturating_sub(engine_p50);
+    println!(
+        "  {name}: serial {:>6.0} req/s, p50 {:>7.1} us, p99 {:>7.1} us; 16 in flight {:>6.0} req/s",
+        figures.serial_rps,
+        micros(figures.p50),
+        micros(figures.p99),
+        figures.concurrent_rps
+    );
+    println!(
+        "    runtime overhead p50 {:>7.1} us per request (p50 latency - p50 engine {:.1} us)",
+        micros(overhead),
+        micros(engine_p50)
+    );
+    for (stage, at_router, computing) in [
+        ("prefill", figures.prefill_stage, percentile(engine_prefill, 0.5)),
+        ("decode ", figures.decode_stage, percentile(engine_decode, 0.5)),
+    ] {
+        println!(
+            "    {stage} stage p50 {:>7.1} us at the router, engine {:>6.1} us, overhead {:>6.1} us",
+            micros(at_router),
+            micros(computing),
+            micros(at_router.saturating_sub(computing))
+        );
+    }
+    overhead
 }
 
 fn main() {
@@ -96,47 +272,14 @@ fn main() {
     let config = ClusterConfig::from_toml(CONFIG).expect("bench config is valid");
     let system = actix::System::new();
     system.block_on(async move {
-        let cluster = LocalCluster::start(config.clone()).await.expect("cluster starts");
         let prompts: Vec<Vec<u32>> = (0..requests)
             .map(|i| prompt_tokens(i as u64, PROMPT_TOKENS, config.model.vocab))
             .collect();
-        // Warm up.
-        for prompt in prompts.iter().take(50) {
-            cluster.generate(prompt.clone(), MAX_TOKENS).await.unwrap();
-        }
-        let mut latencies = Vec::with_capacity(requests);
-        let started = Instant::now();
-        for prompt in &prompts {
-            let sent = Instant::now();
-            cluster.generate(prompt.clone(), MAX_TOKENS).await.unwrap();
-            latencies.push(sent.elapsed());
-        }
-        let serial_elapsed = started.elapsed();
-        latencies.sort();
-        let in_flight = 16;
-        let started = Instant::now();
-        for chunk in prompts.chunks(in_flight) {
-            let pending: Vec<_> = chunk
-                .iter()
-                .map(|prompt| {
-                    cluster.router().send(Generate {
-                        prompt: Arc::from(prompt.clone()),
-                        max_tokens: MAX_TOKENS,
-                    })
-                })
-                .collect();
-            for request in pending {
-                request.await.unwrap().unwrap();
-            }
-        }
-        let concurrent_elapsed = started.elapsed();
-        let stats = cluster.wait_idle(Duration::from_secs(2)).await.unwrap();
-        assert!(stats.iter().all(|leg| leg.is_idle()), "leak: {stats:?}");
-        let model = cluster.model().clone();
-        cluster.shutdown();
+        let (local, model) = run_cluster(&config, LinkKind::Local, &prompts).await;
+        let (quic, _) = run_cluster(&config, LinkKind::Quic, &prompts).await;
 
         let arbiter = actix::Arbiter::new();
-        let echo = <Echo as actix::Actor>::start_in_arbiter(&arbiter.handle(), |_| Echo);
+        let echo = <EchoActor as actix::Actor>::start_in_arbiter(&arbiter.handle(), |_| EchoActor);
         let mut pings = Vec::with_capacity(requests);
         let mut idle_pings = Vec::with_capacity(requests / 4);
         for i in 0..requests as u64 {
@@ -157,39 +300,38 @@ fn main() {
         idle_pings.sort();
         let ping_p50 = percentile(&pings, 0.5);
         let idle_ping_p50 = percentile(&idle_pings, 0.5);
+        let quic_rtt = quic_round_trip(requests.min(2000)).await;
 
         let memory = LegMemory::heap(&model, &[4, 4]);
-        let mut engine: Vec<Duration> = prompts
+        let split: Vec<(Duration, Duration)> = prompts
             .iter()
             .map(|prompt| engine_only(&model, &memory, prompt))
             .collect();
+        let mut engine: Vec<Duration> = split.iter().map(|(prefill, decode)| *prefill + *decode).collect();
+        let mut engine_prefill: Vec<Duration> = split.iter().map(|(prefill, _)| *prefill).collect();
+        let mut engine_decode: Vec<Duration> = split.iter().map(|(_, decode)| *decode).collect();
         engine.sort();
-        let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
-        let engine_p50 = percentile(&engine, 0.5);
+        engine_prefill.sort();
+        engine_decode.sort();
         println!(
             "in-process cluster, {requests} requests of {PROMPT_TOKENS} prompt tokens, {MAX_TOKENS} generated"
         );
+        let local_overhead = print_figures("local links", &local, &engine, &engine_prefill, &engine_decode);
+        let quic_overhead = print_figures("QUIC links ", &quic, &engine, &engine_prefill, &engine_decode);
         println!(
-            "  serial:      {:>9.0} req/s  p50 {:>7.1} us  p99 {:>7.1} us",
-            requests as f64 / serial_elapsed.as_secs_f64(),
-            micros(p50),
-            micros(p99)
-        );
-        println!(
-            "  {in_flight} in flight: {:>9.0} req/s",
-            requests as f64 / concurrent_elapsed.as_secs_f64()
-        );
-        println!("  engine alone: p50 {:>7.1} us per request", micros(engine_p50));
-        let overhead = p50.saturating_sub(engine_p50);
-        println!(
-            "  runtime overhead p50: {:>7.1} us per request (p50 serial latency - p50 engine)",
-            micros(overhead)
-        );
-        println!(
-            "  baseline: cross-arbiter send().await round trip p50 {:>6.1} us back to back, {:>6.1} us to an idle thread; overhead = {:.1} idle round trips",
+            "  baseline: cross-arbiter send().await round trip p50 {:>6.1} us back to back, {:>6.1} us to an idle thread; local overhead = {:.1} idle round trips",
             micros(ping_p50),
             micros(idle_ping_p50),
-            overhead.as_secs_f64() / idle_ping_p50.as_secs_f64()
+            local_overhead.as_secs_f64() / idle_ping_p50.as_secs_f64()
+        );
+        // A request crosses four links on its critical path (router -> prefill -> router ->
+        // decode -> router): two request/response round trips' worth of one-way messages.
+        let needed = quic_rtt * 2;
+        println!(
+            "  baseline: bare QUIC request/response round trip p50 {:>6.1} us; the protocol's 2 round trips {:.1} us; QUIC overhead = {:.2}x that",
+            micros(quic_rtt),
+            micros(needed),
+            quic_overhead.as_secs_f64() / needed.as_secs_f64()
         );
     });
 }
