@@ -1,8 +1,11 @@
 //! A whole P/D cluster of actors in one process, built from a [`ClusterConfig`], on in-process
 //! or QUIC links (`[transport] links`).
 //!
-//! Each leg gets its own arbiter (one thread) for its scheduler, allocator, exchange and transfer
-//! actors (READs do not block it: engines copy large batches on their own workers). Legs share one
+//! By default each leg gets its own arbiter (one thread) for its scheduler, allocator, exchange
+//! and transfer actors, as separate processes would; with `leg_threads = "shared"` every leg and
+//! the router run on the thread that starts the cluster, and no request waits for a thread to
+//! wake. Either way READs and long computations do not block an arbiter: engines copy large
+//! batches on their own workers, and the reference engine runs on each leg's compute workers. Legs share one
 //! read-only [`Model`] and reach each other's memory through an in-process READ engine, exactly
 //! as separate processes would: with `read_engine = "shm"` (the default) every leg's KV lives in
 //! shared memory and readers map it read-only, with `"local"` in heap memory. Must be started
@@ -14,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use actix::{Actor, Addr, Arbiter, AsyncContext, Recipient};
+use actix::{Actor, Addr, Arbiter, ArbiterHandle, AsyncContext, Context, Recipient};
 use pdkv_core::allocator::Allocator;
 use pdkv_core::leg::LegConfig;
 use pdkv_core::plan::RegionLayout;
@@ -30,9 +33,10 @@ use pdkv_transport::mapped::{LocalFabric, MappedEngine};
 use pdkv_transport::tls::{ClusterCa, NodeIdentity};
 use tokio::sync::watch;
 
+use crate::Stop;
 use crate::allocator::{AllocatorActor, LegStats, Stats};
 use crate::compute::ComputePool;
-use crate::config::{ClusterConfig, LinkKind, NodeConfig, ROUTER_NODE, ReadEngineKind};
+use crate::config::{ClusterConfig, LegThreads, LinkKind, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
@@ -110,6 +114,8 @@ pub struct LegHandle {
     pub exchange: Addr<ExchangeActor>,
     /// Its allocator (stats, grants).
     pub allocator: Addr<AllocatorActor>,
+    /// Its transfer actor (decode legs).
+    pub transfer: Option<Addr<TransferActor>>,
     /// Its READ engine (tests arm faults on it).
     pub engine: Arc<MappedEngine>,
     /// Its KV memory.
@@ -193,11 +199,18 @@ impl LocalCluster {
         let mut arbiters = Vec::with_capacity(config.nodes.len());
         let mut doors = Vec::with_capacity(config.nodes.len() + 1);
         for node in &config.nodes {
-            let arbiter = Arbiter::new();
-            let (leg, door) = start_leg(&config, node, &model, &fabric, &arbiter)?;
+            let placement = match config.transport.leg_threads {
+                LegThreads::PerLeg => {
+                    let arbiter = Arbiter::new();
+                    let handle = arbiter.handle();
+                    arbiters.push(arbiter);
+                    Placement::Own(handle)
+                }
+                LegThreads::Shared => Placement::Current,
+            };
+            let (leg, door) = start_leg(&config, node, &model, &fabric, placement)?;
             legs.push(leg);
             doors.push(door);
-            arbiters.push(arbiter);
         }
         let router_hello = Hello {
             node: NodeId(ROUTER_NODE.into()),
@@ -348,9 +361,19 @@ impl LocalCluster {
         }
     }
 
-    /// Closes the links and stops every arbiter, waiting for their threads.
+    /// Closes the links, stops every actor and every arbiter the cluster started, waiting for
+    /// their threads.
     pub fn shutdown(mut self) {
         drop(self.quic.take());
+        let _ = self.router.try_send(Stop);
+        for leg in &self.legs {
+            let _ = leg.scheduler.try_send(Stop);
+            let _ = leg.exchange.try_send(Stop);
+            let _ = leg.allocator.try_send(Stop);
+            if let Some(transfer) = &leg.transfer {
+                let _ = transfer.try_send(Stop);
+            }
+        }
         for arbiter in &self.arbiters {
             arbiter.stop();
         }
@@ -360,15 +383,27 @@ impl LocalCluster {
     }
 }
 
-/// Builds one leg on `arbiter`: memory registered with its READ engine, allocator, transfer
-/// (decode legs), scheduler and exchange.
+/// Where a leg's actors run.
+enum Placement {
+    /// On an arbiter of the leg's own.
+    Own(ArbiterHandle),
+    /// On the arbiter that starts the cluster.
+    Current,
+}
+
+/// Builds one leg where `placement` says: memory registered with its READ engine, allocator,
+/// transfer (decode legs), scheduler and exchange.
 fn start_leg(
     config: &ClusterConfig,
     node: &NodeConfig,
     model: &Arc<Model>,
     fabric: &LocalFabric,
-    arbiter: &Arbiter,
+    placement: Placement,
 ) -> Result<(LegHandle, Door), RequestError> {
+    let arbiter = match &placement {
+        Placement::Own(handle) => handle.clone(),
+        Placement::Current => Arbiter::current(),
+    };
     let limits = config.limits;
     let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
     let key = EngineKey(node.name.0.clone());
@@ -404,7 +439,7 @@ fn start_leg(
     let allocator = Allocator::new(&config.layout, &capacity, node.prefix_caching)?;
     let (freed_tx, freed_rx) = watch::channel(0u64);
     let (name, actor_memory) = (node.name.clone(), memory.clone());
-    let allocator = AllocatorActor::start_in_arbiter(&arbiter.handle(), move |_| {
+    let allocator = AllocatorActor::start_in_arbiter(&arbiter, move |_| {
         AllocatorActor::new(
             name,
             allocator,
@@ -420,7 +455,7 @@ fn start_leg(
         let (layout, local_regions) = (config.layout.clone(), memory.regions.clone());
         let generation_base = memory.generation_region_id(0);
         let read_timeout = Duration::from_millis(limits.request_timeout_ms);
-        TransferActor::start_in_arbiter(&arbiter.handle(), move |_| {
+        TransferActor::start_in_arbiter(&arbiter, move |_| {
             TransferActor::new(
                 engine,
                 layout,
@@ -458,20 +493,25 @@ fn start_leg(
     // The scheduler and its exchange name each other: the exchange starts inside the
     // scheduler's constructor, on the same arbiter, and its address comes back here.
     let (exchange_tx, exchange_rx) = std::sync::mpsc::sync_channel(1);
-    let (door_hello, door_allocator) = (hello.clone(), allocator.clone());
-    let scheduler = Scheduler::start_in_arbiter(&arbiter.handle(), move |ctx| {
+    let (door_hello, door_allocator, door_transfer) = (hello.clone(), allocator.clone(), transfer.clone());
+    let build = move |ctx: &mut Context<Scheduler>| {
         let exchange = ExchangeActor::new(
             door_hello,
             ctx.address().recipient(),
             door_allocator,
-            transfer,
+            door_transfer,
             limits.mailbox,
         )
         .start();
         // The receiver below waits for exactly this send.
         let _ = exchange_tx.send(exchange.clone());
         Scheduler::new(context, exchange)
-    });
+    };
+    let scheduler = match placement {
+        Placement::Own(handle) => Scheduler::start_in_arbiter(&handle, build),
+        // On this thread the constructor must run now: waiting for it would block it.
+        Placement::Current => Scheduler::create(build),
+    };
     let exchange = exchange_rx
         .recv_timeout(CONNECT_TIMEOUT)
         .map_err(|error| link_error(&node.name, format!("leg actors did not start: {error}")))?;
@@ -487,6 +527,7 @@ fn start_leg(
         scheduler,
         exchange,
         allocator,
+        transfer,
         engine,
         memory,
     };

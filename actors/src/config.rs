@@ -94,6 +94,18 @@ impl std::fmt::Display for LinkKind {
     }
 }
 
+/// Which threads the actors of a cluster in one process run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LegThreads {
+    /// Each leg on its own arbiter thread, as legs in separate processes would run.
+    #[default]
+    PerLeg,
+    /// Every leg and the router on the thread that starts the cluster: no thread wake-up on a
+    /// request's path (long computations still go to each leg's compute workers).
+    Shared,
+}
+
 /// `[transport]`: how legs move KV bytes and protocol messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -102,6 +114,8 @@ pub struct TransportConfig {
     pub read_engine: ReadEngineKind,
     /// Links between router and legs: `local` (default) or `quic`.
     pub links: LinkKind,
+    /// Threads of a cluster in one process: `per_leg` (default) or `shared`.
+    pub leg_threads: LegThreads,
 }
 
 /// `[limits]`: every wait and queue bound.
@@ -604,6 +618,35 @@ mod tests {
         assert_eq!(config.exchange.pairing, PairingMode::Anchored);
     }
 
+    #[test]
+    fn transport_and_compute_keys_parse_with_their_defaults() {
+        let config = ClusterConfig::embedded_default();
+        assert_eq!(config.transport.links, LinkKind::Local);
+        assert_eq!(config.transport.leg_threads, LegThreads::PerLeg);
+        assert_eq!(
+            (config.limits.compute_workers, config.limits.inline_compute_us),
+            (2, 100)
+        );
+        let text = DEFAULT_CLUSTER_TOML
+            .replacen(
+                "read_engine = \"shm\"",
+                "read_engine = \"shm\"\nlinks = \"quic\"\nleg_threads = \"shared\"",
+                1,
+            )
+            .replacen(
+                "mailbox = 64",
+                "mailbox = 64\ncompute_workers = 3\ninline_compute_us = 0",
+                1,
+            );
+        let config = ClusterConfig::from_toml(&text).unwrap();
+        assert_eq!(config.transport.links, LinkKind::Quic);
+        assert_eq!(config.transport.leg_threads, LegThreads::Shared);
+        assert_eq!(
+            (config.limits.compute_workers, config.limits.inline_compute_us),
+            (3, 0)
+        );
+    }
+
     /// Each broken variant of the shipped file is refused with an error naming the key.
     #[test]
     fn bad_cluster_toml_names_the_key() {
@@ -670,6 +713,44 @@ mod tests {
             (
                 with("name = \"decode-0\"", "name = \"ca\""),
                 "nodes[1].name: \"ca\" is reserved",
+            ),
+            (
+                with("name = \"decode-0\"", "name = \"router\""),
+                "nodes[1].name: \"router\" is reserved",
+            ),
+            (
+                with("role = \"decode\"", "role = \"router\""),
+                "nodes[1].role: \"router\" is not a leg role",
+            ),
+            (
+                with(
+                    "read_engine = \"shm\"",
+                    "read_engine = \"shm\"\nlinks = \"carrier-pigeon\"",
+                ),
+                "unknown variant `carrier-pigeon`, expected `local` or `quic`",
+            ),
+            (
+                with(
+                    "read_engine = \"shm\"",
+                    "read_engine = \"shm\"\nleg_threads = \"many\"",
+                ),
+                "unknown variant `many`, expected `per_leg` or `shared`",
+            ),
+            (
+                with("mailbox = 64", "mailbox = 64\ncompute_workers = 0"),
+                "limits.compute_workers: must be at least 1",
+            ),
+            (
+                with("mailbox = 64", "mailbox = 64\ncompute_workers = 257"),
+                "limits.compute_workers: 257 is more than the 256 threads a leg may run",
+            ),
+            (
+                with("mailbox = 64", "mailbox = 64\ninline_compute_us = 10001"),
+                "limits.inline_compute_us: 10001 would let one computation hold a leg's arbiter for more than 10000 us",
+            ),
+            (
+                with("mailbox = 64", "mailbox = 64\nlink_in_flight = 0"),
+                "limits.link_in_flight: must be at least 1",
             ),
             (
                 with("vocab = 256", "vocab = 4000000000"),

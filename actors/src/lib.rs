@@ -28,3 +28,31 @@ pub mod router;
 pub mod scheduler;
 pub mod sweep;
 pub mod transfer;
+
+/// Stops the actor that receives it (a cluster shutting down).
+#[derive(Debug, Clone, Copy, actix::Message)]
+#[rtype(result = "()")]
+pub struct Stop;
+
+/// Implements [`Stop`] for actors with a plain `Context`.
+macro_rules! stoppable {
+    ($($actor:ty),* $(,)?) => {
+        $(
+            impl actix::Handler<crate::Stop> for $actor {
+                type Result = ();
+
+                fn handle(&mut self, _msg: crate::Stop, ctx: &mut Self::Context) {
+                    actix::ActorContext::stop(ctx);
+                }
+            }
+        )*
+    };
+}
+
+stoppable!(
+    allocator::AllocatorActor,
+    exchange::ExchangeActor,
+    router::Router,
+    scheduler::Scheduler,
+    transfer::TransferActor,
+);

@@ -91,6 +91,15 @@ async fn pd_equals_direct_for_every_tail_combination(links: LinkKind) {
     }
 }
 
+/// The same with every leg and the router on one thread.
+async fn pd_equals_direct_with_every_leg_on_one_thread(links: LinkKind) {
+    let mut config = config(&[("lookahead_tokens = 0", "lookahead_tokens = 3")]);
+    config.transport.leg_threads = pdkv_actors::config::LegThreads::Shared;
+    let cluster = start(config, links).await;
+    assert_all_match(&cluster, BOUNDARY_LENGTHS).await;
+    cluster.shutdown();
+}
+
 /// The same through the heap-memory engine (the default engine is shared memory).
 async fn pd_equals_direct_through_the_local_engine_too(links: LinkKind) {
     let cluster = start(
@@ -693,6 +702,7 @@ macro_rules! on_both_links {
 }
 
 on_both_links!(
+    pd_equals_direct_with_every_leg_on_one_thread,
     pd_equals_direct_for_every_tail_combination,
     pd_equals_direct_through_the_local_engine_too,
     pd_equals_direct_with_a_mamba_group_and_dcp,

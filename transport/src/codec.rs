@@ -61,6 +61,30 @@ pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R, max: usize) -> Res
     Ok(payload)
 }
 
+/// Reads the next frame's payload of a stream of frames, or `None` if the stream ended cleanly
+/// between frames.
+pub async fn read_next_frame<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    max: usize,
+) -> Result<Option<Vec<u8>>, CodecError> {
+    let mut first = [0u8; 1];
+    if reader.read(&mut first).await.map_err(io)? == 0 {
+        return Ok(None);
+    }
+    let mut rest = [0u8; 3];
+    read_exact(reader, &mut rest).await?;
+    let len = u32::from_le_bytes([first[0], rest[0], rest[1], rest[2]]) as usize;
+    if len > max.min(MAX_FRAME_BYTES) {
+        return Err(CodecError::Oversize {
+            len: len as u64,
+            max: max.min(MAX_FRAME_BYTES),
+        });
+    }
+    let mut payload = vec![0u8; len];
+    read_exact(reader, &mut payload).await?;
+    Ok(Some(payload))
+}
+
 async fn read_exact<R: AsyncRead + Unpin>(reader: &mut R, buffer: &mut [u8]) -> Result<(), CodecError> {
     match reader.read_exact(buffer).await {
         Ok(_) => Ok(()),

@@ -164,6 +164,8 @@ pub struct ControlLimits {
     pub max_connections: usize,
     /// Concurrent request streams per connection.
     pub max_streams: u32,
+    /// Concurrent one-way streams of frames per connection (a link keeps one open).
+    pub max_frame_streams: u32,
     /// Time a client has to send its hello.
     pub handshake_timeout: Duration,
     /// A connection with no traffic for this long is closed.
@@ -175,6 +177,7 @@ impl Default for ControlLimits {
         ControlLimits {
             max_connections: 256,
             max_streams: 64,
+            max_frame_streams: 4,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
         }
@@ -189,7 +192,7 @@ fn transport_config(limits: &ControlLimits) -> Result<quinn::TransportConfig, Co
         .max_idle_timeout(Some(idle))
         .keep_alive_interval(Some(limits.idle_timeout / 3))
         .max_concurrent_bidi_streams(limits.max_streams.into())
-        .max_concurrent_uni_streams(0u32.into());
+        .max_concurrent_uni_streams(limits.max_frame_streams.into());
     Ok(transport)
 }
 
@@ -331,8 +334,16 @@ async fn serve_connection<S: ControlService>(
     let peer = theirs.node;
     tracing::info!(peer = %peer, "control peer admitted");
     loop {
-        let (mut send, mut recv) = match connection.accept_bi().await {
-            Ok(stream) => stream,
+        let accepted = tokio::select! {
+            bi = connection.accept_bi() => bi.map(Some),
+            uni = connection.accept_uni() => uni.map(|recv| {
+                tokio::spawn(serve_frames(recv, shared.clone(), peer.clone(), connection.clone()));
+                None
+            }),
+        };
+        let (mut send, mut recv) = match accepted {
+            Ok(Some(stream)) => stream,
+            Ok(None) => continue,
             Err(quinn::ConnectionError::ApplicationClosed(_) | quinn::ConnectionError::LocallyClosed) => {
                 return Ok(());
             }
@@ -366,6 +377,40 @@ async fn serve_connection<S: ControlService>(
                 let _ = send.finish();
             }
         });
+    }
+}
+
+/// Serves a one-way stream of request frames in order; a refusal is logged (nobody waits for
+/// an answer), a malformed frame closes the connection.
+async fn serve_frames<S: ControlService>(
+    mut recv: quinn::RecvStream,
+    shared: Arc<ServerShared<S>>,
+    peer: NodeId,
+    connection: quinn::Connection,
+) {
+    loop {
+        let frame = match codec::read_next_frame(&mut recv, MAX_FRAME_BYTES).await {
+            Ok(Some(payload)) => codec::decode::<Frame<S::Request>>(&payload),
+            Ok(None) => return,
+            Err(error) => Err(error),
+        };
+        match frame {
+            Ok(Frame::Request(request)) => {
+                if let Err(reason) = shared.service.handle(&peer, request).await {
+                    tracing::warn!(%peer, %reason, "refused a message");
+                }
+            }
+            Ok(_) => {
+                tracing::warn!(%peer, "only requests travel on a stream of frames, closing the connection");
+                connection.close(CLOSE_PROTOCOL.into(), b"unexpected frame on a stream of frames");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%peer, %error, "malformed frame, closing the connection");
+                connection.close(CLOSE_PROTOCOL.into(), error.to_string().as_bytes());
+                return;
+            }
+        }
     }
 }
 
@@ -521,6 +566,16 @@ impl PeerConnection {
         }
     }
 
+    /// Opens a one-way stream of request frames: the peer handles them in order and answers
+    /// none (for messages whose sender does not wait).
+    pub async fn open_frames(&self, timeout: Duration) -> Result<FrameSender, ControlError> {
+        let send = tokio::time::timeout(timeout, self.connection.open_uni())
+            .await
+            .map_err(|_| ControlError::Timeout("open stream"))?
+            .map_err(|error| ControlError::Closed(error.to_string()))?;
+        Ok(FrameSender { send })
+    }
+
     /// Asks the peer for a one-time ticket to open a network data connection.
     pub async fn ticket(&self, timeout: Duration) -> Result<Ticket, ControlError> {
         match self.exchange::<(), ()>(Frame::Ticket, timeout).await? {
@@ -577,6 +632,32 @@ impl PeerConnection {
         })
         .await
         .map_err(|_| ControlError::Timeout(what))?
+    }
+}
+
+/// The sending end of a one-way stream of request frames.
+#[derive(Debug)]
+pub struct FrameSender {
+    send: quinn::SendStream,
+}
+
+impl FrameSender {
+    /// Writes one request frame (waits only for flow-control credit).
+    pub async fn send<R: Serialize>(&mut self, request: R) -> Result<(), ControlError> {
+        codec::write_message(&mut self.send, &Frame::Request(request)).await?;
+        Ok(())
+    }
+
+    /// Writes raw bytes as one frame's payload (tests prove garbage closes the connection).
+    pub async fn send_raw(&mut self, payload: &[u8]) -> Result<(), ControlError> {
+        tokio::io::AsyncWriteExt::write_all(&mut self.send, &codec::frame(payload))
+            .await
+            .map_err(|error| ControlError::Closed(error.to_string()))
+    }
+
+    /// Ends the stream after the frames written so far.
+    pub fn finish(&mut self) {
+        let _ = self.send.finish();
     }
 }
 

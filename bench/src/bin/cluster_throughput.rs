@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdkv_actors::cluster::LocalCluster;
-use pdkv_actors::config::{ClusterConfig, LinkKind};
+use pdkv_actors::config::{ClusterConfig, LegThreads, LinkKind};
 use pdkv_actors::engine::{Model, argmax, prompt_tokens};
 use pdkv_actors::memory::LegMemory;
 use pdkv_actors::router::Generate;
@@ -108,9 +108,15 @@ struct Figures {
 }
 
 /// `requests` P/D requests one after another, then 16 at a time, on `links`.
-async fn run_cluster(config: &ClusterConfig, links: LinkKind, prompts: &[Vec<u32>]) -> (Figures, Arc<Model>) {
+async fn run_cluster(
+    config: &ClusterConfig,
+    links: LinkKind,
+    leg_threads: LegThreads,
+    prompts: &[Vec<u32>],
+) -> (Figures, Arc<Model>) {
     let mut config = config.clone();
     config.transport.links = links;
+    config.transport.leg_threads = leg_threads;
     let cluster = LocalCluster::start(config).await.expect("cluster starts");
     // Warm up.
     for prompt in prompts.iter().take(50) {
@@ -275,8 +281,10 @@ fn main() {
         let prompts: Vec<Vec<u32>> = (0..requests)
             .map(|i| prompt_tokens(i as u64, PROMPT_TOKENS, config.model.vocab))
             .collect();
-        let (local, model) = run_cluster(&config, LinkKind::Local, &prompts).await;
-        let (quic, _) = run_cluster(&config, LinkKind::Quic, &prompts).await;
+        let (local, model) = run_cluster(&config, LinkKind::Local, LegThreads::PerLeg, &prompts).await;
+        let (shared, _) = run_cluster(&config, LinkKind::Local, LegThreads::Shared, &prompts).await;
+        let (quic, _) = run_cluster(&config, LinkKind::Quic, LegThreads::PerLeg, &prompts).await;
+        let (quic_shared, _) = run_cluster(&config, LinkKind::Quic, LegThreads::Shared, &prompts).await;
 
         let arbiter = actix::Arbiter::new();
         let echo = <EchoActor as actix::Actor>::start_in_arbiter(&arbiter.handle(), |_| EchoActor);
@@ -316,10 +324,36 @@ fn main() {
         println!(
             "in-process cluster, {requests} requests of {PROMPT_TOKENS} prompt tokens, {MAX_TOKENS} generated"
         );
-        let local_overhead = print_figures("local links", &local, &engine, &engine_prefill, &engine_decode);
-        let quic_overhead = print_figures("QUIC links ", &quic, &engine, &engine_prefill, &engine_decode);
+        let local_overhead = print_figures(
+            "local links, a thread per leg",
+            &local,
+            &engine,
+            &engine_prefill,
+            &engine_decode,
+        );
+        print_figures(
+            "local links, one shared thread",
+            &shared,
+            &engine,
+            &engine_prefill,
+            &engine_decode,
+        );
+        let quic_overhead = print_figures(
+            "QUIC links, a thread per leg",
+            &quic,
+            &engine,
+            &engine_prefill,
+            &engine_decode,
+        );
+        let quic_shared_overhead = print_figures(
+            "QUIC links, one shared thread",
+            &quic_shared,
+            &engine,
+            &engine_prefill,
+            &engine_decode,
+        );
         println!(
-            "  baseline: cross-arbiter send().await round trip p50 {:>6.1} us back to back, {:>6.1} us to an idle thread; local overhead = {:.1} idle round trips",
+            "  baseline: cross-arbiter send().await round trip p50 {:>6.1} us back to back, {:>6.1} us to an idle thread; thread-per-leg overhead = {:.1} idle round trips",
             micros(ping_p50),
             micros(idle_ping_p50),
             local_overhead.as_secs_f64() / idle_ping_p50.as_secs_f64()
@@ -328,10 +362,11 @@ fn main() {
         // decode -> router): two request/response round trips' worth of one-way messages.
         let needed = quic_rtt * 2;
         println!(
-            "  baseline: bare QUIC request/response round trip p50 {:>6.1} us; the protocol's 2 round trips {:.1} us; QUIC overhead = {:.2}x that",
+            "  baseline: bare QUIC request/response round trip p50 {:>6.1} us; the protocol's 2 round trips {:.1} us; QUIC overhead = {:.2}x that with a thread per leg, {:.2}x with one shared thread",
             micros(quic_rtt),
             micros(needed),
-            quic_overhead.as_secs_f64() / needed.as_secs_f64()
+            quic_overhead.as_secs_f64() / needed.as_secs_f64(),
+            quic_shared_overhead.as_secs_f64() / needed.as_secs_f64()
         );
     });
 }
