@@ -49,6 +49,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             seed,
             requests: args.requests,
             faults: !args.no_faults,
+            script: Vec::new(),
         });
         scenarios += 1;
         requests += u64::from(report.requests);

@@ -17,7 +17,7 @@ use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId, Role};
 use pdkv_transport::control::{Hello, check_compat};
 
 use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest};
-use crate::link::{Admit, Inbound, Peers, Refusal, SetLink, body_kind};
+use crate::link::{Admit, Inbound, Peers, Refusal, SetLink};
 use crate::transfer::{AddPeer, TransferActor};
 
 /// A message for the scheduler from a peer, already checked by the exchange.
@@ -62,7 +62,7 @@ impl ExchangeActor {
     }
 
     fn send(&self, to: &NodeId, request: RequestId, budget_ms: u64, body: Body) {
-        let kind = body_kind(&body);
+        let kind = body.kind();
         if let Err(error) = self.peers.send(to, request, budget_ms, body) {
             tracing::warn!(node = %self.node(), %to, %request, kind, %error, "message not sent");
         }
@@ -163,7 +163,7 @@ impl ExchangeActor {
         if sender_role != Some(expected) {
             return Err(Refusal::WrongSender {
                 node: msg.envelope.from.clone(),
-                body: body_kind(&msg.envelope.body),
+                body: msg.envelope.body.kind(),
                 expected,
             });
         }
@@ -180,7 +180,7 @@ impl ExchangeActor {
             return Err(Refusal::Misrouted {
                 node: self.hello.node.clone(),
                 what: format!("a {} leg", self.hello.role),
-                body: body_kind(&envelope.body),
+                body: envelope.body.kind(),
             });
         }
         let (request, from, budget_ms) = (envelope.request, envelope.from.clone(), envelope.budget_ms);

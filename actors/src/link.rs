@@ -110,6 +110,14 @@ pub enum Refusal {
         /// What is wrong.
         detail: String,
     },
+    /// The request was aborted before this message arrived (it was reordered past the abort).
+    #[error("{node}: {request} was aborted")]
+    Aborted {
+        /// This node.
+        node: NodeId,
+        /// The request.
+        request: RequestId,
+    },
     /// The peers cannot work together (protocol, layout, names).
     #[error("incompatible peer: {0}")]
     Incompatible(String),
@@ -222,7 +230,7 @@ impl QuicLink {
                 }
             };
             while let Some(envelope) = envelopes.recv().await {
-                let (request, kind) = (envelope.request, body_kind(&envelope.body));
+                let (request, kind) = (envelope.request, envelope.body.kind());
                 match tokio::time::timeout(timeout, frames.send(envelope)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(error)) => {
@@ -288,21 +296,6 @@ impl ControlService for DoorService {
             Ok(result) => result.map_err(|refusal| refusal.to_string()),
             Err(error) => Err(format!("node unavailable: {error}")),
         }
-    }
-}
-
-/// The message kind, for logs and refusals.
-pub fn body_kind(body: &Body) -> &'static str {
-    match body {
-        Body::Prefill { .. } => "prefill",
-        Body::KvReady(_) => "kv_ready",
-        Body::Decode { .. } => "decode",
-        Body::Renew { .. } => "renew",
-        Body::Renewed { .. } => "renewed",
-        Body::Release { .. } => "release",
-        Body::Abort => "abort",
-        Body::Output(_) => "output",
-        Body::Failed { .. } => "failed",
     }
 }
 

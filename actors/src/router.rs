@@ -406,7 +406,7 @@ impl Handler<PrefillOnly> for Router {
                 Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
                 other => Err(RequestError::BadParams(format!(
                     "unexpected answer {}",
-                    crate::link::body_kind(&other)
+                    other.kind()
                 ))),
             }
         })
@@ -454,7 +454,7 @@ impl Handler<DecodeOnly> for Router {
                 Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
                 other => Err(RequestError::BadParams(format!(
                     "unexpected answer {}",
-                    crate::link::body_kind(&other)
+                    other.kind()
                 ))),
             }
         })

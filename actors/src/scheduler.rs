@@ -15,7 +15,7 @@
 //! [`Direct`] runs a request on this leg alone, outside the protocol: it is the reference that
 //! P/D output is checked against.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +40,9 @@ use crate::exchange::{Deliver, ExchangeActor, Outbound};
 use crate::link::Refusal;
 use crate::memory::LegMemory;
 use crate::transfer::{Read, TransferActor};
+
+/// Aborted requests a leg remembers, so that a late request for one is refused.
+const ABORTED_REMEMBERED: usize = 4096;
 
 /// A finished request's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,6 +187,10 @@ pub struct Scheduler {
     leg: Arc<LegContext>,
     exchange: Addr<ExchangeActor>,
     jobs: HashMap<RequestId, Job>,
+    /// Requests aborted before they started here, newest last (at most [`ABORTED_REMEMBERED`]):
+    /// a request or its parameters reordered past the abort are refused, not started.
+    aborted: VecDeque<RequestId>,
+    aborted_set: HashSet<RequestId>,
     /// Taken while a wait for the next free is pending.
     freed: Option<watch::Receiver<u64>>,
 }
@@ -196,6 +203,8 @@ impl Scheduler {
             leg,
             exchange,
             jobs: HashMap::new(),
+            aborted: VecDeque::new(),
+            aborted_set: HashSet::new(),
             freed,
         }
     }
@@ -550,6 +559,12 @@ impl Scheduler {
             ..
         } = envelope;
         let deadline_ms = now.saturating_add(budget_ms);
+        if matches!(body, Body::Prefill { .. } | Body::Decode { .. }) && self.aborted_set.contains(&request) {
+            return Err(Refusal::Aborted {
+                node: self.leg.node().clone(),
+                request,
+            });
+        }
         match body {
             Body::Prefill { prompt, decode } if !self.jobs.contains_key(&request) => {
                 let prompt_arc: Arc<[u32]> = prompt.clone().into();
@@ -618,16 +633,29 @@ impl Scheduler {
                 Ok(())
             }
             Body::Abort => {
-                if let Some(job) = self.jobs.get_mut(&request) {
-                    job.machine.handle_abort();
+                match self.jobs.get_mut(&request) {
+                    Some(job) => job.machine.handle_abort(),
+                    None => self.remember_aborted(request),
                 }
                 self.drive(request, ctx);
                 Ok(())
             }
             body => {
-                tracing::debug!(node = %self.leg.node(), %request, kind = crate::link::body_kind(&body), "ignored (duplicate or late)");
+                tracing::debug!(node = %self.leg.node(), %request, kind = body.kind(), "ignored (duplicate or late)");
                 Ok(())
             }
+        }
+    }
+
+    fn remember_aborted(&mut self, request: RequestId) {
+        if !self.aborted_set.insert(request) {
+            return;
+        }
+        self.aborted.push_back(request);
+        if self.aborted.len() > ABORTED_REMEMBERED
+            && let Some(oldest) = self.aborted.pop_front()
+        {
+            self.aborted_set.remove(&oldest);
         }
     }
 

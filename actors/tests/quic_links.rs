@@ -148,6 +148,21 @@ async fn forged_misrouted_and_unknown_messages_are_refused_by_name() {
         .request::<_, ()>(envelope("router", router, 424_242, Body::Abort), TIMEOUT)
         .await
         .unwrap();
+    // A request reordered past its own abort is refused, not started.
+    let (_router_to_prefill, router_to_prefill) =
+        dial_as(&cluster, "router", Role::Router, router, "prefill-0").await;
+    router_to_prefill
+        .request::<_, ()>(envelope("router", router, 515_151, Body::Abort), TIMEOUT)
+        .await
+        .unwrap();
+    let late = Body::Prefill {
+        prompt: vec![1, 2, 3],
+        decode: NodeId("decode-0".into()),
+    };
+    assert_eq!(
+        refusal(&router_to_prefill, envelope("router", router, 515_151, late)).await,
+        "prefill-0: req-515151 was aborted"
+    );
 
     assert_serves_and_is_idle(&cluster).await;
     cluster.shutdown();

@@ -36,14 +36,56 @@ use crate::leg::{
 use crate::wire::{Body, Envelope, Failure, Incarnation, NodeId, RequestId};
 
 /// What one simulated scenario runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SimConfig {
     /// Seed of everything random in the scenario; the same seed replays the same run.
     pub seed: u64,
     /// Requests the router sends.
     pub requests: u32,
-    /// Whether faults are injected.
+    /// Whether faults are injected on a seeded schedule.
     pub faults: bool,
+    /// Faults injected at named messages, for targeted scenarios.
+    pub script: Vec<Scripted>,
+}
+
+/// A fault injected at one named message: the `nth` (from 0) message of `kind` (as
+/// [`Body::kind`] names it) that any node sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scripted {
+    /// The message kind.
+    pub kind: &'static str,
+    /// Which one of that kind.
+    pub nth: u32,
+    /// What happens.
+    pub action: ScriptAction,
+}
+
+/// What a [`Scripted`] fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScriptAction {
+    /// The message is lost.
+    Drop,
+    /// The message arrives twice.
+    Duplicate,
+    /// The message arrives `by_ms` late (after others sent later).
+    Delay {
+        /// How late.
+        by_ms: u64,
+    },
+    /// The node that receives the message stops for `for_ms` right after handling it.
+    FreezeReceiver {
+        /// How long.
+        for_ms: u64,
+    },
+    /// The leg that sent the message restarts (new incarnation) right after sending it.
+    RestartSender,
+    /// The decode leg's next READ stops half way.
+    FailNextRead,
+    /// The decode leg's next READ takes `by_ms` longer (a slow or congested network).
+    SlowNextRead {
+        /// How much longer.
+        by_ms: u64,
+    },
 }
 
 /// A fault the simulation injects.
@@ -116,6 +158,11 @@ pub struct SimReport {
     /// lease): allowed only because the generation check after the copy fails any whose blocks
     /// were freed; an answer from one is checked like any other.
     pub late_one_sided_reads: u32,
+    /// How every request ended.
+    pub outcomes: BTreeMap<RequestId, RequestOutcome>,
+    /// Messages a leg refused or ignored, by why: `stale_incarnation`, `renew_refused`,
+    /// `release_refused`, `after_abort`, `duplicate`.
+    pub refused: BTreeMap<&'static str, u32>,
 }
 
 /// How the simulated READ engine treats the prefill leg's memory.
@@ -129,15 +176,17 @@ enum Engine {
     OneSided,
 }
 
-/// Timing and sizes of the simulated cluster, in virtual milliseconds.
-const LEASE_MS: u64 = 30;
+/// A grant's lease in the simulated cluster, in virtual milliseconds.
+pub const LEASE_MS: u64 = 30;
 /// Waits for blocks may run several leases long, so renewals matter even without faults.
 const ALLOC_WAIT_MS: u64 = 300;
-const BUDGET_MS: u64 = 600;
+/// A request's whole time budget in the simulated cluster, in virtual milliseconds.
+pub const BUDGET_MS: u64 = 600;
 /// Longest a READ takes.
 const READ_MS: u64 = 12;
 /// Milliseconds a decode leg spends per generated token (holding its blocks).
 const TOKEN_MS: u64 = 15;
+/// How long the router takes to notice a restarted leg.
 const DETECT_MS: u64 = 30;
 const BLOCKS_PER_GROUP: u32 = 32;
 /// Most events one scenario may process before it is declared hung.
@@ -264,8 +313,12 @@ fn due<M>(
 enum Event {
     /// The router starts a request.
     Start { request: RequestId },
-    /// An encoded [`Envelope`] reaches a node.
-    Deliver { to: NodeId, bytes: Vec<u8> },
+    /// An encoded [`Envelope`] reaches a node, which then stops for `freeze_ms` (0: not).
+    Deliver {
+        to: NodeId,
+        bytes: Vec<u8>,
+        freeze_ms: u64,
+    },
     /// A prefill leg's compute finished.
     Computed {
         incarnation: Incarnation,
@@ -312,12 +365,16 @@ struct Leg {
     prompts: BTreeMap<RequestId, Vec<u32>>,
     prefills: BTreeMap<RequestId, PrefillMachine>,
     decodes: BTreeMap<RequestId, DecodeMachine>,
-    /// Requests this incarnation has started, so a duplicated message does not start one twice.
+    /// Requests this incarnation has started or seen aborted, so a duplicated or late message
+    /// does not start one.
     seen: BTreeSet<RequestId>,
+    /// Requests aborted before this leg started them.
+    aborted: BTreeSet<RequestId>,
     /// Incarnation of each peer as this node knows it.
     known: HashMap<NodeId, Incarnation>,
     frozen_until_ms: u64,
     fail_next_read: bool,
+    slow_next_read_ms: u64,
 }
 
 impl Leg {
@@ -340,9 +397,11 @@ impl Leg {
             prefills: BTreeMap::new(),
             decodes: BTreeMap::new(),
             seen: BTreeSet::new(),
+            aborted: BTreeSet::new(),
             known: HashMap::new(),
             frozen_until_ms: 0,
             fail_next_read: false,
+            slow_next_read_ms: 0,
         }
     }
 
@@ -373,6 +432,9 @@ struct Sim {
     outcomes: BTreeMap<RequestId, RequestOutcome>,
     engine: Engine,
     faults_on: bool,
+    script: Vec<Scripted>,
+    /// Messages sent so far, by kind.
+    sent: HashMap<&'static str, u32>,
     report: SimReport,
 }
 
@@ -433,6 +495,8 @@ pub fn simulate(config: SimConfig) -> SimReport {
             Engine::OneSided
         },
         faults_on: config.faults,
+        script: config.script,
+        sent: HashMap::new(),
         report: SimReport {
             seed: config.seed,
             requests: config.requests,
@@ -442,6 +506,7 @@ pub fn simulate(config: SimConfig) -> SimReport {
     };
     sim.plan(config.requests);
     sim.run();
+    sim.report.outcomes = std::mem::take(&mut sim.outcomes);
     sim.report
 }
 
@@ -512,6 +577,10 @@ impl Sim {
         NodeId(if self.rng.chance(500) { PREFILL } else { DECODE }.into())
     }
 
+    fn refuse(&mut self, why: &'static str) {
+        *self.report.refused.entry(why).or_default() += 1;
+    }
+
     fn count(&mut self, fault: Fault) {
         *self.report.faults.entry(fault).or_default() += 1;
     }
@@ -550,6 +619,50 @@ impl Sim {
             Err(error) => return self.violation(format!("cannot encode a message: {error}")),
         };
         let mut at = self.now_ms + 1 + self.rng.below(2);
+        let kind = envelope.body.kind();
+        let nth = self.sent.entry(kind).or_default();
+        let scripted: Vec<ScriptAction> = self
+            .script
+            .iter()
+            .filter(|rule| rule.kind == kind && rule.nth == *nth)
+            .map(|rule| rule.action)
+            .collect();
+        *nth += 1;
+        let mut freeze_ms = 0;
+        let mut restart_sender = false;
+        for action in scripted {
+            match action {
+                ScriptAction::Drop => {
+                    self.count(Fault::Drop);
+                    return;
+                }
+                ScriptAction::Duplicate => {
+                    self.count(Fault::Duplicate);
+                    let event = Event::Deliver {
+                        to: to.clone(),
+                        bytes: bytes.clone(),
+                        freeze_ms: 0,
+                    };
+                    self.schedule(at + 1, event);
+                }
+                ScriptAction::Delay { by_ms } => {
+                    self.count(Fault::Delay);
+                    at += by_ms;
+                }
+                ScriptAction::FreezeReceiver { for_ms } => freeze_ms = for_ms,
+                ScriptAction::RestartSender => restart_sender = true,
+                ScriptAction::FailNextRead => {
+                    self.count(Fault::FailRead);
+                    self.decode.fail_next_read = true;
+                }
+                ScriptAction::SlowNextRead { by_ms } => self.decode.slow_next_read_ms = by_ms,
+            }
+        }
+        if restart_sender {
+            self.schedule(at, Event::Deliver { to, bytes, freeze_ms });
+            let sender = envelope.from.clone();
+            return self.restart(&sender);
+        }
         if self.faults_on {
             if self.rng.chance(20) {
                 self.count(Fault::Drop);
@@ -567,11 +680,12 @@ impl Sim {
                     Event::Deliver {
                         to: to.clone(),
                         bytes: bytes.clone(),
+                        freeze_ms: 0,
                     },
                 );
             }
         }
-        self.schedule(at, Event::Deliver { to, bytes });
+        self.schedule(at, Event::Deliver { to, bytes, freeze_ms });
     }
 
     fn run(&mut self) {
@@ -659,16 +773,22 @@ impl Sim {
         let now = self.now_ms;
         match event {
             Event::Start { request } => self.start(request),
-            Event::Deliver { to, bytes } => {
+            Event::Deliver { to, bytes, freeze_ms } => {
                 if let Some(leg) = self.leg_mut(&to)
                     && leg.frozen_until_ms > now
                 {
                     let until = leg.frozen_until_ms;
-                    return self.schedule(until, Event::Deliver { to, bytes });
+                    return self.schedule(until, Event::Deliver { to, bytes, freeze_ms });
                 }
                 match codec::decode::<Envelope>(&bytes) {
                     Ok(envelope) => self.receive(&to, envelope),
                     Err(error) => self.violation(format!("a message did not decode: {error}")),
+                }
+                if freeze_ms > 0
+                    && let Some(leg) = self.leg_mut(&to)
+                {
+                    leg.frozen_until_ms = now + freeze_ms;
+                    self.count(Fault::Freeze);
                 }
             }
             Event::Computed {
@@ -865,17 +985,21 @@ impl Sim {
         let Some(leg) = self.leg_mut(to) else { return };
         // Node-level incarnation check: adopt the first incarnation seen; refuse any other.
         let known = *leg.known.entry(from.clone()).or_insert(incarnation);
-        if known != incarnation && from.0 != ROUTER {
-            return;
-        }
-        if from.0 == ROUTER && incarnation != router_incarnation {
-            return;
+        if (known != incarnation && from.0 != ROUTER)
+            || (from.0 == ROUTER && incarnation != router_incarnation)
+        {
+            return self.refuse("stale_incarnation");
         }
         let deadline = now.saturating_add(budget_ms);
         match body {
             Body::Prefill { prompt, decode } => {
                 if !leg.seen.insert(request) {
-                    return;
+                    let why = if leg.aborted.contains(&request) {
+                        "after_abort"
+                    } else {
+                        "duplicate"
+                    };
+                    return self.refuse(why);
                 }
                 leg.prompts.insert(request, prompt.clone());
                 let machine =
@@ -884,7 +1008,12 @@ impl Sim {
             }
             Body::Decode { params, max_tokens } => {
                 if !leg.seen.insert(request) {
-                    return;
+                    let why = if leg.aborted.contains(&request) {
+                        "after_abort"
+                    } else {
+                        "duplicate"
+                    };
+                    return self.refuse(why);
                 }
                 leg.prompts.insert(request, params.prompt.clone());
                 let machine = DecodeMachine::new(leg.config.clone(), from, params, max_tokens, deadline, now);
@@ -892,22 +1021,17 @@ impl Sim {
             }
             Body::Renew { grant, issuer } => {
                 if issuer != leg.incarnation {
-                    return;
+                    return self.refuse("stale_incarnation");
                 }
-                if leg.grants.renew(grant, &from, now).is_ok() {
-                    let (name, mine) = (leg.name.clone(), leg.incarnation);
-                    self.send(
-                        name,
-                        mine,
-                        from,
-                        request,
-                        Body::Renewed {
-                            grant,
-                            lease_ms: LEASE_MS,
-                        },
-                    );
+                if leg.grants.renew(grant, &from, now).is_err() {
+                    return self.refuse("renew_refused");
                 }
-                return;
+                let (name, mine) = (leg.name.clone(), leg.incarnation);
+                let renewed = Body::Renewed {
+                    grant,
+                    lease_ms: LEASE_MS,
+                };
+                return self.send(name, mine, from, request, renewed);
             }
             Body::Renewed { lease_ms, .. } => {
                 if let Some(machine) = leg.decodes.get_mut(&request) {
@@ -915,13 +1039,22 @@ impl Sim {
                 }
             }
             Body::Release { grant, issuer } => {
-                if issuer == leg.incarnation
-                    && let Ok(ended) = leg.grants.release(grant, &from)
-                {
-                    leg.allocator.unpin(&ended.blocks).ok();
+                if issuer != leg.incarnation {
+                    return self.refuse("stale_incarnation");
+                }
+                match leg.grants.release(grant, &from) {
+                    Ok(ended) => {
+                        leg.allocator.unpin(&ended.blocks).ok();
+                    }
+                    Err(_) => return self.refuse("release_refused"),
                 }
             }
             Body::Abort => {
+                // A tombstone: a request or its parameters arriving after the abort (reordered
+                // past it) is not started.
+                if leg.seen.insert(request) {
+                    leg.aborted.insert(request);
+                }
                 for grant in leg.grants.grants_of(request) {
                     if let Some(ended) = leg.grants.revoke(grant) {
                         leg.allocator.unpin(&ended.blocks).ok();
@@ -1090,7 +1223,8 @@ impl Sim {
                 else {
                     return;
                 };
-                let at = now + 1 + self.rng.below(READ_MS);
+                let slow = std::mem::take(&mut leg.slow_next_read_ms);
+                let at = now + 1 + self.rng.below(READ_MS) + slow;
                 let incarnation = leg.incarnation;
                 self.schedule(
                     at,

@@ -284,6 +284,23 @@ pub enum Body {
     },
 }
 
+impl Body {
+    /// The message's kind, as logs, refusals and fault scripts name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Body::Prefill { .. } => "prefill",
+            Body::KvReady(_) => "kv_ready",
+            Body::Decode { .. } => "decode",
+            Body::Renew { .. } => "renew",
+            Body::Renewed { .. } => "renewed",
+            Body::Release { .. } => "release",
+            Body::Abort => "abort",
+            Body::Output(_) => "output",
+            Body::Failed { .. } => "failed",
+        }
+    }
+}
+
 /// One message of the leg protocol: which request it is about, who sent it (name and
 /// incarnation), how much of the request's time budget was left when it was sent, and the body.
 ///

@@ -11,6 +11,7 @@ fn run(seeds: std::ops::Range<u64>, faults: bool) -> (u32, u32, Vec<String>) {
             seed,
             requests: 8,
             faults,
+            script: Vec::new(),
         });
         ok += report.ok;
         failed += report.failed;
@@ -46,4 +47,153 @@ fn under_faults_no_request_is_wrong_hung_or_leaked() {
         &violations[..violations.len().min(5)]
     );
     assert!(ok > 0 && failed > 0, "ok {ok}, failed {failed}");
+}
+
+/// Targeted scenarios: one request, one scripted fault, over many seeds (so over many layouts,
+/// prompt lengths and engines). Each checks the invariants (the report's violations) and how
+/// the request ended.
+mod targeted {
+    use pdkv_core::leg::RequestOutcome;
+    use pdkv_core::testing::{BUDGET_MS, LEASE_MS, ScriptAction, Scripted, SimConfig, SimReport, simulate};
+    use pdkv_core::wire::{Failure, RequestId, Stage};
+
+    const SEEDS: std::ops::Range<u64> = 0..200;
+
+    fn run(seed: u64, script: &[Scripted]) -> SimReport {
+        let report = simulate(SimConfig {
+            seed,
+            requests: 1,
+            faults: false,
+            script: script.to_vec(),
+        });
+        assert!(report.violations.is_empty(), "{:?}", report.violations);
+        report
+    }
+
+    fn at(kind: &'static str, nth: u32, action: ScriptAction) -> Scripted {
+        Scripted { kind, nth, action }
+    }
+
+    fn outcome(report: &SimReport) -> &RequestOutcome {
+        report.outcomes.get(&RequestId(1)).expect("the request ended")
+    }
+
+    fn refused(report: &SimReport, why: &str) -> u32 {
+        report.refused.get(why).copied().unwrap_or(0)
+    }
+
+    #[test]
+    fn a_lost_prefill_reply_ends_the_request_at_its_deadline_and_the_lease_frees_the_grant() {
+        for seed in SEEDS {
+            let report = run(seed, &[at("kv_ready", 0, ScriptAction::Drop)]);
+            assert_eq!(
+                outcome(&report),
+                &RequestOutcome::Failed {
+                    stage: Stage::Prefill,
+                    reason: Failure::DeadlinePassed
+                },
+                "seed {seed}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_duplicated_release_is_refused_and_changes_nothing() {
+        for seed in SEEDS {
+            let report = run(seed, &[at("release", 0, ScriptAction::Duplicate)]);
+            assert!(
+                matches!(outcome(&report), RequestOutcome::Output(_)),
+                "seed {seed}"
+            );
+            assert_eq!(report.ok, 1);
+            assert_eq!(refused(&report, "release_refused"), 1, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_renew_arriving_after_expiry_is_refused_and_the_read_fails_closed() {
+        // The READ takes three leases; the first renewal arrives two leases late and the rest
+        // are lost, so the lease lapses under the READ.
+        let mut script = vec![
+            at("decode", 0, ScriptAction::SlowNextRead { by_ms: 3 * LEASE_MS }),
+            at("renew", 0, ScriptAction::Delay { by_ms: 2 * LEASE_MS }),
+        ];
+        script.extend((1..20).map(|nth| at("renew", nth, ScriptAction::Drop)));
+        for seed in SEEDS {
+            let report = run(seed, &script);
+            assert!(
+                refused(&report, "renew_refused") >= 1,
+                "seed {seed}: {:?}",
+                report.refused
+            );
+            match outcome(&report) {
+                RequestOutcome::Failed {
+                    stage: Stage::Read,
+                    reason: Failure::StaleBlock { .. } | Failure::Read(_),
+                } => {}
+                // A prompt whose decode leg needs no remote block reads nothing that can go stale.
+                RequestOutcome::Output(output) if output.read_bytes == 0 => {}
+                other => panic!("seed {seed}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_read_failing_half_way_fails_the_request_in_the_read_stage() {
+        for seed in SEEDS {
+            let report = run(seed, &[at("decode", 0, ScriptAction::FailNextRead)]);
+            match outcome(&report) {
+                RequestOutcome::Failed {
+                    stage: Stage::Read,
+                    reason: Failure::Read(detail),
+                } => assert!(detail.starts_with("injected fault after"), "{detail}"),
+                other => panic!("seed {seed}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_prefill_leg_restarted_mid_request_is_never_served_from() {
+        let mut stale = 0;
+        for seed in SEEDS {
+            let report = run(seed, &[at("kv_ready", 0, ScriptAction::RestartSender)]);
+            assert!(
+                matches!(outcome(&report), RequestOutcome::Failed { .. }),
+                "seed {seed}: {:?}",
+                outcome(&report)
+            );
+            stale += refused(&report, "stale_incarnation");
+        }
+        assert!(stale > 0, "the old incarnation's grant was refused at least once");
+    }
+
+    #[test]
+    fn a_decode_request_reordered_past_its_deadline_and_abort_is_not_started() {
+        for seed in SEEDS {
+            let report = run(
+                seed,
+                &[at(
+                    "decode",
+                    0,
+                    ScriptAction::Delay {
+                        by_ms: BUDGET_MS + 10,
+                    },
+                )],
+            );
+            assert_eq!(
+                outcome(&report),
+                &RequestOutcome::Failed {
+                    stage: Stage::Decode,
+                    reason: Failure::DeadlinePassed
+                },
+                "seed {seed}"
+            );
+            assert_eq!(
+                refused(&report, "after_abort"),
+                1,
+                "seed {seed}: {:?}",
+                report.refused
+            );
+        }
+    }
 }
