@@ -216,7 +216,7 @@ impl LocalCluster {
             node: NodeId(ROUTER_NODE.into()),
             role: Role::Router,
             incarnation: incarnation()?,
-            regions: RegionLayout { layers: Vec::new() },
+            regions: RegionLayout::default(),
             protocol_version: PROTOCOL_VERSION,
             layout_hash: config.layout.compat_hash(),
             engines: Vec::new(),
@@ -420,8 +420,8 @@ fn start_leg(
     };
     let (memory, engine) = (Arc::new(memory), Arc::new(engine));
     let mut descriptors = Vec::new();
-    for (id, region) in memory.layers.iter().chain(&memory.generations).enumerate() {
-        descriptors.push(engine.register(id as u32, region.clone())?);
+    for (id, region) in memory.registered_regions() {
+        descriptors.push(engine.register(id, region.clone())?);
     }
     let incarnation = incarnation()?;
     let hello = Hello {
@@ -453,17 +453,9 @@ fn start_leg(
     let transfer = (node.role == Role::Decode).then(|| {
         let engine: Arc<dyn ReadEngine> = engine.clone();
         let (layout, local_regions) = (config.layout.clone(), memory.regions.clone());
-        let generation_base = memory.generation_region_id(0);
         let read_timeout = Duration::from_millis(limits.request_timeout_ms);
         TransferActor::start_in_arbiter(&arbiter, move |_| {
-            TransferActor::new(
-                engine,
-                layout,
-                local_regions,
-                generation_base,
-                read_timeout,
-                limits.mailbox,
-            )
+            TransferActor::new(engine, layout, local_regions, read_timeout, limits.mailbox)
         })
     });
     let context = Arc::new(LegContext {

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 
 use pdkv_core::exchange::PairingMode;
 use pdkv_core::layout::KvLayout;
+use pdkv_core::layout::{GroupEntry, GroupEntryError};
 pub use pdkv_core::leg::PrefillTokens;
-use pdkv_core::scenario::GroupEntry;
 use pdkv_core::wire::NodeId;
 use serde::{Deserialize, Serialize};
 
@@ -232,27 +232,28 @@ impl ClusterConfig {
             .map(|(index, entry)| {
                 entry
                     .to_spec(index)
-                    .map_err(|error| ConfigError::Invalid(format!("model.{error}")))
+                    .map_err(|error: GroupEntryError| ConfigError::Group(error))
             })
             .collect::<Result<Vec<_>, _>>()?;
         if file.model.layer_groups.is_empty() {
-            return Err(ConfigError::Invalid(
-                "model.layer_groups: at least one layer is required".into(),
+            return Err(ConfigError::invalid(
+                "model.layer_groups",
+                "at least one layer is required",
             ));
         }
         let layout = KvLayout::new(groups, file.model.layer_groups.clone())
-            .map_err(|error| ConfigError::Invalid(format!("model.layer_groups: {error}")))?;
+            .map_err(|error| ConfigError::invalid("model.layer_groups", error.to_string()))?;
         if file.model.d_model == 0 || file.model.d_model > 4096 {
-            return Err(ConfigError::Invalid(format!(
-                "model.d_model: must be 1..=4096, got {}",
-                file.model.d_model
-            )));
+            return Err(ConfigError::invalid(
+                "model.d_model",
+                format!("must be 1..=4096, got {}", file.model.d_model),
+            ));
         }
         if file.model.vocab < 2 {
-            return Err(ConfigError::Invalid(format!(
-                "model.vocab: must be at least 2, got {}",
-                file.model.vocab
-            )));
+            return Err(ConfigError::invalid(
+                "model.vocab",
+                format!("must be at least 2, got {}", file.model.vocab),
+            ));
         }
         let weights = reference_weight_count(
             &layout,
@@ -260,13 +261,16 @@ impl ClusterConfig {
             u64::from(file.model.vocab),
         );
         if weights.is_none_or(|count| count > MAX_REFERENCE_WEIGHTS) {
-            return Err(ConfigError::Invalid(format!(
-                "model: d_model {} with vocab {} and {} layers needs more than the reference engine's {} weights",
-                file.model.d_model,
-                file.model.vocab,
-                layout.num_layers(),
-                MAX_REFERENCE_WEIGHTS
-            )));
+            return Err(ConfigError::invalid(
+                "model",
+                format!(
+                    "d_model {} with vocab {} and {} layers needs more than the reference engine's {} weights",
+                    file.model.d_model,
+                    file.model.vocab,
+                    layout.num_layers(),
+                    MAX_REFERENCE_WEIGHTS
+                ),
+            ));
         }
         let limits = file.limits;
         for (key, value) in [
@@ -281,82 +285,111 @@ impl ClusterConfig {
             ("max_leg_bytes", limits.max_leg_bytes),
         ] {
             if value == 0 {
-                return Err(ConfigError::Invalid(format!("limits.{key}: must be at least 1")));
+                return Err(ConfigError::invalid(
+                    format!("limits.{key}"),
+                    "must be at least 1",
+                ));
             }
         }
         if limits.inline_compute_us > MAX_INLINE_COMPUTE_US {
-            return Err(ConfigError::Invalid(format!(
-                "limits.inline_compute_us: {} would let one computation hold a leg's arbiter for more than {MAX_INLINE_COMPUTE_US} us",
-                limits.inline_compute_us
-            )));
+            return Err(ConfigError::invalid(
+                "limits.inline_compute_us",
+                format!(
+                    "{} would let one computation hold a leg's arbiter for more than {MAX_INLINE_COMPUTE_US} us",
+                    limits.inline_compute_us
+                ),
+            ));
         }
         if limits.compute_workers > MAX_COMPUTE_WORKERS {
-            return Err(ConfigError::Invalid(format!(
-                "limits.compute_workers: {} is more than the {MAX_COMPUTE_WORKERS} threads a leg may run",
-                limits.compute_workers
-            )));
+            return Err(ConfigError::invalid(
+                "limits.compute_workers",
+                format!(
+                    "{} is more than the {MAX_COMPUTE_WORKERS} threads a leg may run",
+                    limits.compute_workers
+                ),
+            ));
         }
         if file.nodes.len() > MAX_NODES {
-            return Err(ConfigError::Invalid(format!(
-                "nodes: {} nodes, at most {MAX_NODES} are supported (each runs its own threads)",
-                file.nodes.len()
-            )));
+            return Err(ConfigError::invalid(
+                "nodes",
+                format!(
+                    "{} nodes, at most {MAX_NODES} are supported (each runs its own threads)",
+                    file.nodes.len()
+                ),
+            ));
         }
         let mut names = HashSet::new();
         let mut nodes = Vec::with_capacity(file.nodes.len());
         for (index, node) in file.nodes.into_iter().enumerate() {
             if !is_dns_name(&node.name) {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].name: {:?} is not a valid node name (letters, digits, '-' and '.', \
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].name"),
+                    format!(
+                        "{:?} is not a valid node name (letters, digits, '-' and '.', \
                      as in a DNS name: it goes into the node's certificate)",
-                    node.name
-                )));
+                        node.name
+                    ),
+                ));
             }
             if RESERVED_NODE_NAMES.contains(&node.name.as_str()) {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].name: {:?} is reserved (pdkv certs init writes the cluster CA as ca.pem and ca.key)",
-                    node.name
-                )));
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].name"),
+                    format!(
+                        "{:?} is reserved (pdkv certs init writes the cluster CA as ca.pem and ca.key)",
+                        node.name
+                    ),
+                ));
             }
             if !names.insert(node.name.clone()) {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].name: duplicate node name {:?}",
-                    node.name
-                )));
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].name"),
+                    format!("duplicate node name {:?}", node.name),
+                ));
             }
             let leg_bytes = leg_memory_bytes(&layout, u64::from(file.model.d_model), node.blocks_per_group);
             if leg_bytes.is_none_or(|bytes| bytes > limits.max_leg_bytes) {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].blocks_per_group: {} blocks per group need {} of KV memory and block bookkeeping, above limits.max_leg_bytes ({} bytes)",
-                    node.blocks_per_group,
-                    leg_bytes.map_or("more than 2^64 bytes".to_string(), |bytes| format!(
-                        "{bytes} bytes"
-                    )),
-                    limits.max_leg_bytes
-                )));
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].blocks_per_group"),
+                    format!(
+                        "{} blocks per group need {} of KV memory and block bookkeeping, above limits.max_leg_bytes ({} bytes)",
+                        node.blocks_per_group,
+                        leg_bytes.map_or("more than 2^64 bytes".to_string(), |bytes| format!(
+                            "{bytes} bytes"
+                        )),
+                        limits.max_leg_bytes
+                    ),
+                ));
             }
             if node.blocks_per_group == 0 {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].blocks_per_group: must be at least 1"
-                )));
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].blocks_per_group"),
+                    "must be at least 1",
+                ));
             }
             let capacity = token_capacity(&layout, node.blocks_per_group);
             if node.lookahead_tokens >= capacity.tokens {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].lookahead_tokens: {} tokens leave no room for a prompt: the node holds {}",
-                    node.lookahead_tokens, capacity
-                )));
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].lookahead_tokens"),
+                    format!(
+                        "{} tokens leave no room for a prompt: the node holds {}",
+                        node.lookahead_tokens, capacity
+                    ),
+                ));
             }
             if node.role == Role::Router {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].role: \"router\" is not a leg role: use \"prefill\" or \"decode\" (the router is not a [[nodes]] entry)"
-                )));
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].role"),
+                    "\"router\" is not a leg role: use \"prefill\" or \"decode\" (the router is not a [[nodes]] entry)",
+                ));
             }
             if node.role == Role::Decode && node.prefill_tokens.is_some() {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes[{index}].prefill_tokens: only prefill nodes take this key, {:?} is a decode node",
-                    node.name
-                )));
+                return Err(ConfigError::invalid(
+                    format!("nodes[{index}].prefill_tokens"),
+                    format!(
+                        "only prefill nodes take this key, {:?} is a decode node",
+                        node.name
+                    ),
+                ));
             }
             nodes.push(NodeConfig {
                 name: NodeId(node.name),
@@ -369,9 +402,10 @@ impl ClusterConfig {
         }
         for role in [Role::Prefill, Role::Decode] {
             if !nodes.iter().any(|node| node.role == role) {
-                return Err(ConfigError::Invalid(format!(
-                    "nodes: at least one {role} node is required"
-                )));
+                return Err(ConfigError::invalid(
+                    "nodes",
+                    format!("at least one {role} node is required"),
+                ));
             }
         }
         Ok(ClusterConfig {
@@ -595,9 +629,27 @@ pub enum ConfigError {
     /// TOML syntax, unknown keys, missing keys or wrong types.
     #[error("cluster.toml: {0}")]
     Parse(String),
-    /// A value is out of range or inconsistent.
-    #[error("cluster.toml: {0}")]
-    Invalid(String),
+    /// A model group is invalid.
+    #[error("cluster.toml: model.{0}")]
+    Group(GroupEntryError),
+    /// A value is out of range or inconsistent with another.
+    #[error("cluster.toml: {key}: {reason}")]
+    Invalid {
+        /// The key at fault, as a path (`limits.lease_ms`, `nodes[1].name`).
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    /// The value at `key` is refused for `reason`.
+    pub fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
 }
 
 #[cfg(test)]

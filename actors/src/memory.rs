@@ -16,7 +16,7 @@ pub struct LegMemory {
     pub layers: Vec<Arc<Region>>,
     /// `generations[g]` holds one `u32` per block id of group `g`.
     pub generations: Vec<Arc<Region>>,
-    /// Placement of every layer (region id `l`, block stride, block count).
+    /// Placement of every layer and generation table (region ids, block stride, block count).
     pub regions: RegionLayout,
 }
 
@@ -65,13 +65,24 @@ impl LegMemory {
         Ok(LegMemory {
             layers,
             generations,
-            regions: RegionLayout { layers: placements },
+            regions: RegionLayout {
+                layers: placements,
+                generations: Vec::new(),
+            }
+            .with_generation_tables(capacity.len()),
         })
     }
 
-    /// Region id of group `group`'s generation table (after the layer regions).
-    pub fn generation_region_id(&self, group: usize) -> u32 {
-        (self.layers.len() + group) as u32
+    /// Every region with the id [`Self::regions`] gives it: layers, then generation tables.
+    pub fn registered_regions(&self) -> impl Iterator<Item = (u32, &Arc<Region>)> {
+        let layers = self
+            .regions
+            .layers
+            .iter()
+            .map(|placement| placement.region)
+            .zip(&self.layers);
+        let tables = self.regions.generations.iter().copied().zip(&self.generations);
+        layers.chain(tables)
     }
 
     /// Total bytes of KV memory.

@@ -27,20 +27,16 @@ pub struct TransferActor {
     local_regions: RegionLayout,
     /// Region layouts of the prefill legs this leg reads from, learned from their hellos.
     remote_regions: HashMap<NodeId, RegionLayout>,
-    /// Region id of group 0's generation table on every leg (layers come first).
-    generation_region_base: u32,
     read_timeout: Duration,
     mailbox: usize,
 }
 
 impl TransferActor {
-    /// A transfer actor over `engine` for a leg whose memory is placed as `local_regions`;
-    /// generation tables start at region `generation_region_base`.
+    /// A transfer actor over `engine` for a leg whose memory is placed as `local_regions`.
     pub fn new(
         engine: Arc<dyn ReadEngine>,
         layout: KvLayout,
         local_regions: RegionLayout,
-        generation_region_base: u32,
         read_timeout: Duration,
         mailbox: usize,
     ) -> Self {
@@ -49,7 +45,6 @@ impl TransferActor {
             layout,
             local_regions,
             remote_regions: HashMap::new(),
-            generation_region_base,
             read_timeout,
             mailbox,
         }
@@ -112,19 +107,19 @@ impl Handler<Read> for TransferActor {
     type Result = ResponseFuture<Result<ReadDone, Failure>>;
 
     fn handle(&mut self, msg: Read, _ctx: &mut Self::Context) -> Self::Result {
-        let plan = match self.remote_regions.get(&msg.prefill) {
+        let planned = match self.remote_regions.get(&msg.prefill) {
             Some(remote) => plan::plan(&self.layout, &msg.pairing, &self.local_regions, remote)
+                .map(|plan| (plan, remote.clone()))
                 .map_err(|error| Failure::Plan(error.to_string())),
             None => Err(Failure::Read(format!("{} never said hello", msg.prefill))),
         };
         let engine = self.engine.clone();
-        let generation_region_base = self.generation_region_base;
         let read_timeout = self.read_timeout;
         Box::pin(async move {
-            let plan = plan?;
+            let (plan, remote_regions) = planned?;
             let remote = EngineKey(msg.prefill.0.clone());
             let report = read_plan(engine.as_ref(), &remote, msg.grant, &plan, read_timeout).await?;
-            verify_generations(engine.as_ref(), &remote, &msg, generation_region_base).await?;
+            verify_generations(engine.as_ref(), &remote, &msg, &remote_regions).await?;
             tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
             Ok(report)
         })
@@ -168,7 +163,7 @@ async fn verify_generations(
     engine: &dyn ReadEngine,
     remote: &EngineKey,
     msg: &Read,
-    generation_region_base: u32,
+    remote_regions: &RegionLayout,
 ) -> Result<(), Failure> {
     let mut by_group: BTreeMap<usize, Vec<&GenerationCheck>> = BTreeMap::new();
     for check in &msg.checks {
@@ -176,8 +171,14 @@ async fn verify_generations(
     }
     for (group, checks) in by_group {
         let blocks: Vec<u32> = checks.iter().map(|check| check.block).collect();
+        let table = remote_regions.generation_region(group).ok_or_else(|| {
+            Failure::Read(format!(
+                "{} has no generation table for group {group}",
+                msg.prefill
+            ))
+        })?;
         let found = engine
-            .read_remote_words(remote, msg.grant, generation_region_base + group as u32, &blocks)
+            .read_remote_words(remote, msg.grant, table, &blocks)
             .await
             .map_err(|error| Failure::Read(error.to_string()))?;
         for (check, found) in checks.iter().zip(found) {

@@ -34,10 +34,11 @@ async fn dial_as(
         node: NodeId(name.into()),
         role,
         incarnation,
-        regions: cluster.leg(name).map_or_else(
-            || pdkv_core::plan::RegionLayout { layers: vec![] },
-            |leg| leg.memory.regions.clone(),
-        ),
+        regions: cluster
+            .leg(name)
+            .map_or_else(pdkv_core::plan::RegionLayout::default, |leg| {
+                leg.memory.regions.clone()
+            }),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: cluster.config().layout.compat_hash(),
         engines: vec![],

@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::layout::{GroupKind, GroupSpec, KvLayout};
+use crate::wire::Role;
 
 /// The positions of one group whose remote KV a decode leg uses for an `num_prompt_tokens`-token
 /// prompt: the blocks holding the tokens it does not recompute itself.
@@ -148,25 +149,6 @@ impl std::str::FromStr for PairingMode {
     }
 }
 
-/// Which leg a list or error belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Leg {
-    /// The producer: computes the prompt's KV and grants READs of it.
-    Prefill,
-    /// The consumer: READs the KV and decodes.
-    Decode,
-}
-
-impl std::fmt::Display for Leg {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Leg::Prefill => "prefill",
-            Leg::Decode => "decode",
-        })
-    }
-}
-
 /// Builds the prefill leg's offer: per group, exactly the [`needed_positions`] (trimmed to the
 /// tokens a decode leg reads, window groups clipped to the last token's window), anchored at the
 /// first of them.
@@ -179,7 +161,7 @@ pub fn offer(
     num_prompt_tokens: u64,
     prefill_blocks: &[Vec<BlockId>],
 ) -> Result<Offer, ExchangeError> {
-    check_request(layout, num_prompt_tokens, Leg::Prefill, prefill_blocks.len())?;
+    check_request(layout, num_prompt_tokens, Role::Prefill, prefill_blocks.len())?;
     let groups = layout
         .groups()
         .iter()
@@ -187,7 +169,7 @@ pub fn offer(
         .enumerate()
         .map(|(group, (spec, blocks))| {
             let range = needed_positions(spec, num_prompt_tokens);
-            anchored_list(Leg::Prefill, group, spec, blocks, range)
+            anchored_list(Role::Prefill, group, spec, blocks, range)
         })
         .collect::<Result<_, _>>()?;
     Ok(Offer {
@@ -206,7 +188,7 @@ pub fn need(
     decode_blocks: &[Vec<BlockId>],
     cached_blocks: &[u64],
 ) -> Result<Need, ExchangeError> {
-    check_request(layout, num_prompt_tokens, Leg::Decode, decode_blocks.len())?;
+    check_request(layout, num_prompt_tokens, Role::Decode, decode_blocks.len())?;
     if !cached_blocks.is_empty() && cached_blocks.len() != layout.groups().len() {
         return Err(ExchangeError::CachedCountMismatch {
             given: cached_blocks.len(),
@@ -232,7 +214,7 @@ pub fn need(
             }
             let range = needed_positions(spec, num_prompt_tokens);
             let start = range.start.max(cached).min(range.end);
-            anchored_list(Leg::Decode, group, spec, blocks, start..range.end)
+            anchored_list(Role::Decode, group, spec, blocks, start..range.end)
         })
         .collect::<Result<_, _>>()?;
     Ok(Need {
@@ -254,8 +236,8 @@ pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, Ex
     }
     let groups = layout.groups().len();
     for (leg, count) in [
-        (Leg::Prefill, offer.groups.len()),
-        (Leg::Decode, need.groups.len()),
+        (Role::Prefill, offer.groups.len()),
+        (Role::Decode, need.groups.len()),
     ] {
         if count != groups {
             return Err(ExchangeError::GroupCountMismatch {
@@ -275,7 +257,7 @@ pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, Ex
         .zip(&need.groups)
         .enumerate()
     {
-        for (leg, list) in [(Leg::Prefill, remote), (Leg::Decode, local)] {
+        for (leg, list) in [(Role::Prefill, remote), (Role::Decode, local)] {
             if list.spec != *spec {
                 return Err(ExchangeError::GroupSpecMismatch {
                     group,
@@ -291,7 +273,7 @@ pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, Ex
                     return Err(ExchangeError::NullAtNeededPosition {
                         group,
                         kind: spec.kind().name(),
-                        leg: Leg::Prefill,
+                        leg: Role::Prefill,
                         position,
                     });
                 }
@@ -349,8 +331,8 @@ pub fn legacy_pair(
 ) -> Result<Pairing, ExchangeError> {
     let groups = layout.groups().len();
     for (leg, count) in [
-        (Leg::Prefill, prefill_blocks.len()),
-        (Leg::Decode, decode_blocks.len()),
+        (Role::Prefill, prefill_blocks.len()),
+        (Role::Decode, decode_blocks.len()),
     ] {
         if count != groups {
             return Err(ExchangeError::GroupCountMismatch {
@@ -417,7 +399,7 @@ pub fn legacy_pair(
 fn check_request(
     layout: &KvLayout,
     num_prompt_tokens: u64,
-    leg: Leg,
+    leg: Role,
     lists: usize,
 ) -> Result<(), ExchangeError> {
     if num_prompt_tokens == 0 {
@@ -436,7 +418,7 @@ fn check_request(
 /// Cuts `range` out of a position-indexed list, refusing a short list, a null in the range or a
 /// block id that appears twice in it (it would be paired twice).
 fn anchored_list(
-    leg: Leg,
+    leg: Role,
     group: usize,
     spec: &GroupSpec,
     blocks: &[BlockId],
@@ -520,7 +502,7 @@ pub enum ExchangeError {
     #[error("{leg} leg gave {given} group lists, the layout has {groups}")]
     GroupCountMismatch {
         /// Leg at fault.
-        leg: Leg,
+        leg: Role,
         /// Lists given.
         given: usize,
         /// Groups in the layout.
@@ -534,7 +516,7 @@ pub enum ExchangeError {
         /// Group kind.
         kind: &'static str,
         /// Leg at fault.
-        leg: Leg,
+        leg: Role,
         /// Blocks held.
         len: usize,
         /// Blocks the list must hold (one past the last needed position).
@@ -548,7 +530,7 @@ pub enum ExchangeError {
         /// Group kind.
         kind: &'static str,
         /// Leg at fault.
-        leg: Leg,
+        leg: Role,
         /// Block position.
         position: u64,
     },
@@ -560,7 +542,7 @@ pub enum ExchangeError {
         /// Group kind.
         kind: &'static str,
         /// Leg at fault.
-        leg: Leg,
+        leg: Role,
         /// The repeated block id.
         block: BlockId,
         /// First position holding it.
@@ -597,7 +579,7 @@ pub enum ExchangeError {
         /// Group index.
         group: usize,
         /// Leg whose spec differs.
-        leg: Leg,
+        leg: Role,
         /// What differs (ours vs theirs).
         detail: String,
     },

@@ -291,6 +291,107 @@ pub enum LayoutError {
     },
 }
 
+/// One group as a user writes it, in `cluster.toml` or a `pdkv plan` scenario.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupEntry {
+    /// `full`, `sliding_window` or `mamba`.
+    pub kind: String,
+    /// Tokens per block; required for attention groups, refused for mamba.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Window in tokens; required for `sliding_window`, refused elsewhere.
+    #[serde(default)]
+    pub window: Option<u32>,
+    /// DCP factor, default 1.
+    #[serde(default)]
+    pub dcp: Option<u32>,
+}
+
+impl GroupEntry {
+    /// Checks the entry and builds its [`GroupSpec`]; `index` names it in errors.
+    pub fn to_spec(&self, index: usize) -> Result<GroupSpec, GroupEntryError> {
+        let at = |source: LayoutError| GroupEntryError::Invalid { index, source };
+        let kind = match self.kind.as_str() {
+            "full" => GroupKind::Full,
+            "mamba" => GroupKind::Mamba,
+            "sliding_window" => GroupKind::SlidingWindow {
+                window: self.window.ok_or(GroupEntryError::MissingWindow { index })?,
+            },
+            other => {
+                return Err(GroupEntryError::UnknownKind {
+                    index,
+                    kind: other.to_string(),
+                });
+            }
+        };
+        if self.window.is_some() && kind.window().is_none() {
+            return Err(GroupEntryError::WindowOnNonWindowGroup {
+                index,
+                kind: kind.name(),
+            });
+        }
+        if kind == GroupKind::Mamba && self.block_size.is_some() {
+            return Err(GroupEntryError::BlockSizeOnMamba { index });
+        }
+        GroupSpec::new(kind, self.block_size, self.dcp.unwrap_or(1)).map_err(at)
+    }
+}
+
+/// Why a [`GroupEntry`] is refused; each names the group by index.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GroupEntryError {
+    /// `kind` is not one pdkv knows.
+    #[error("groups[{index}]: unknown kind {kind:?}, expected \"full\", \"sliding_window\" or \"mamba\"")]
+    UnknownKind {
+        /// Group index.
+        index: usize,
+        /// Kind given.
+        kind: String,
+    },
+    /// A sliding-window group without a window.
+    #[error("groups[{index}]: sliding_window group needs a window")]
+    MissingWindow {
+        /// Group index.
+        index: usize,
+    },
+    /// A window on a group that has none.
+    #[error("groups[{index}]: window only applies to sliding_window groups, not {kind}")]
+    WindowOnNonWindowGroup {
+        /// Group index.
+        index: usize,
+        /// The group's kind.
+        kind: &'static str,
+    },
+    /// A block size on a mamba group.
+    #[error("groups[{index}]: mamba groups take no block_size")]
+    BlockSizeOnMamba {
+        /// Group index.
+        index: usize,
+    },
+    /// A group's parameters are invalid.
+    #[error("groups[{index}]: {source}")]
+    Invalid {
+        /// Group index.
+        index: usize,
+        /// What is wrong.
+        source: LayoutError,
+    },
+}
+
+impl GroupEntryError {
+    /// The index of the group at fault.
+    pub fn index(&self) -> usize {
+        match self {
+            GroupEntryError::UnknownKind { index, .. }
+            | GroupEntryError::MissingWindow { index }
+            | GroupEntryError::WindowOnNonWindowGroup { index, .. }
+            | GroupEntryError::BlockSizeOnMamba { index }
+            | GroupEntryError::Invalid { index, .. } => *index,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,15 +28,21 @@ pub struct LayerRegion {
     pub num_blocks: u32,
 }
 
-/// Per-layer placement of a leg's KV blocks.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Where a leg's KV blocks and generation tables sit in its registered regions: the one
+/// definition of region ids, sent to peers in the handshake so a reader plans against the
+/// placement the holder really uses.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct RegionLayout {
     /// `layers[l]` places layer `l`.
     pub layers: Vec<LayerRegion>,
+    /// `generations[g]` is the region id of group `g`'s generation table (one `u32` per block
+    /// id, bumped whenever the block is freed).
+    pub generations: Vec<u32>,
 }
 
 impl RegionLayout {
-    /// Every layer in its own region, `num_blocks` blocks of `bytes_per_block[l]` bytes at 0.
+    /// Every layer in its own region (ids `0..L`), `num_blocks` blocks of `bytes_per_block[l]`
+    /// bytes at offset 0; no generation tables.
     pub fn region_per_layer(bytes_per_block: &[u64], num_blocks: u32) -> Self {
         RegionLayout {
             layers: bytes_per_block
@@ -49,7 +55,30 @@ impl RegionLayout {
                     num_blocks,
                 })
                 .collect(),
+            generations: Vec::new(),
         }
+    }
+
+    /// The same with one generation table per group, in the ids after the last layer region.
+    pub fn with_generation_tables(mut self, groups: usize) -> Self {
+        let first = self
+            .layers
+            .iter()
+            .map(|layer| layer.region + 1)
+            .max()
+            .unwrap_or(0);
+        self.generations = (0..groups as u32).map(|group| first + group).collect();
+        self
+    }
+
+    /// Region id of group `group`'s generation table.
+    pub fn generation_region(&self, group: usize) -> Option<u32> {
+        self.generations.get(group).copied()
+    }
+
+    /// The group whose generation table region `region` is.
+    pub fn generation_group(&self, region: u32) -> Option<usize> {
+        self.generations.iter().position(|&id| id == region)
     }
 }
 

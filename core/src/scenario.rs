@@ -8,55 +8,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::block::{BlockId, NULL_BLOCK};
-use crate::exchange::{self, ExchangeError, Leg, Pairing, PairingMode};
-use crate::layout::{GroupKind, GroupSpec, KvLayout, LayoutError};
-
-/// One group as written in a scenario (or in `cluster.toml`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GroupEntry {
-    /// `full`, `sliding_window` or `mamba`.
-    pub kind: String,
-    /// Tokens per block; required for attention groups, refused for mamba.
-    #[serde(default)]
-    pub block_size: Option<u32>,
-    /// Window in tokens; required for `sliding_window`, refused elsewhere.
-    #[serde(default)]
-    pub window: Option<u32>,
-    /// DCP factor, default 1.
-    #[serde(default)]
-    pub dcp: Option<u32>,
-}
-
-impl GroupEntry {
-    /// Checks the entry and builds its [`GroupSpec`]; `index` names it in errors.
-    pub fn to_spec(&self, index: usize) -> Result<GroupSpec, ScenarioError> {
-        let at = |source: LayoutError| ScenarioError::Group { index, source };
-        let kind = match self.kind.as_str() {
-            "full" => GroupKind::Full,
-            "mamba" => GroupKind::Mamba,
-            "sliding_window" => GroupKind::SlidingWindow {
-                window: self.window.ok_or(ScenarioError::MissingWindow { index })?,
-            },
-            other => {
-                return Err(ScenarioError::UnknownKind {
-                    index,
-                    kind: other.to_string(),
-                });
-            }
-        };
-        if self.window.is_some() && kind.window().is_none() {
-            return Err(ScenarioError::WindowOnNonWindowGroup {
-                index,
-                kind: kind.name(),
-            });
-        }
-        if kind == GroupKind::Mamba && self.block_size.is_some() {
-            return Err(ScenarioError::BlockSizeOnMamba { index });
-        }
-        GroupSpec::new(kind, self.block_size, self.dcp.unwrap_or(1)).map_err(at)
-    }
-}
+use crate::exchange::{self, ExchangeError, Pairing, PairingMode};
+use crate::layout::{GroupEntry, GroupEntryError, KvLayout, LayoutError};
+use crate::wire::Role;
 
 /// The prefill leg in a scenario.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,8 +66,8 @@ impl ScenarioFile {
             .collect::<Result<Vec<_>, _>>()?;
         let layout = KvLayout::one_layer_per_group(groups).map_err(ScenarioError::Layout)?;
         for (leg, lists) in [
-            (Leg::Prefill, &self.prefill.blocks),
-            (Leg::Decode, &self.decode.blocks),
+            (Role::Prefill, &self.prefill.blocks),
+            (Role::Decode, &self.decode.blocks),
         ] {
             for (group, list) in lists.iter().enumerate() {
                 let real: Vec<(usize, BlockId)> = list
@@ -192,42 +146,9 @@ impl Scenario {
 /// Why a scenario was refused before pairing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScenarioError {
-    /// `kind` is not one pdkv knows.
-    #[error("groups[{index}]: unknown kind {kind:?}, expected \"full\", \"sliding_window\" or \"mamba\"")]
-    UnknownKind {
-        /// Group index.
-        index: usize,
-        /// Kind given.
-        kind: String,
-    },
-    /// A sliding-window group without a window.
-    #[error("groups[{index}]: sliding_window group needs a window")]
-    MissingWindow {
-        /// Group index.
-        index: usize,
-    },
-    /// A window on a group that has none.
-    #[error("groups[{index}]: window only applies to sliding_window groups, not {kind}")]
-    WindowOnNonWindowGroup {
-        /// Group index.
-        index: usize,
-        /// The group's kind.
-        kind: &'static str,
-    },
-    /// A block size on a mamba group.
-    #[error("groups[{index}]: mamba groups take no block_size")]
-    BlockSizeOnMamba {
-        /// Group index.
-        index: usize,
-    },
-    /// A group's parameters are invalid.
-    #[error("groups[{index}]: {source}")]
-    Group {
-        /// Group index.
-        index: usize,
-        /// What is wrong.
-        source: LayoutError,
-    },
+    /// A group entry is invalid.
+    #[error(transparent)]
+    Group(#[from] GroupEntryError),
     /// The layout as a whole is invalid.
     #[error("{0}")]
     Layout(LayoutError),
@@ -235,7 +156,7 @@ pub enum ScenarioError {
     #[error("{leg}.blocks[{group}]: block {block} appears at both index {first} and {second}")]
     DuplicateBlock {
         /// Leg whose list it is.
-        leg: Leg,
+        leg: Role,
         /// Group index.
         group: usize,
         /// The repeated id.
@@ -250,6 +171,7 @@ pub enum ScenarioError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::GroupSpec;
 
     fn entry(kind: &str, block_size: Option<u32>, window: Option<u32>) -> GroupEntry {
         GroupEntry {

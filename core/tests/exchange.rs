@@ -461,7 +461,7 @@ fn a_block_held_twice_is_refused_on_either_leg() {
         ExchangeError::DuplicateBlock {
             group: 1,
             kind: "sliding_window",
-            leg: exchange::Leg::Prefill,
+            leg: pdkv_core::wire::Role::Prefill,
             block: 7,
             first: 5,
             second: 6,
@@ -477,7 +477,7 @@ fn a_block_held_twice_is_refused_on_either_leg() {
         exchange::need(&layout, N, &twice, &[]),
         Err(ExchangeError::DuplicateBlock {
             group: 0,
-            leg: exchange::Leg::Decode,
+            leg: pdkv_core::wire::Role::Decode,
             block: 101,
             first: 0,
             second: 6,

@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use pdkv_core::grant::GrantTable;
+use pdkv_core::grant::{GrantError, GrantTable};
 use pdkv_core::layout::KvLayout;
 use pdkv_core::plan::RegionLayout;
 use pdkv_core::wire::{GrantId, NodeId};
@@ -90,6 +90,64 @@ impl TicketBook {
     }
 }
 
+/// Why a memory server refuses a READ.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadDenied {
+    /// The server registered no region with that id.
+    #[error("no region {0}")]
+    NoRegion(u32),
+    /// The region holds no KV layer (it may be a generation table).
+    #[error("region {0} holds no KV layer")]
+    NotKvRegion(u32),
+    /// The region is not a generation table.
+    #[error("region {0} is not a generation table")]
+    NotGenerationTable(u32),
+    /// The byte range leaves the region.
+    #[error("range {offset}+{len} is outside region {region}")]
+    OutsideRegion {
+        /// Region id.
+        region: u32,
+        /// Start offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// The byte range is empty or starts before the region's first block.
+    #[error("range {offset}+{len} of region {region} is not inside a block")]
+    NotInsideBlock {
+        /// Region id.
+        region: u32,
+        /// Start offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+    },
+    /// A block index does not fit a block id.
+    #[error("block {0} out of range")]
+    BlockOutOfRange(u64),
+    /// The grant refuses (unknown, ended, another peer's, not covering the block).
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    /// The grant belongs to another peer.
+    #[error("grant {grant} does not belong to peer {peer}")]
+    WrongPeer {
+        /// The grant.
+        grant: u64,
+        /// The reader.
+        peer: NodeId,
+    },
+    /// The grant does not cover a block whose generation was asked for.
+    #[error("grant {grant} does not cover block {block} of group {group}")]
+    NotCovered {
+        /// The grant.
+        grant: u64,
+        /// Group index.
+        group: usize,
+        /// Block id.
+        block: u32,
+    },
+}
+
 /// Decides whether a peer may read a byte range (or generation words) under a grant.
 pub trait ReadAuthorizer: Send + Sync + 'static {
     /// May `peer` read `len` bytes at `offset` of region `region` under `grant`?
@@ -100,7 +158,7 @@ pub trait ReadAuthorizer: Send + Sync + 'static {
         region: u32,
         offset: u64,
         len: u64,
-    ) -> Result<(), String>;
+    ) -> Result<(), ReadDenied>;
     /// May `peer` read the generation words `indices` of region `region` under `grant`?
     fn authorize_words(
         &self,
@@ -108,7 +166,7 @@ pub trait ReadAuthorizer: Send + Sync + 'static {
         grant: GrantId,
         region: u32,
         indices: &[u32],
-    ) -> Result<(), String>;
+    ) -> Result<(), ReadDenied>;
 }
 
 /// The grant table of a prefill leg as a [`ReadAuthorizer`]: a byte range is readable when every
@@ -118,25 +176,22 @@ pub struct GrantAuthorizer {
     grants: Arc<Mutex<GrantTable>>,
     layout: KvLayout,
     regions: RegionLayout,
-    /// Region id of group 0's generation table.
-    generation_base: u32,
     clock: MonotonicClock,
 }
 
 impl GrantAuthorizer {
-    /// An authorizer over `grants` for memory placed as `regions`.
+    /// An authorizer over `grants` for memory placed as `regions` (layers and generation
+    /// tables).
     pub fn new(
         grants: Arc<Mutex<GrantTable>>,
         layout: KvLayout,
         regions: RegionLayout,
-        generation_base: u32,
         clock: MonotonicClock,
     ) -> Self {
         GrantAuthorizer {
             grants,
             layout,
             regions,
-            generation_base,
             clock,
         }
     }
@@ -150,29 +205,25 @@ impl ReadAuthorizer for GrantAuthorizer {
         region: u32,
         offset: u64,
         len: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), ReadDenied> {
         let (layer, placement) = self
             .regions
             .layers
             .iter()
             .enumerate()
             .find(|(_, placement)| placement.region == region)
-            .ok_or_else(|| format!("region {region} holds no KV layer"))?;
+            .ok_or(ReadDenied::NotKvRegion(region))?;
         let group = self.layout.layer_groups()[layer];
         if len == 0 || offset < placement.base_offset {
-            return Err(format!(
-                "range {offset}+{len} of region {region} is not inside a block"
-            ));
+            return Err(ReadDenied::NotInsideBlock { region, offset, len });
         }
         let first = (offset - placement.base_offset) / placement.bytes_per_block;
         let last = (offset - placement.base_offset + len - 1) / placement.bytes_per_block;
         let now = self.clock.now_ms();
         let grants = self.grants.lock().unwrap_or_else(PoisonError::into_inner);
         for block in first..=last {
-            let block = u32::try_from(block).map_err(|_| format!("block {block} out of range"))?;
-            grants
-                .check_read(grant, peer, group, block, now)
-                .map_err(|error| error.to_string())?;
+            let block = u32::try_from(block).map_err(|_| ReadDenied::BlockOutOfRange(block))?;
+            grants.check_read(grant, peer, group, block, now)?;
         }
         Ok(())
     }
@@ -183,27 +234,29 @@ impl ReadAuthorizer for GrantAuthorizer {
         grant: GrantId,
         region: u32,
         indices: &[u32],
-    ) -> Result<(), String> {
-        let group = region
-            .checked_sub(self.generation_base)
-            .map(|group| group as usize)
+    ) -> Result<(), ReadDenied> {
+        let group = self
+            .regions
+            .generation_group(region)
             .filter(|&group| group < self.layout.groups().len())
-            .ok_or_else(|| format!("region {region} is not a generation table"))?;
+            .ok_or(ReadDenied::NotGenerationTable(region))?;
         let grants = self.grants.lock().unwrap_or_else(PoisonError::into_inner);
-        let grant = grants
-            .get(grant)
-            .ok_or_else(|| grants.missing(grant).to_string())?;
+        let grant = grants.get(grant).ok_or_else(|| grants.missing(grant))?;
         if &grant.peer != peer {
-            return Err(format!("grant {} does not belong to peer {peer}", grant.id.0));
+            return Err(ReadDenied::WrongPeer {
+                grant: grant.id.0,
+                peer: peer.clone(),
+            });
         }
         // Generations are read after the data, also after the grant ended, to detect reuse;
         // they may be read for any block the grant covered.
         for &block in indices {
             if !grant.covers(group, block) {
-                return Err(format!(
-                    "grant {} does not cover block {block} of group {group}",
-                    grant.id.0
-                ));
+                return Err(ReadDenied::NotCovered {
+                    grant: grant.id.0,
+                    group,
+                    block,
+                });
             }
         }
         Ok(())
@@ -462,7 +515,9 @@ async fn serve_data(
         match request {
             DataRequest::Read { grant, region, runs } => {
                 match authorize_runs(&state, &peer, grant, region, &runs) {
-                    Err(reason) => codec::write_message(&mut stream, &DataReply::Refused(reason)).await?,
+                    Err(reason) => {
+                        codec::write_message(&mut stream, &DataReply::Refused(reason.to_string())).await?
+                    }
                     Ok(memory) => {
                         let total: u64 = runs.iter().map(|(_, len)| len).sum();
                         codec::write_message(&mut stream, &DataReply::Data { len: total }).await?;
@@ -490,7 +545,7 @@ async fn serve_data(
                     state.authorizer.authorize_words(&peer, grant, region, &indices),
                 ) {
                     (None, _) => DataReply::Refused(format!("no region {region}")),
-                    (_, Err(reason)) => DataReply::Refused(reason),
+                    (_, Err(denied)) => DataReply::Refused(denied.to_string()),
                     (Some(memory), Ok(())) => {
                         match indices
                             .iter()
@@ -514,17 +569,14 @@ fn authorize_runs(
     grant: GrantId,
     region: u32,
     runs: &[(u64, u64)],
-) -> Result<Arc<Region>, String> {
-    let memory = state
-        .regions
-        .get(&region)
-        .ok_or_else(|| format!("no region {region}"))?;
+) -> Result<Arc<Region>, ReadDenied> {
+    let memory = state.regions.get(&region).ok_or(ReadDenied::NoRegion(region))?;
     for &(offset, len) in runs {
         if offset
             .checked_add(len)
             .is_none_or(|end| end > memory.len() as u64)
         {
-            return Err(format!("range {offset}+{len} is outside region {region}"));
+            return Err(ReadDenied::OutsideRegion { region, offset, len });
         }
         state
             .authorizer
@@ -925,10 +977,17 @@ mod tests {
     fn runs_are_bounded_by_their_region() {
         struct Everything;
         impl ReadAuthorizer for Everything {
-            fn authorize_read(&self, _: &NodeId, _: GrantId, _: u32, _: u64, _: u64) -> Result<(), String> {
+            fn authorize_read(
+                &self,
+                _: &NodeId,
+                _: GrantId,
+                _: u32,
+                _: u64,
+                _: u64,
+            ) -> Result<(), ReadDenied> {
                 Ok(())
             }
-            fn authorize_words(&self, _: &NodeId, _: GrantId, _: u32, _: &[u32]) -> Result<(), String> {
+            fn authorize_words(&self, _: &NodeId, _: GrantId, _: u32, _: &[u32]) -> Result<(), ReadDenied> {
                 Ok(())
             }
         }
@@ -942,15 +1001,23 @@ mod tests {
         assert_eq!(check(&[(0, 64), (192, 64)]), Ok(()));
         assert_eq!(
             check(&[(0, 64), (193, 64)]),
-            Err("range 193+64 is outside region 0".into())
+            Err(ReadDenied::OutsideRegion {
+                region: 0,
+                offset: 193,
+                len: 64
+            })
         );
         assert_eq!(
             check(&[(u64::MAX, 2)]),
-            Err(format!("range {}+2 is outside region 0", u64::MAX))
+            Err(ReadDenied::OutsideRegion {
+                region: 0,
+                offset: u64::MAX,
+                len: 2
+            })
         );
         assert_eq!(
             authorize_runs(&state, &node("d"), GrantId(1), 3, &[(0, 1)]).map(drop),
-            Err("no region 3".into())
+            Err(ReadDenied::NoRegion(3))
         );
     }
 
@@ -966,16 +1033,21 @@ mod tests {
             .issue(RequestId(1), node("d"), vec![vec![2], vec![1]], 60_000, 0)
             .unwrap();
         let regions = RegionLayout::region_per_layer(&[64, 4], 8);
-        let authorizer = GrantAuthorizer::new(grants, layout, regions, 2, MonotonicClock::new());
+        let authorizer = GrantAuthorizer::new(
+            grants,
+            layout,
+            regions.with_generation_tables(2),
+            MonotonicClock::new(),
+        );
         assert_eq!(authorizer.authorize_words(&node("d"), grant, 2, &[2]), Ok(()));
         assert_eq!(authorizer.authorize_words(&node("d"), grant, 3, &[1]), Ok(()));
         assert_eq!(
             authorizer.authorize_words(&node("d"), grant, 4, &[1]),
-            Err("region 4 is not a generation table".into())
+            Err(ReadDenied::NotGenerationTable(4))
         );
         assert_eq!(
             authorizer.authorize_words(&node("d"), grant, 1, &[1]),
-            Err("region 1 is not a generation table".into())
+            Err(ReadDenied::NotGenerationTable(1))
         );
     }
 
@@ -994,8 +1066,7 @@ mod tests {
             Arc::new(GrantAuthorizer::new(
                 Arc::new(Mutex::new(GrantTable::new(1))),
                 KvLayout::one_layer_per_group(vec![GroupSpec::mamba()]).unwrap(),
-                RegionLayout { layers: vec![] },
-                0,
+                RegionLayout::default(),
                 MonotonicClock::new(),
             )),
             Arc::new(TicketBook::new(Duration::from_secs(1), 1)),
@@ -1040,6 +1111,7 @@ mod tests {
                     num_blocks: 8,
                 },
             ],
+            generations: vec![2, 3],
         };
         let grants = Arc::new(Mutex::new(GrantTable::new(4)));
         // Block 2 of group 0 and block 5 of group 1.
@@ -1048,8 +1120,17 @@ mod tests {
             .unwrap()
             .issue(RequestId(1), node("d"), vec![vec![2], vec![5]], 60_000, 0)
             .unwrap();
-        let authorizer = GrantAuthorizer::new(grants, layout, regions, 2, MonotonicClock::new());
-        let read = |region, offset, len| authorizer.authorize_read(&node("d"), grant, region, offset, len);
+        let authorizer = GrantAuthorizer::new(
+            grants,
+            layout,
+            regions.with_generation_tables(2),
+            MonotonicClock::new(),
+        );
+        let read = |region, offset, len| {
+            authorizer
+                .authorize_read(&node("d"), grant, region, offset, len)
+                .map_err(|denied| denied.to_string())
+        };
         assert_eq!(read(0, 2 * 64, 64), Ok(()));
         assert_eq!(read(1, 100 + 5 * 64, 64), Ok(()));
         assert_eq!(

@@ -104,7 +104,7 @@ fn hello(node: &str) -> Hello {
         node: NodeId(node.into()),
         role: Role::Decode,
         incarnation: Incarnation(7),
-        regions: RegionLayout { layers: vec![] },
+        regions: RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: layout().compat_hash(),
         engines: vec![],

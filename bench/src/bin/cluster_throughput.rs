@@ -186,7 +186,7 @@ fn echo_hello(node: &str) -> Hello {
         node: NodeId(node.into()),
         role: Role::Decode,
         incarnation: Incarnation(1),
-        regions: RegionLayout { layers: vec![] },
+        regions: RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 1,
         engines: vec![],

@@ -96,8 +96,8 @@ fn main() {
             clock.now_ms(),
         )
         .expect("grant");
-    let regions = RegionLayout::region_per_layer(&[BLOCK], blocks + 1);
-    let authorizer = Arc::new(GrantAuthorizer::new(grants, layout, regions, 1, clock));
+    let regions = RegionLayout::region_per_layer(&[BLOCK], blocks + 1).with_generation_tables(1);
+    let authorizer = Arc::new(GrantAuthorizer::new(grants, layout, regions, clock));
     let tickets = Arc::new(TicketBook::new(Duration::from_secs(10), 4));
     let served = HashMap::from([(0u32, source.clone())]);
     let server = MemoryServer::start(

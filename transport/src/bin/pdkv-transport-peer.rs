@@ -137,12 +137,12 @@ fn run() -> Result<(), String> {
     let shm = MappedEngine::shm(EngineKey(name.clone())).map_err(|error| error.to_string())?;
     let grants = Arc::new(Mutex::new(GrantTable::new(64)));
     let clock = MonotonicClock::new();
-    let regions = RegionLayout::region_per_layer(&[BLOCK_BYTES; LAYERS], BLOCKS + 1);
+    let regions =
+        RegionLayout::region_per_layer(&[BLOCK_BYTES; LAYERS], BLOCKS + 1).with_generation_tables(1);
     let authorizer = Arc::new(GrantAuthorizer::new(
         grants.clone(),
         layout(),
         regions.clone(),
-        LAYERS as u32,
         clock,
     ));
     let tickets = Arc::new(TicketBook::new(Duration::from_secs(10), 64));
