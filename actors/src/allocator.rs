@@ -6,7 +6,7 @@
 //! and wakes requests waiting for blocks. Lease expiry is a timer computed from the table's
 //! earliest deadline (timers are data).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use actix::{Actor, AsyncContext, Context, Handler, Message, MessageResult, SpawnHandle};
@@ -25,7 +25,9 @@ use crate::memory::LegMemory;
 pub struct AllocatorActor {
     node: NodeId,
     allocator: Allocator,
-    grants: GrantTable,
+    /// The leg's one grant table: this actor issues, renews and ends grants; a network memory
+    /// server's authorizer reads the same table (see [`AllocatorActor::grant_table`]).
+    grants: Arc<Mutex<GrantTable>>,
     lease_ms: u64,
     memory: Arc<LegMemory>,
     /// Counts frees; requests waiting for blocks watch it and retry.
@@ -50,7 +52,7 @@ impl AllocatorActor {
         AllocatorActor {
             node,
             allocator,
-            grants: GrantTable::new(max_grants),
+            grants: Arc::new(Mutex::new(GrantTable::new(max_grants))),
             lease_ms,
             memory,
             freed,
@@ -58,6 +60,18 @@ impl AllocatorActor {
             expiry_timer: None,
             mailbox,
         }
+    }
+
+    /// The leg's grant table, shared with whoever checks READs against it (a network memory
+    /// server's `GrantAuthorizer`).
+    pub fn grant_table(&self) -> Arc<Mutex<GrantTable>> {
+        self.grants.clone()
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, GrantTable> {
+        // A panic while holding the lock cannot leave the table half-changed: every method
+        // changes it in one step.
+        self.grants.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn now_ms(&self) -> u64 {
@@ -82,7 +96,8 @@ impl AllocatorActor {
     }
 
     fn revoke(&mut self, grant: GrantId) {
-        if let Some(grant) = self.grants.revoke(grant) {
+        let revoked = self.table().revoke(grant);
+        if let Some(grant) = revoked {
             tracing::debug!(node = %self.node, grant = grant.id.0, request = %grant.request, "grant revoked");
             if let Err(error) = self.allocator.unpin(&grant.blocks) {
                 tracing::error!(node = %self.node, %error, "unpin of a revoked grant failed");
@@ -92,7 +107,7 @@ impl AllocatorActor {
 
     /// Arms the lease timer for the earliest deadline, if it changed.
     fn schedule_expiry(&mut self, ctx: &mut Context<Self>) {
-        let next = self.grants.poll_timeout();
+        let next = self.table().poll_timeout();
         if self.expiry_timer.as_ref().map(|(at, _)| *at) == next {
             return;
         }
@@ -104,7 +119,8 @@ impl AllocatorActor {
             let handle = ctx.run_later(delay, |actor, ctx| {
                 actor.expiry_timer = None;
                 let now = actor.now_ms();
-                for grant in actor.grants.expire(now) {
+                let expired = actor.table().expire(now);
+                for grant in expired {
                     tracing::warn!(node = %actor.node, grant = grant.id.0, request = %grant.request, peer = %grant.peer, "lease expired, unpinning");
                     if let Err(error) = actor.allocator.unpin(&grant.blocks) {
                         tracing::error!(node = %actor.node, %error, "unpin of an expired grant failed");
@@ -234,10 +250,10 @@ impl Handler<GrantBlocks> for AllocatorActor {
     fn handle(&mut self, msg: GrantBlocks, ctx: &mut Self::Context) -> Self::Result {
         let generations = self.allocator.pin(&msg.lists)?;
         let now = self.now_ms();
-        match self
-            .grants
-            .issue(msg.request, msg.peer, msg.lists.clone(), self.lease_ms, now)
-        {
+        let issued = self
+            .table()
+            .issue(msg.request, msg.peer, msg.lists.clone(), self.lease_ms, now);
+        match issued {
             Ok(grant) => {
                 self.schedule_expiry(ctx);
                 Ok(IssuedGrant {
@@ -269,7 +285,7 @@ impl Handler<ReleaseGrant> for AllocatorActor {
     type Result = Result<(), GrantError>;
 
     fn handle(&mut self, msg: ReleaseGrant, ctx: &mut Self::Context) -> Self::Result {
-        let grant = self.grants.release(msg.grant, &msg.peer)?;
+        let grant = self.table().release(msg.grant, &msg.peer)?;
         if let Err(error) = self.allocator.unpin(&grant.blocks) {
             tracing::error!(node = %self.node, %error, "unpin of a released grant failed");
         }
@@ -309,7 +325,7 @@ impl Handler<RevokeRequest> for AllocatorActor {
     type Result = usize;
 
     fn handle(&mut self, msg: RevokeRequest, ctx: &mut Self::Context) -> Self::Result {
-        let grants = self.grants.grants_of(msg.request);
+        let grants = self.table().grants_of(msg.request);
         for &grant in &grants {
             self.revoke(grant);
         }
@@ -334,7 +350,7 @@ impl Handler<RenewGrant> for AllocatorActor {
 
     fn handle(&mut self, msg: RenewGrant, ctx: &mut Self::Context) -> Self::Result {
         let now = self.now_ms();
-        let result = self.grants.renew(msg.grant, &msg.peer, now);
+        let result = self.table().renew(msg.grant, &msg.peer, now);
         self.schedule_expiry(ctx);
         result.map(|_expires_at_ms| self.lease_ms)
     }
@@ -385,7 +401,7 @@ impl Handler<Stats> for AllocatorActor {
                 .collect(),
             capacity: (0..groups).map(|group| self.allocator.capacity(group)).collect(),
             requests: self.allocator.num_requests(),
-            grants: self.grants.len(),
+            grants: self.table().len(),
         })
     }
 }
