@@ -627,9 +627,13 @@ async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNo
             .await
             .map_err(|error| link_error(&to.hello.node, error))?;
         admit(from, &connection.peer).await?;
+        let frames = connection
+            .open_frames(CONNECT_TIMEOUT)
+            .await
+            .map_err(|error| link_error(&to.hello.node, error))?;
         let link = QuicLink::new(
-            connection,
-            handle.clone(),
+            to.hello.node.clone(),
+            frames,
             config.limits.link_in_flight,
             message_timeout,
         );

@@ -158,6 +158,16 @@ impl ExchangeActor {
     /// allocator (answering the renewal), everything else to the scheduler.
     fn route(&mut self, msg: Inbound, ctx: &mut Context<Self>) -> Result<Answer, Refusal> {
         self.peers.check(&msg)?;
+        self.peers.heard_from(&msg.envelope.from);
+        match msg.envelope.body {
+            Body::Ping { nonce } => {
+                let from = msg.envelope.from;
+                self.send(&from, msg.envelope.request, 0, Body::Pong { nonce });
+                return Ok(Box::pin(actix::fut::ready(Ok(()))));
+            }
+            Body::Pong { .. } => return Ok(Box::pin(actix::fut::ready(Ok(())))),
+            _ => {}
+        }
         let sender_role = self.peers.hello(&msg.envelope.from).map(|hello| hello.role);
         let expected = expected_sender(&msg.envelope.body);
         if sender_role != Some(expected) {
@@ -174,7 +184,7 @@ impl ExchangeActor {
             }
             Body::Decode { .. } | Body::Renewed { .. } => self.hello.role != Role::Decode,
             Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => true,
-            Body::Abort => false,
+            Body::Abort | Body::Ping { .. } | Body::Pong { .. } => false,
         };
         if wrong_leg {
             return Err(Refusal::Misrouted {
@@ -283,5 +293,7 @@ fn expected_sender(body: &Body) -> Role {
         Body::Renewed { .. } => Role::Prefill,
         // Answers go to the router, never to a leg: refused as misrouted below.
         Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => Role::Router,
+        // Answered before any role check.
+        Body::Ping { .. } | Body::Pong { .. } => Role::Router,
     }
 }

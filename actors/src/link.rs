@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use actix::{Message, Recipient};
 use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId};
-use pdkv_transport::control::{ControlService, Hello, PeerConnection};
+use pdkv_transport::control::{ControlService, FrameSender, Hello};
 
 /// An envelope that arrived at a door over a link from `peer` (the name the link
 /// authenticated, not the one the envelope claims).
@@ -200,64 +200,53 @@ impl Link for LocalLink {
     }
 }
 
-/// A link over an admitted QUIC connection: one long-lived stream of frames, written in order
-/// by a task on the transport runtime from a queue of at most `in_flight` envelopes. The peer's
-/// door handles them in order; a refusal is logged on its side (the protocol's deadlines cover
-/// it). Measured against one stream per envelope (answered), this halves the link's latency.
+/// A link over an admitted QUIC connection: one long-lived stream of frames. A send takes a
+/// place among at most `in_flight` and writes its frame from the sender's own thread, in order
+/// (the stream sits behind a fair lock); quinn's driver on the transport runtime puts it on the
+/// wire. The peer's door handles frames in order; a refusal is logged on its side (the
+/// protocol's deadlines cover it).
 pub struct QuicLink {
     to: NodeId,
-    queue: tokio::sync::mpsc::Sender<Envelope>,
+    frames: Arc<tokio::sync::Mutex<FrameSender>>,
+    in_flight: Arc<tokio::sync::Semaphore>,
+    timeout: Duration,
 }
 
 impl QuicLink {
-    /// A link over `connection`, writing on `runtime`, at most `in_flight` envelopes queued,
-    /// each write bounded by `timeout`.
-    pub fn new(
-        connection: PeerConnection,
-        runtime: tokio::runtime::Handle,
-        in_flight: usize,
-        timeout: Duration,
-    ) -> Self {
-        let to = connection.peer.node.clone();
-        let (queue, mut envelopes) = tokio::sync::mpsc::channel::<Envelope>(in_flight.max(1));
-        let peer = to.clone();
-        runtime.spawn(async move {
-            let mut frames = match connection.open_frames(timeout).await {
-                Ok(frames) => frames,
-                Err(error) => {
-                    tracing::warn!(to = %peer, %error, "link stream not opened");
-                    return;
-                }
-            };
-            while let Some(envelope) = envelopes.recv().await {
-                let (request, kind) = (envelope.request, envelope.body.kind());
-                match tokio::time::timeout(timeout, frames.send(envelope)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(error)) => {
-                        tracing::warn!(to = %peer, %request, kind, %error, "link closed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::warn!(to = %peer, %request, kind, "link write timed out, closing it");
-                        return;
-                    }
-                }
-            }
-            frames.finish();
-        });
-        QuicLink { to, queue }
+    /// A link writing to `frames` (a stream opened on the connection to `to`), at most
+    /// `in_flight` envelopes outstanding, each write bounded by `timeout`.
+    pub fn new(to: NodeId, frames: FrameSender, in_flight: usize, timeout: Duration) -> Self {
+        QuicLink {
+            to,
+            frames: Arc::new(tokio::sync::Mutex::new(frames)),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(in_flight.max(1))),
+            timeout,
+        }
     }
 }
 
 impl Link for QuicLink {
     fn send(&self, envelope: Envelope) -> Result<(), LinkError> {
-        self.queue.try_send(envelope).map_err(|error| match error {
-            tokio::sync::mpsc::error::TrySendError::Full(_) => LinkError::Full { to: self.to.clone() },
-            tokio::sync::mpsc::error::TrySendError::Closed(_) => LinkError::Closed {
-                to: self.to.clone(),
-                detail: "connection closed".into(),
-            },
-        })
+        let permit = self
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| LinkError::Full { to: self.to.clone() })?;
+        let (frames, to, timeout) = (self.frames.clone(), self.to.clone(), self.timeout);
+        // Lock before spawning, in send order: the lock is fair, so frames leave in that order.
+        let locked = frames.lock_owned();
+        tokio::task::spawn_local(async move {
+            let _permit = permit;
+            let (request, kind) = (envelope.request, envelope.body.kind());
+            let written =
+                tokio::time::timeout(timeout, async move { locked.await.send(envelope).await }).await;
+            match written {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::warn!(%to, %request, kind, %error, "message not delivered"),
+                Err(_) => tracing::warn!(%to, %request, kind, "link write timed out"),
+            }
+        });
+        Ok(())
     }
 }
 
@@ -302,6 +291,8 @@ impl ControlService for DoorService {
 struct Peer {
     hello: Hello,
     link: Option<Arc<dyn Link>>,
+    /// When this node last received anything from the peer.
+    last_heard: Option<std::time::Instant>,
 }
 
 /// A door's admitted peers and its links to them.
@@ -346,7 +337,14 @@ impl Peers {
                 (old != peer.hello.incarnation).then_some(old)
             }
             None => {
-                self.peers.insert(node, Peer { hello, link: None });
+                self.peers.insert(
+                    node,
+                    Peer {
+                        hello,
+                        link: None,
+                        last_heard: None,
+                    },
+                );
                 None
             }
         }
@@ -362,6 +360,18 @@ impl Peers {
     /// The hello of an admitted peer.
     pub fn hello(&self, node: &NodeId) -> Option<&Hello> {
         self.peers.get(node).map(|peer| &peer.hello)
+    }
+
+    /// Notes that an envelope from `node` arrived now (for failure detection).
+    pub fn heard_from(&mut self, node: &NodeId) {
+        if let Some(peer) = self.peers.get_mut(node) {
+            peer.last_heard = Some(std::time::Instant::now());
+        }
+    }
+
+    /// When this node last received an envelope from `node`.
+    pub fn last_heard(&self, node: &NodeId) -> Option<std::time::Instant> {
+        self.peers.get(node).and_then(|peer| peer.last_heard)
     }
 
     /// Every admitted peer's hello.

@@ -279,6 +279,7 @@ impl Handler<Inbound> for Router {
 
     fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
         self.peers.check(&msg)?;
+        self.peers.heard_from(&msg.envelope.from);
         let Envelope {
             request,
             from,
@@ -286,6 +287,16 @@ impl Handler<Inbound> for Router {
             body,
             ..
         } = msg.envelope;
+        match body {
+            Body::Ping { nonce } => {
+                if let Err(error) = self.peers.send(&from, request, 0, Body::Pong { nonce }) {
+                    tracing::debug!(leg = %from, %error, "pong not sent");
+                }
+                return Ok(());
+            }
+            Body::Pong { .. } => return Ok(()),
+            _ => {}
+        }
         if self.probes.get(&request).is_some_and(|probe| probe.leg == from) {
             if let Some(probe) = self.probes.remove(&request) {
                 let _ = probe.reply.send(body);

@@ -88,7 +88,21 @@ async fn forged_misrouted_and_unknown_messages_are_refused_by_name() {
         issuer: prefill,
     };
 
+    // A ping from the real incarnation is answered (with a pong over the link); from a forged
+    // one it is refused like anything else.
+    to_prefill
+        .request::<_, ()>(envelope("decode-0", decode, 0, Body::Ping { nonce: 9 }), TIMEOUT)
+        .await
+        .unwrap();
     let forged = Incarnation(decode.0 ^ 1);
+    assert!(
+        refusal(
+            &to_prefill,
+            envelope("decode-0", forged, 0, Body::Ping { nonce: 9 })
+        )
+        .await
+        .contains("is not the incarnation")
+    );
     assert_eq!(
         refusal(&to_prefill, envelope("decode-0", forged, 7, release(1))).await,
         format!("decode-0 incarnation {forged} is not the incarnation {decode} that said hello")

@@ -1067,7 +1067,13 @@ impl Sim {
                     machine.handle_abort();
                 }
             }
-            Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => return,
+            Body::KvReady(_)
+            | Body::Output(_)
+            | Body::Failed { .. }
+            | Body::Ping { .. }
+            | Body::Pong { .. } => {
+                return;
+            }
         }
         let name = to.clone();
         self.drain_leg(&name, request);

@@ -282,6 +282,16 @@ pub enum Body {
         /// Why.
         reason: Failure,
     },
+    /// Any node → a peer: are you there? (About no request; answered with `Pong`.)
+    Ping {
+        /// Echoed in the answer.
+        nonce: u64,
+    },
+    /// The answer to a `Ping`.
+    Pong {
+        /// The ping's nonce.
+        nonce: u64,
+    },
 }
 
 impl Body {
@@ -297,6 +307,8 @@ impl Body {
             Body::Abort => "abort",
             Body::Output(_) => "output",
             Body::Failed { .. } => "failed",
+            Body::Ping { .. } => "ping",
+            Body::Pong { .. } => "pong",
         }
     }
 }
