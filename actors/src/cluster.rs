@@ -40,7 +40,7 @@ use crate::config::{ClusterConfig, LegThreads, LinkKind, NodeConfig, ROUTER_NODE
 use crate::engine::Model;
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
-use crate::link::{Admit, DoorService, Inbound, LocalLink, QuicLink, SetLink};
+use crate::link::{Admit, DoorService, Inbound, Link, LocalLink, QuicLink, SetLink};
 use crate::memory::LegMemory;
 use crate::router::{Generate, Router};
 use crate::scheduler::{Direct, LegContext, Output, Scheduler};
@@ -567,16 +567,21 @@ async fn link_locally(doors: &[Door]) -> Result<(), RequestError> {
     for (a, b) in pairs {
         let (from, to) = (&doors[a], &doors[b]);
         let link = LocalLink::new(from.hello.node.clone(), to.hello.node.clone(), to.inbound.clone());
-        let message = SetLink {
-            peer: to.hello.node.clone(),
-            link: Arc::new(link),
-        };
-        from.set_link
-            .send(message)
-            .await
-            .map_err(|error| link_error(&to.hello.node, error))?;
+        set_link(from, to, Arc::new(link)).await?;
     }
     Ok(())
+}
+
+/// Gives `from` its link to `to`.
+async fn set_link(from: &Door, to: &Door, link: Arc<dyn Link>) -> Result<(), RequestError> {
+    let message = SetLink {
+        peer: to.hello.node.clone(),
+        link,
+    };
+    from.set_link
+        .send(message)
+        .await
+        .map_err(|error| link_error(&to.hello.node, error))
 }
 
 /// Gives every node a control server on loopback with a certificate from a throwaway cluster CA,
@@ -637,14 +642,7 @@ async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNo
             config.limits.link_in_flight,
             message_timeout,
         );
-        let message = SetLink {
-            peer: to.hello.node.clone(),
-            link: Arc::new(link),
-        };
-        from.set_link
-            .send(message)
-            .await
-            .map_err(|error| link_error(&to.hello.node, error))?;
+        set_link(from, to, Arc::new(link)).await?;
     }
     quic.runtime = Some(runtime);
     Ok(quic)

@@ -143,16 +143,12 @@ impl Router {
                         RequestOutcome::Output(output) => {
                             let done = Instant::now();
                             let kv_ready = pending.kv_ready.unwrap_or(done);
-                            Ok(Output {
+                            Ok(Output::from_decode(
                                 request,
-                                tokens: output.tokens,
-                                logits_digest: output.logits_digest,
-                                read_bytes: output.read_bytes,
-                                read_runs: output.read_runs,
-                                cached_blocks: output.cached_blocks,
-                                prefill_stage: kv_ready.saturating_duration_since(pending.started),
-                                decode_stage: done.saturating_duration_since(kv_ready),
-                            })
+                                output,
+                                kv_ready.saturating_duration_since(pending.started),
+                                done.saturating_duration_since(kv_ready),
+                            ))
                         }
                         RequestOutcome::Failed { stage, reason } => {
                             tracing::debug!(%request, %stage, %reason, "request failed");
@@ -452,16 +448,12 @@ impl Handler<DecodeOnly> for Router {
         );
         Box::pin(async move {
             match answer.await? {
-                Body::Output(output) => Ok(Output {
+                Body::Output(output) => Ok(Output::from_decode(
                     request,
-                    tokens: output.tokens,
-                    logits_digest: output.logits_digest,
-                    read_bytes: output.read_bytes,
-                    read_runs: output.read_runs,
-                    cached_blocks: output.cached_blocks,
-                    prefill_stage: Duration::ZERO,
-                    decode_stage: Duration::ZERO,
-                }),
+                    output,
+                    Duration::ZERO,
+                    Duration::ZERO,
+                )),
                 Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
                 other => Err(RequestError::BadParams(format!(
                     "unexpected answer {}",

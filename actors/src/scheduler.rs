@@ -65,6 +65,27 @@ pub struct Output {
     pub decode_stage: Duration,
 }
 
+impl Output {
+    /// The answer a decode leg sent for `request`, with the router's stage timings.
+    pub fn from_decode(
+        request: RequestId,
+        output: pdkv_core::wire::DecodeOutput,
+        prefill_stage: Duration,
+        decode_stage: Duration,
+    ) -> Self {
+        Output {
+            request,
+            tokens: output.tokens,
+            logits_digest: output.logits_digest,
+            read_bytes: output.read_bytes,
+            read_runs: output.read_runs,
+            cached_blocks: output.cached_blocks,
+            prefill_stage,
+            decode_stage,
+        }
+    }
+}
+
 /// Everything a leg's scheduler and its computations need; immutable once built.
 pub struct LegContext {
     /// What the request machines know about the leg.

@@ -49,7 +49,17 @@ pub async fn read_message<R: AsyncRead + Unpin, T: DeserializeOwned>(
 pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R, max: usize) -> Result<Vec<u8>, CodecError> {
     let mut header = [0u8; 4];
     read_exact(reader, &mut header).await?;
-    let len = u32::from_le_bytes(header) as usize;
+    read_payload(reader, u32::from_le_bytes(header), max).await
+}
+
+/// Reads a payload of `len` bytes after its header, refusing it before allocating if it is
+/// above `max` (or the frame limit).
+async fn read_payload<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    len: u32,
+    max: usize,
+) -> Result<Vec<u8>, CodecError> {
+    let len = len as usize;
     if len > max.min(MAX_FRAME_BYTES) {
         return Err(CodecError::Oversize {
             len: len as u64,
@@ -73,16 +83,8 @@ pub async fn read_next_frame<R: AsyncRead + Unpin>(
     }
     let mut rest = [0u8; 3];
     read_exact(reader, &mut rest).await?;
-    let len = u32::from_le_bytes([first[0], rest[0], rest[1], rest[2]]) as usize;
-    if len > max.min(MAX_FRAME_BYTES) {
-        return Err(CodecError::Oversize {
-            len: len as u64,
-            max: max.min(MAX_FRAME_BYTES),
-        });
-    }
-    let mut payload = vec![0u8; len];
-    read_exact(reader, &mut payload).await?;
-    Ok(Some(payload))
+    let len = u32::from_le_bytes([first[0], rest[0], rest[1], rest[2]]);
+    read_payload(reader, len, max).await.map(Some)
 }
 
 async fn read_exact<R: AsyncRead + Unpin>(reader: &mut R, buffer: &mut [u8]) -> Result<(), CodecError> {
@@ -164,6 +166,42 @@ mod tests {
                 decode::<KvParams>(&payload),
                 Err(CodecError::TrailingBytes { extra: 1 })
             ));
+        });
+    }
+
+    /// A stream of frames ends cleanly only between frames: frames in order, then `None`; a
+    /// stream cut inside a header or a payload, or announcing an oversize frame, is an error.
+    #[test]
+    fn a_stream_of_frames_ends_only_between_frames() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(async {
+            let mut stream = Vec::new();
+            for payload in [&b"one"[..], &b""[..], &b"three"[..]] {
+                stream.extend(frame(payload));
+            }
+            let mut reader = stream.as_slice();
+            for expected in [&b"one"[..], &b""[..], &b"three"[..]] {
+                let payload = read_next_frame(&mut reader, 64).await.unwrap();
+                assert_eq!(payload.as_deref(), Some(expected));
+            }
+            assert_eq!(read_next_frame(&mut reader, 64).await, Ok(None));
+            for cut in [1, 3, 5] {
+                let mut reader = &stream[..cut];
+                assert_eq!(
+                    read_next_frame(&mut reader, 64).await,
+                    Err(CodecError::Truncated),
+                    "cut at {cut}"
+                );
+            }
+            let oversize = frame(&[7u8; 65]);
+            assert_eq!(
+                read_next_frame(&mut oversize.as_slice(), 64).await,
+                Err(CodecError::Oversize { len: 65, max: 64 })
+            );
+            assert_eq!(
+                read_next_frame(&mut frame(&[7u8; 64]).as_slice(), 64).await,
+                Ok(Some(vec![7u8; 64]))
+            );
         });
     }
 
