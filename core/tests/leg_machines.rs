@@ -541,3 +541,425 @@ fn a_cancelled_request_aborts_both_legs() {
     machine.handle_cancel();
     assert_eq!(drain_router(&mut machine), vec![], "cancelled once");
 }
+
+/// The allocation paths, decided at the bounds: wait while `now < now0 + alloc_wait_ms` (and
+/// before the deadline); at the bound fail naming the wait and the last refusal; at the deadline
+/// fail naming the deadline; any other refusal fails at once; after an abort, quietly.
+mod allocation_bounds {
+    use super::*;
+
+    const ALLOC_WAIT_MS: u64 = 100;
+
+    fn prefill(deadline_ms: u64) -> PrefillMachine {
+        let mut machine = PrefillMachine::new(
+            config("p", 2, PrefillTokens::All),
+            RequestId(1),
+            node("router"),
+            prompt(),
+            node("d"),
+            deadline_ms,
+            0,
+        );
+        drain_prefill(&mut machine);
+        machine
+    }
+
+    fn decode(deadline_ms: u64) -> DecodeMachine {
+        let mut machine = DecodeMachine::new(
+            config("d", 3, PrefillTokens::All),
+            node("router"),
+            params(),
+            2,
+            deadline_ms,
+            0,
+        );
+        drain_decode(&mut machine);
+        machine
+    }
+
+    fn prefill_failure(commands: &[PrefillCommand]) -> Option<Failure> {
+        commands.iter().find_map(|command| match command {
+            PrefillCommand::Send {
+                body:
+                    Body::Failed {
+                        stage: Stage::Prefill,
+                        reason,
+                    },
+                ..
+            } => Some(reason.clone()),
+            _ => None,
+        })
+    }
+
+    fn decode_failure(commands: &[DecodeCommand]) -> Option<(Stage, Failure)> {
+        commands.iter().find_map(|command| match command {
+            DecodeCommand::Send {
+                body: Body::Failed { stage, reason },
+                ..
+            } => Some((*stage, reason.clone())),
+            _ => None,
+        })
+    }
+
+    fn never_fits() -> AllocError {
+        AllocError::NeverFits {
+            group: 0,
+            kind: "full",
+            needed: 9,
+            capacity: 4,
+        }
+    }
+
+    #[test]
+    fn a_prefill_waits_until_its_wait_bound_and_not_at_it() {
+        let mut machine = prefill(1_000);
+        assert!(!machine.is_waiting_for_blocks());
+        machine.handle_allocated(Err(out_of_blocks()), ALLOC_WAIT_MS - 1);
+        assert!(machine.is_waiting_for_blocks());
+        assert_eq!(machine.poll_timeout(), Some(ALLOC_WAIT_MS));
+        assert!(drain_prefill(&mut machine).is_empty());
+
+        let mut machine = prefill(1_000);
+        machine.handle_allocated(Err(out_of_blocks()), ALLOC_WAIT_MS);
+        assert!(!machine.is_waiting_for_blocks());
+        assert_eq!(
+            prefill_failure(&drain_prefill(&mut machine)),
+            Some(Failure::NoFreeBlocks {
+                waited_ms: ALLOC_WAIT_MS,
+                last: out_of_blocks().to_string()
+            })
+        );
+        assert!(machine.is_done());
+    }
+
+    #[test]
+    fn a_prefill_out_of_blocks_at_its_deadline_fails_naming_the_deadline() {
+        // The deadline comes before the wait bound, so it bounds the wait.
+        let mut machine = prefill(50);
+        machine.handle_allocated(Err(out_of_blocks()), 50);
+        assert_eq!(
+            prefill_failure(&drain_prefill(&mut machine)),
+            Some(Failure::DeadlinePassed)
+        );
+        let mut machine = prefill(50);
+        machine.handle_allocated(Err(out_of_blocks()), 49);
+        assert_eq!(machine.poll_timeout(), Some(50));
+    }
+
+    #[test]
+    fn a_prefill_refused_for_good_fails_at_once_and_an_aborted_one_quietly() {
+        let mut machine = prefill(1_000);
+        machine.handle_allocated(Err(never_fits()), 0);
+        assert_eq!(
+            prefill_failure(&drain_prefill(&mut machine)),
+            Some(Failure::Alloc(never_fits().to_string()))
+        );
+        for error in [out_of_blocks(), never_fits()] {
+            let mut machine = prefill(1_000);
+            machine.handle_abort();
+            machine.handle_allocated(Err(error), 0);
+            assert_eq!(
+                drain_prefill(&mut machine),
+                vec![],
+                "nothing held, nothing to say"
+            );
+            assert!(machine.is_done());
+        }
+    }
+
+    #[test]
+    fn a_full_wait_queue_fails_only_a_waiting_prefill() {
+        let mut machine = prefill(1_000);
+        machine.handle_queue_full(4);
+        assert!(drain_prefill(&mut machine).is_empty(), "not waiting: no effect");
+        machine.handle_allocated(Err(out_of_blocks()), 0);
+        machine.handle_queue_full(4);
+        assert_eq!(
+            prefill_failure(&drain_prefill(&mut machine)),
+            Some(Failure::QueueFull {
+                leg: node("p"),
+                capacity: 4
+            })
+        );
+        assert!(machine.is_done());
+    }
+
+    #[test]
+    fn a_prefill_computed_past_its_deadline_frees_and_fails() {
+        let mut machine = prefill(1_000);
+        machine.handle_allocated(Ok(()), 0);
+        drain_prefill(&mut machine);
+        machine.handle_computed(Ok(()), 1_000);
+        let commands = drain_prefill(&mut machine);
+        assert_eq!(commands[0], PrefillCommand::Finish);
+        assert_eq!(prefill_failure(&commands), Some(Failure::DeadlinePassed));
+    }
+
+    #[test]
+    fn a_refused_grant_fails_the_prefill_unless_it_was_aborted() {
+        for aborted in [false, true] {
+            let mut machine = prefill(1_000);
+            machine.handle_allocated(Ok(()), 0);
+            machine.handle_computed(Ok(()), 1);
+            machine.handle_window_released(Ok(vec![vec![11, 12, 13], vec![0, 22, 23]]));
+            drain_prefill(&mut machine);
+            if aborted {
+                machine.handle_abort();
+            }
+            let refusal = Failure::Grant("too many live grants".into());
+            machine.handle_granted(Err(refusal.clone()), 2);
+            let commands = drain_prefill(&mut machine);
+            assert_eq!(commands[0], PrefillCommand::Finish);
+            let expected = (!aborted).then_some(refusal);
+            assert_eq!(prefill_failure(&commands), expected, "aborted: {aborted}");
+            assert!(machine.is_done());
+        }
+    }
+
+    #[test]
+    fn a_decode_waits_until_its_wait_bound_and_times_out_exactly_there() {
+        let mut machine = decode(1_000);
+        machine.handle_allocated(Err(out_of_blocks()), ALLOC_WAIT_MS - 1);
+        assert!(machine.is_waiting_for_blocks());
+        // The renewal (every lease/3) comes first; the wait bound is next in line.
+        machine.handle_timeout(ALLOC_WAIT_MS - 1);
+        drain_decode(&mut machine);
+        assert_eq!(machine.poll_timeout(), Some(ALLOC_WAIT_MS));
+        machine.handle_timeout(ALLOC_WAIT_MS - 1);
+        assert!(machine.is_waiting_for_blocks(), "not yet");
+        machine.handle_timeout(ALLOC_WAIT_MS);
+        assert!(!machine.is_waiting_for_blocks());
+        let commands = drain_decode(&mut machine);
+        assert_eq!(
+            decode_failure(&commands),
+            Some((
+                Stage::Decode,
+                Failure::NoFreeBlocks {
+                    waited_ms: ALLOC_WAIT_MS,
+                    last: out_of_blocks().to_string()
+                }
+            ))
+        );
+        assert!(
+            commands.iter().any(|command| matches!(
+                command,
+                DecodeCommand::Send {
+                    body: Body::Release { .. },
+                    ..
+                }
+            )),
+            "the grant is released: {commands:?}"
+        );
+        assert!(machine.is_done());
+    }
+
+    #[test]
+    fn a_decode_out_of_blocks_is_decided_by_its_bounds() {
+        let mut machine = decode(1_000);
+        machine.handle_allocated(Err(out_of_blocks()), ALLOC_WAIT_MS);
+        assert_eq!(
+            decode_failure(&drain_decode(&mut machine)).map(|(_, failure)| failure),
+            Some(Failure::NoFreeBlocks {
+                waited_ms: ALLOC_WAIT_MS,
+                last: out_of_blocks().to_string()
+            })
+        );
+        let mut machine = decode(60);
+        machine.handle_allocated(Err(out_of_blocks()), 60);
+        assert_eq!(
+            decode_failure(&drain_decode(&mut machine)),
+            Some((Stage::Decode, Failure::DeadlinePassed))
+        );
+        let mut machine = decode(60);
+        machine.handle_allocated(Err(out_of_blocks()), 59);
+        assert!(machine.is_waiting_for_blocks());
+        let mut machine = decode(1_000);
+        machine.handle_allocated(Err(never_fits()), 0);
+        assert_eq!(
+            decode_failure(&drain_decode(&mut machine)),
+            Some((Stage::Decode, Failure::Alloc(never_fits().to_string())))
+        );
+        for error in [out_of_blocks(), never_fits()] {
+            let mut machine = decode(1_000);
+            machine.handle_abort();
+            machine.handle_allocated(Err(error), 0);
+            let commands = drain_decode(&mut machine);
+            assert_eq!(decode_failure(&commands), None, "aborted: quiet {commands:?}");
+            assert!(machine.is_done());
+        }
+    }
+
+    #[test]
+    fn a_full_wait_queue_fails_only_a_waiting_decode() {
+        let mut machine = decode(1_000);
+        machine.handle_queue_full(2);
+        assert!(drain_decode(&mut machine).is_empty(), "not waiting: no effect");
+        machine.handle_allocated(Err(out_of_blocks()), 0);
+        machine.handle_queue_full(2);
+        assert_eq!(
+            decode_failure(&drain_decode(&mut machine)),
+            Some((
+                Stage::Decode,
+                Failure::QueueFull {
+                    leg: node("d"),
+                    capacity: 2
+                }
+            ))
+        );
+    }
+
+    #[test]
+    fn an_aborted_decode_answers_nothing_after_generating() {
+        let mut machine = decode_to_read(5);
+        machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 6);
+        drain_decode(&mut machine);
+        machine.handle_abort();
+        machine.handle_generated(Ok((vec![1], 7)));
+        let commands = drain_decode(&mut machine);
+        assert_eq!(commands, vec![DecodeCommand::Finish { cache_prompt: false }]);
+        assert!(machine.is_done());
+    }
+}
+
+/// A paired position one past the offered list is refused, not read out of bounds.
+#[test]
+fn generation_checks_refuse_a_position_past_the_offer() {
+    use pdkv_core::exchange::{BlockPair, Pairing};
+    use pdkv_core::leg::generation_checks;
+    let params = params();
+    let list = &params.offer.groups[0];
+    let past = list.first_position + list.blocks.len() as u64;
+    let pairing = Pairing {
+        groups: vec![
+            vec![BlockPair {
+                remote: 99,
+                local: 1,
+                remote_position: past,
+                local_position: past,
+            }],
+            vec![],
+        ],
+    };
+    assert_eq!(
+        generation_checks(&params, &pairing),
+        Err(format!("group 0: paired position {past} outside the offer"))
+    );
+}
+
+/// Each answer counts only from the leg it is expected from: KV parameters from the decode leg,
+/// or an output from the prefill leg, change nothing.
+#[test]
+fn answers_from_the_wrong_leg_are_ignored() {
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_message(&node("d"), Incarnation(0xDDDD), Body::KvReady(params()));
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![],
+        "the decode leg cannot prefill"
+    );
+    machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::KvReady(params()));
+    assert!(matches!(
+        drain_router(&mut machine).as_slice(),
+        [RouterCommand::Send {
+            body: Body::Decode { .. },
+            ..
+        }]
+    ));
+    let output = DecodeOutput {
+        tokens: vec![7],
+        logits_digest: 1,
+        read_bytes: 0,
+        read_runs: 0,
+        cached_blocks: 0,
+    };
+    machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::Output(output.clone()));
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![],
+        "the prefill leg cannot answer"
+    );
+    assert!(!machine.is_done());
+    machine.handle_message(&node("d"), Incarnation(0xDDDD), Body::Output(output.clone()));
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![RouterCommand::Complete(RequestOutcome::Output(output))]
+    );
+}
+
+/// A message the router cannot deliver fails the request at once, naming the stage and the
+/// unreachable leg, and tells the other leg to abort.
+#[test]
+fn an_undeliverable_message_fails_the_request_at_once() {
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_send_failed(&node("p"), "link to p is full".into());
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![
+            RouterCommand::Send {
+                to: node("d"),
+                body: Body::Abort
+            },
+            RouterCommand::Complete(RequestOutcome::Failed {
+                stage: Stage::Prefill,
+                reason: Failure::Unreachable {
+                    to: node("p"),
+                    detail: "link to p is full".into()
+                }
+            }),
+        ]
+    );
+    assert!(machine.is_done());
+    machine.handle_send_failed(&node("d"), "again".into());
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![],
+        "a finished request stays finished"
+    );
+}
+
+/// A lost leg fails the requests it serves (naming the stage and the leg) and only the other
+/// leg is told to abort; a lost leg the request does not use changes nothing.
+#[test]
+fn a_lost_leg_fails_its_requests_and_aborts_the_other_leg() {
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_peer_lost(&node("elsewhere"));
+    assert_eq!(drain_router(&mut machine), vec![]);
+    assert!(!machine.is_done());
+    machine.handle_peer_lost(&node("p"));
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![
+            RouterCommand::Send {
+                to: node("d"),
+                body: Body::Abort
+            },
+            RouterCommand::Complete(RequestOutcome::Failed {
+                stage: Stage::Prefill,
+                reason: Failure::LegLost(node("p"))
+            }),
+        ]
+    );
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::KvReady(params()));
+    drain_router(&mut machine);
+    machine.handle_peer_lost(&node("d"));
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![
+            RouterCommand::Send {
+                to: node("p"),
+                body: Body::Abort
+            },
+            RouterCommand::Complete(RequestOutcome::Failed {
+                stage: Stage::Decode,
+                reason: Failure::LegLost(node("d"))
+            }),
+        ]
+    );
+    machine.handle_peer_lost(&node("p"));
+    assert_eq!(drain_router(&mut machine), vec![], "already over");
+}
