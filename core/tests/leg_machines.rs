@@ -963,3 +963,72 @@ fn a_lost_leg_fails_its_requests_and_aborts_the_other_leg() {
     machine.handle_peer_lost(&node("p"));
     assert_eq!(drain_router(&mut machine), vec![], "already over");
 }
+
+/// A failure reported while decoding also aborts the prefill leg (its grant is freed even if the
+/// decode leg's release is lost); one reported while prefilling aborts nobody: the prefill leg
+/// failed itself and the decode leg never heard of the request.
+#[test]
+fn a_failure_aborts_the_prefill_leg_only_once_it_granted() {
+    let failure = Failure::Read("injected".into());
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_message(
+        &node("p"),
+        PREFILL_INCARNATION,
+        Body::Failed {
+            stage: Stage::Prefill,
+            reason: failure.clone(),
+        },
+    );
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![RouterCommand::Complete(RequestOutcome::Failed {
+            stage: Stage::Prefill,
+            reason: failure.clone()
+        })]
+    );
+    let mut machine = router();
+    drain_router(&mut machine);
+    machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::KvReady(params()));
+    drain_router(&mut machine);
+    machine.handle_message(
+        &node("d"),
+        Incarnation(0xDDDD),
+        Body::Failed {
+            stage: Stage::Read,
+            reason: failure.clone(),
+        },
+    );
+    assert_eq!(
+        drain_router(&mut machine),
+        vec![
+            RouterCommand::Send {
+                to: node("p"),
+                body: Body::Abort
+            },
+            RouterCommand::Complete(RequestOutcome::Failed {
+                stage: Stage::Read,
+                reason: failure
+            }),
+        ]
+    );
+}
+
+/// A renewal answer restarts the cadence from the lease the prefill leg granted: a shorter
+/// lease than the parameters said means earlier renewals.
+#[test]
+fn a_renewal_answer_sets_the_next_renewal_from_the_granted_lease() {
+    let mut machine = DecodeMachine::new(
+        config("d", 3, PrefillTokens::All),
+        node("router"),
+        params(),
+        2,
+        500,
+        0,
+    );
+    drain_decode(&mut machine);
+    machine.handle_allocated(Err(out_of_blocks()), 0);
+    assert_eq!(machine.poll_timeout(), Some(LEASE_MS / 3));
+    machine.handle_renewed(9, 4);
+    assert_eq!(machine.poll_timeout(), Some(4 + 9 / 3));
+}
