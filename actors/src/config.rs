@@ -9,6 +9,11 @@ use std::collections::HashSet;
 use pdkv_core::exchange::PairingMode;
 use pdkv_core::layout::KvLayout;
 use pdkv_core::layout::{GroupEntry, GroupEntryError};
+
+use crate::deployment::{
+    Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig, check_host,
+    check_ports, node_deployment,
+};
 pub use pdkv_core::leg::PrefillTokens;
 use pdkv_core::wire::NodeId;
 use serde::{Deserialize, Serialize};
@@ -30,6 +35,12 @@ struct ClusterFile {
     transport: TransportConfig,
     #[serde(default)]
     limits: Limits,
+    #[serde(default)]
+    router: RouterConfig,
+    #[serde(default)]
+    tls: Option<TlsConfig>,
+    #[serde(default)]
+    logging: LoggingConfig,
     nodes: Vec<NodeSection>,
 }
 
@@ -177,6 +188,18 @@ struct NodeSection {
     prefix_caching: bool,
     #[serde(default)]
     prefill_tokens: Option<PrefillTokens>,
+    #[serde(default)]
+    host: Option<String>,
+    #[serde(default)]
+    control_port: Option<u16>,
+    #[serde(default)]
+    data_port: Option<u16>,
+    #[serde(default)]
+    admin_port: Option<u16>,
+    #[serde(default)]
+    launch: Option<LaunchKind>,
+    #[serde(default)]
+    ssh: Option<String>,
 }
 
 /// One node (one leg) of the cluster.
@@ -194,6 +217,10 @@ pub struct NodeConfig {
     pub prefix_caching: bool,
     /// How much of a prompt a prefill leg computes (`all` on decode legs).
     pub prefill_tokens: PrefillTokens,
+    /// Where the node listens and is dialled.
+    pub address: NodeAddress,
+    /// How `pdkv launch` starts it.
+    pub launch: Launch,
 }
 
 /// A checked cluster description.
@@ -209,6 +236,12 @@ pub struct ClusterConfig {
     pub transport: TransportConfig,
     /// Bounds.
     pub limits: Limits,
+    /// The router's front door.
+    pub router: RouterConfig,
+    /// Certificates made by `pdkv certs init` (`None`: a launcher makes throwaway ones).
+    pub tls: Option<TlsConfig>,
+    /// Log level and format.
+    pub logging: LoggingConfig,
     /// Nodes in file order.
     pub nodes: Vec<NodeConfig>,
 }
@@ -391,6 +424,15 @@ impl ClusterConfig {
                     ),
                 ));
             }
+            let placement = NodePlacement {
+                host: node.host,
+                control_port: node.control_port,
+                data_port: node.data_port,
+                admin_port: node.admin_port,
+                launch: node.launch,
+                ssh: node.ssh,
+            };
+            let (address, launch) = node_deployment(&format!("nodes[{index}]"), placement)?;
             nodes.push(NodeConfig {
                 name: NodeId(node.name),
                 role: node.role,
@@ -398,6 +440,8 @@ impl ClusterConfig {
                 blocks_per_group: node.blocks_per_group,
                 prefix_caching: node.prefix_caching,
                 prefill_tokens: node.prefill_tokens.unwrap_or_default(),
+                address,
+                launch,
             });
         }
         for role in [Role::Prefill, Role::Decode] {
@@ -407,6 +451,44 @@ impl ClusterConfig {
                     format!("at least one {role} node is required"),
                 ));
             }
+        }
+        check_host("router.host", &file.router.host)?;
+        let router_listeners = [
+            (
+                "router.http_port".to_string(),
+                file.router.host.as_str(),
+                file.router.http_port,
+            ),
+            (
+                "router.control_port".to_string(),
+                file.router.host.as_str(),
+                file.router.control_port,
+            ),
+        ];
+        let node_listeners = nodes.iter().enumerate().flat_map(|(index, node)| {
+            let host = node.address.host.as_str();
+            [
+                (
+                    format!("nodes[{index}].control_port"),
+                    host,
+                    node.address.control_port,
+                ),
+                (format!("nodes[{index}].data_port"), host, node.address.data_port),
+                (
+                    format!("nodes[{index}].admin_port"),
+                    host,
+                    node.address.admin_port,
+                ),
+            ]
+        });
+        check_ports(router_listeners.into_iter().chain(node_listeners))?;
+        if let Some(tls) = &file.tls
+            && tls.dir.as_os_str().is_empty()
+        {
+            return Err(ConfigError::invalid(
+                "tls.dir",
+                "must name the directory pdkv certs init wrote",
+            ));
         }
         Ok(ClusterConfig {
             layout,
@@ -418,6 +500,9 @@ impl ClusterConfig {
             exchange: file.exchange,
             transport: file.transport,
             limits,
+            router: file.router,
+            tls: file.tls,
+            logging: file.logging,
             nodes,
         })
     }
@@ -699,6 +784,63 @@ mod tests {
         );
     }
 
+    /// A cluster.toml v2: addresses, launch, router, TLS and logging parse to what they say; a
+    /// file without them (the shipped one) gets loopback, free ports and local launch.
+    #[test]
+    fn deployment_keys_parse_and_default_to_loopback() {
+        use crate::deployment::{Launch, LogFormat, NodeAddress, Selection};
+        let config = ClusterConfig::embedded_default();
+        assert!(
+            config
+                .nodes
+                .iter()
+                .all(|node| node.address == NodeAddress::default())
+        );
+        assert!(config.nodes.iter().all(|node| node.launch == Launch::Local));
+        assert_eq!(config.tls, None);
+        assert_eq!(config.router.selection, Selection::LeastLoaded);
+        let text = DEFAULT_CLUSTER_TOML
+            .replacen(
+                "blocks_per_group = 64\nprefix_caching = false",
+                "blocks_per_group = 64\nprefix_caching = false\nhost = \"10.0.0.7\"\ncontrol_port = 7100\n\
+                 data_port = 7101\nadmin_port = 7102\nlaunch = \"ssh\"\nssh = \"pdkv@gpu7\"",
+                1,
+            )
+            .replacen(
+                "[[nodes]]",
+                "[router]\nhttp_port = 8000\nselection = \"round_robin\"\n\
+                 [tls]\ndir = \"certs\"\n[logging]\nlevel = \"info\"\nformat = \"json\"\n\n[[nodes]]",
+                1,
+            );
+        let config = ClusterConfig::from_toml(&text).unwrap();
+        let prefill = &config.nodes[0];
+        assert_eq!(
+            prefill.address,
+            NodeAddress {
+                host: "10.0.0.7".into(),
+                control_port: 7100,
+                data_port: 7101,
+                admin_port: 7102
+            }
+        );
+        assert_eq!(
+            prefill.launch,
+            Launch::Ssh {
+                target: "pdkv@gpu7".into()
+            }
+        );
+        assert_eq!(config.nodes[1].address, NodeAddress::default());
+        assert_eq!(
+            (config.router.http_port, config.router.selection),
+            (8000, Selection::RoundRobin)
+        );
+        assert_eq!(config.tls.unwrap().dir, std::path::PathBuf::from("certs"));
+        assert_eq!(
+            (config.logging.level.as_str(), config.logging.format),
+            ("info", LogFormat::Json)
+        );
+    }
+
     /// Each broken variant of the shipped file is refused with an error naming the key.
     #[test]
     fn bad_cluster_toml_names_the_key() {
@@ -803,6 +945,43 @@ mod tests {
             (
                 with("mailbox = 64", "mailbox = 64\nlink_in_flight = 0"),
                 "limits.link_in_flight: must be at least 1",
+            ),
+            (
+                with(
+                    "prefix_caching = true",
+                    "prefix_caching = true\nhost = \"not a host\"",
+                ),
+                "nodes[1].host: \"not a host\" is neither an IP address nor a DNS name",
+            ),
+            (
+                with(
+                    "prefix_caching = false",
+                    "prefix_caching = false\ncontrol_port = 7000\nadmin_port = 7000",
+                ),
+                "nodes[0].admin_port: port 7000 on 127.0.0.1 is already taken by nodes[0].control_port",
+            ),
+            (
+                with("prefix_caching = true", "prefix_caching = true\nlaunch = \"ssh\""),
+                "nodes[1].ssh: launch = \"ssh\" needs an ssh target",
+            ),
+            (
+                with(
+                    "prefix_caching = true",
+                    "prefix_caching = true\nlaunch = \"teleport\"",
+                ),
+                "unknown variant `teleport`, expected `local` or `ssh`",
+            ),
+            (
+                with("[[nodes]]", "[router]\nport = 80\n\n[[nodes]]"),
+                "unknown field `port`",
+            ),
+            (
+                with("[[nodes]]", "[tls]\ndir = \"\"\n\n[[nodes]]"),
+                "tls.dir: must name the directory pdkv certs init wrote",
+            ),
+            (
+                with("[[nodes]]", "[logging]\nformat = \"xml\"\n\n[[nodes]]"),
+                "unknown variant `xml`, expected `text` or `json`",
             ),
             (
                 with("vocab = 256", "vocab = 4000000000"),

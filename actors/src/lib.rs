@@ -19,6 +19,7 @@ pub mod allocator;
 pub mod cluster;
 pub mod compute;
 pub mod config;
+pub mod deployment;
 pub mod engine;
 pub mod error;
 pub mod exchange;

@@ -1,0 +1,310 @@
+//! Where a cluster's processes run and how they are reached: node addresses and ports, how a
+//! node is started on its host, the router's front door, certificates and logging
+//! (`cluster.toml` v2).
+//!
+//! Every key is optional: a file without addresses (like the shipped one) puts every node on
+//! loopback with ports picked free at start (port 0), which is all a cluster in one process or
+//! on one machine needs.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ConfigError;
+
+/// The host a node or the router binds and is reached at by default.
+pub const LOOPBACK: &str = "127.0.0.1";
+
+/// A node's network placement (`[[nodes]]` keys `host`, `control_port`, `data_port`,
+/// `admin_port`); port 0 means "pick a free one at start".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAddress {
+    /// Host name or IP address the node binds and its peers dial.
+    pub host: String,
+    /// QUIC control plane (mutual TLS).
+    pub control_port: u16,
+    /// Network READ data port (TCP), for the net engine.
+    pub data_port: u16,
+    /// Admin HTTP (`/live`, `/ready`, `/metrics`).
+    pub admin_port: u16,
+}
+
+impl Default for NodeAddress {
+    fn default() -> Self {
+        NodeAddress {
+            host: LOOPBACK.into(),
+            control_port: 0,
+            data_port: 0,
+            admin_port: 0,
+        }
+    }
+}
+
+/// How `pdkv launch` starts a node (`[[nodes]] launch`, `ssh`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Launch {
+    /// A child process on this machine.
+    #[default]
+    Local,
+    /// A process on another host, started through the system ssh.
+    Ssh {
+        /// The ssh destination (`user@host` or a `Host` of the ssh config).
+        target: String,
+    },
+}
+
+/// The `launch` key as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LaunchKind {
+    /// A child process on this machine.
+    #[default]
+    Local,
+    /// Through ssh; needs `ssh`.
+    Ssh,
+}
+
+/// How the router chooses legs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Selection {
+    /// The leg with the fewest requests in flight (ties: most free blocks, then name).
+    #[default]
+    LeastLoaded,
+    /// Each role's legs in turn.
+    RoundRobin,
+}
+
+/// `[router]`: the router's front door.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// Host the HTTP API binds.
+    pub host: String,
+    /// HTTP port of the OpenAI-compatible API (0: pick a free one).
+    pub http_port: u16,
+    /// QUIC control port the router's links use (0: pick a free one).
+    pub control_port: u16,
+    /// How legs are chosen.
+    pub selection: Selection,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            host: LOOPBACK.into(),
+            http_port: 0,
+            control_port: 0,
+            selection: Selection::default(),
+        }
+    }
+}
+
+/// `[tls]`: where `pdkv certs init` wrote the cluster CA and the node certificates.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// Directory holding `ca.pem` and `<node>.pem` / `<node>.key` for every node and the router.
+    pub dir: PathBuf,
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// `[logging]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingConfig {
+    /// Filter when `RUST_LOG` is unset (tracing-subscriber syntax).
+    pub level: String,
+    /// Line format.
+    pub format: LogFormat,
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        LoggingConfig {
+            level: "warn".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// The deployment keys of one `[[nodes]]` entry, as written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodePlacement {
+    /// `host`.
+    pub host: Option<String>,
+    /// `control_port`.
+    pub control_port: Option<u16>,
+    /// `data_port`.
+    pub data_port: Option<u16>,
+    /// `admin_port`.
+    pub admin_port: Option<u16>,
+    /// `launch`.
+    pub launch: Option<LaunchKind>,
+    /// `ssh`.
+    pub ssh: Option<String>,
+}
+
+/// Checks a node's placement and fills in defaults; `key` names the node's table in errors.
+pub fn node_deployment(key: &str, placement: NodePlacement) -> Result<(NodeAddress, Launch), ConfigError> {
+    let host = placement.host.unwrap_or_else(|| LOOPBACK.into());
+    check_host(&format!("{key}.host"), &host)?;
+    let address = NodeAddress {
+        host,
+        control_port: placement.control_port.unwrap_or(0),
+        data_port: placement.data_port.unwrap_or(0),
+        admin_port: placement.admin_port.unwrap_or(0),
+    };
+    let launch = match (placement.launch.unwrap_or_default(), placement.ssh) {
+        (LaunchKind::Local, None) => Launch::Local,
+        (LaunchKind::Local, Some(_)) => {
+            return Err(ConfigError::invalid(
+                format!("{key}.ssh"),
+                "only nodes with launch = \"ssh\" take an ssh target",
+            ));
+        }
+        (LaunchKind::Ssh, None) => {
+            return Err(ConfigError::invalid(
+                format!("{key}.ssh"),
+                "launch = \"ssh\" needs an ssh target, e.g. ssh = \"user@host\"",
+            ));
+        }
+        (LaunchKind::Ssh, Some(target)) => {
+            if target.is_empty() || target.starts_with('-') || target.chars().any(char::is_whitespace) {
+                return Err(ConfigError::invalid(
+                    format!("{key}.ssh"),
+                    format!("{target:?} is not an ssh destination (user@host, no spaces, not an option)"),
+                ));
+            }
+            Launch::Ssh { target }
+        }
+    };
+    Ok((address, launch))
+}
+
+/// A host is an IP address or a DNS name (letters, digits, '-' and '.').
+pub fn check_host(key: &str, host: &str) -> Result<(), ConfigError> {
+    let dns_name = !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        });
+    if dns_name || host.parse::<IpAddr>().is_ok() {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            key,
+            format!("{host:?} is neither an IP address nor a DNS name"),
+        ))
+    }
+}
+
+/// Refuses two listeners on one host and port (port 0, picked at start, never clashes).
+pub fn check_ports<'a>(
+    listeners: impl IntoIterator<Item = (String, &'a str, u16)>,
+) -> Result<(), ConfigError> {
+    let mut taken: HashMap<(&str, u16), String> = HashMap::new();
+    for (key, host, port) in listeners {
+        if port == 0 {
+            continue;
+        }
+        if let Some(first) = taken.insert((host, port), key.clone()) {
+            return Err(ConfigError::invalid(
+                key,
+                format!("port {port} on {host} is already taken by {first}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_ip_addresses_or_dns_names() {
+        for host in ["127.0.0.1", "::1", "10.0.0.7", "node-1.cluster.local", "gpu7"] {
+            assert_eq!(check_host("h", host), Ok(()), "{host}");
+        }
+        for host in ["", "a b", "-bad", "bad-", "x..y", "under_score", "http://x"] {
+            assert_eq!(
+                check_host("nodes[0].host", host).unwrap_err().to_string(),
+                format!("cluster.toml: nodes[0].host: {host:?} is neither an IP address nor a DNS name"),
+            );
+        }
+    }
+
+    #[test]
+    fn a_port_is_taken_once_per_host() {
+        let ok = [
+            ("a".to_string(), "h1", 9000),
+            ("b".to_string(), "h2", 9000),
+            ("c".to_string(), "h1", 0),
+            ("d".to_string(), "h1", 0),
+        ];
+        assert_eq!(check_ports(ok), Ok(()));
+        let clash = [
+            ("nodes[0].control_port".to_string(), "h1", 9000),
+            ("nodes[1].admin_port".to_string(), "h1", 9000),
+        ];
+        assert_eq!(
+            check_ports(clash).unwrap_err().to_string(),
+            "cluster.toml: nodes[1].admin_port: port 9000 on h1 is already taken by nodes[0].control_port"
+        );
+    }
+
+    #[test]
+    fn launch_and_ssh_go_together() {
+        let placement = |launch, ssh: Option<&str>| NodePlacement {
+            launch,
+            ssh: ssh.map(Into::into),
+            ..NodePlacement::default()
+        };
+        assert_eq!(
+            node_deployment("nodes[0]", placement(None, None)).unwrap(),
+            (NodeAddress::default(), Launch::Local)
+        );
+        assert_eq!(
+            node_deployment("nodes[0]", placement(Some(LaunchKind::Ssh), Some("me@gpu7")))
+                .unwrap()
+                .1,
+            Launch::Ssh {
+                target: "me@gpu7".into()
+            }
+        );
+        let error = |launch, ssh| {
+            node_deployment("nodes[0]", placement(launch, ssh))
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            error(Some(LaunchKind::Ssh), None),
+            "cluster.toml: nodes[0].ssh: launch = \"ssh\" needs an ssh target, e.g. ssh = \"user@host\""
+        );
+        assert_eq!(
+            error(None, Some("me@gpu7")),
+            "cluster.toml: nodes[0].ssh: only nodes with launch = \"ssh\" take an ssh target"
+        );
+        assert_eq!(
+            error(Some(LaunchKind::Ssh), Some("-oProxyCommand=x")),
+            "cluster.toml: nodes[0].ssh: \"-oProxyCommand=x\" is not an ssh destination (user@host, no spaces, not an option)"
+        );
+    }
+}
