@@ -225,6 +225,7 @@ impl LocalCluster {
             router_hello.clone(),
             config.limits.request_timeout_ms,
             config.prompt_limit(),
+            config.router.selection,
             config.limits.mailbox,
         )
         .start();

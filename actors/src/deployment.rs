@@ -70,7 +70,7 @@ pub enum LaunchKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Selection {
-    /// The leg with the fewest requests in flight (ties: most free blocks, then name).
+    /// The leg with the fewest of the router's requests in flight (ties taken in turn).
     #[default]
     LeastLoaded,
     /// Each role's legs in turn.

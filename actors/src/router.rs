@@ -1,6 +1,7 @@
 //! The router: a thin shell around one [`RouterMachine`] per request.
 //!
-//! It picks a prefill and a decode leg among the admitted peers (round-robin per role), starts
+//! It picks a prefill and a decode leg among the admitted peers (the least loaded, or in turn:
+//! `[router] selection`), starts
 //! the request's machine and carries out what it asks: messages to the legs over links, the
 //! client's answer at the end. It is also a door ([`Admit`], [`Inbound`]): legs answer over the
 //! same links. The whole request is bounded by `limits.request_timeout_ms`; the budget left
@@ -22,6 +23,7 @@ use pdkv_transport::control::{Hello, check_compat};
 use tokio::sync::oneshot;
 
 use crate::config::{PromptLimit, PromptTooLong};
+use crate::deployment::Selection;
 use crate::error::RequestError;
 use crate::link::{Admit, Inbound, Peers, Refusal, SetLink};
 use crate::scheduler::Output;
@@ -53,6 +55,7 @@ pub struct Router {
     next_request: u64,
     next_prefill: usize,
     next_decode: usize,
+    selection: Selection,
     request_timeout_ms: u64,
     prompt_limit: PromptLimit,
     mailbox: usize,
@@ -62,8 +65,15 @@ pub struct Router {
 
 impl Router {
     /// A router that says `hello` to the legs.
-    pub fn new(hello: Hello, request_timeout_ms: u64, prompt_limit: PromptLimit, mailbox: usize) -> Self {
+    pub fn new(
+        hello: Hello,
+        request_timeout_ms: u64,
+        prompt_limit: PromptLimit,
+        selection: Selection,
+        mailbox: usize,
+    ) -> Self {
         Router {
+            selection,
             peers: Peers::new(hello.node.clone(), hello.incarnation),
             hello,
             clock: MonotonicClock::new(),
@@ -95,6 +105,9 @@ impl Router {
     }
 
     /// The next leg of `role`, round-robin over admitted legs in name order.
+    /// The next leg of `role` among the admitted ones (in name order): the one with the fewest
+    /// of this router's requests in flight (`least_loaded`; ties go round-robin), or each in
+    /// turn (`round_robin`).
     fn pick(&mut self, role: Role) -> Result<Hello, RequestError> {
         let mut legs: Vec<&Hello> = self.peers.hellos().filter(|hello| hello.role == role).collect();
         if legs.is_empty() {
@@ -105,9 +118,26 @@ impl Router {
             Role::Prefill => &mut self.next_prefill,
             _ => &mut self.next_decode,
         };
-        let hello = legs[*next % legs.len()].clone();
+        let start = *next % legs.len();
         *next = next.wrapping_add(1);
-        Ok(hello)
+        let rotated = (0..legs.len()).map(|offset| legs[(start + offset) % legs.len()]);
+        let hello = match self.selection {
+            Selection::RoundRobin => legs[start],
+            Selection::LeastLoaded => {
+                let in_flight = |leg: &Hello| {
+                    self.requests
+                        .values()
+                        .filter(|pending| {
+                            let (prefill, decode) = pending.machine.legs();
+                            *prefill == leg.node || *decode == leg.node
+                        })
+                        .count()
+                };
+                // `min_by_key` keeps the first of equals: the rotation breaks ties.
+                rotated.min_by_key(|leg| in_flight(leg)).unwrap_or(legs[start])
+            }
+        };
+        Ok(hello.clone())
     }
 
     fn new_request(&mut self) -> RequestId {

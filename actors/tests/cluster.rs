@@ -253,6 +253,41 @@ async fn requests_wait_for_blocks_and_all_complete(links: LinkKind) {
     cluster.shutdown();
 }
 
+/// With two decode legs, the router sends new requests to the one with fewer in flight: while a
+/// request waits for blocks on decode-0, the next three all go to decode-1 and complete (in turn
+/// they would alternate, and the third would wait on decode-0 until `alloc_wait_ms`).
+async fn the_router_prefers_the_least_loaded_leg(links: LinkKind) {
+    let second_decode =
+        "[[nodes]]\nname = \"decode-1\"\nrole = \"decode\"\nlookahead_tokens = 9\nblocks_per_group = 64\n";
+    let mut text = DEFAULT_CLUSTER_TOML.replacen("alloc_wait_ms = 5000", "alloc_wait_ms = 2000", 1);
+    text.push_str(second_decode);
+    let cluster = start(ClusterConfig::from_toml(&text).unwrap(), links).await;
+    hold_every_decode_block(&cluster).await;
+    let waiting_prompt = prompt_tokens(40, 100, 256);
+    let waiting = cluster.router().send(Generate {
+        prompt: waiting_prompt.clone().into(),
+        max_tokens: 2,
+    });
+    for seed in 41..44 {
+        let prompt = prompt_tokens(seed, 100, 256);
+        let pd = cluster.generate(prompt.clone(), 2).await.unwrap();
+        let direct = cluster.direct(prompt, 2, None).await.unwrap();
+        assert_eq!(
+            (pd.tokens, pd.logits_digest),
+            (direct.tokens, direct.logits_digest)
+        );
+    }
+    release_decode_blocks(&cluster).await;
+    let pd = waiting.await.unwrap().unwrap();
+    let direct = cluster.direct(waiting_prompt, 2, None).await.unwrap();
+    assert_eq!(
+        (pd.tokens, pd.logits_digest),
+        (direct.tokens, direct.logits_digest)
+    );
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
 /// A full wait queue refuses at once; a wait past `alloc_wait_ms` fails with the last refusal.
 async fn waits_for_blocks_are_bounded_in_count_and_time(links: LinkKind) {
     let cluster = start(
@@ -702,6 +737,7 @@ macro_rules! on_both_links {
 }
 
 on_both_links!(
+    the_router_prefers_the_least_loaded_leg,
     pd_equals_direct_with_every_leg_on_one_thread,
     pd_equals_direct_for_every_tail_combination,
     pd_equals_direct_through_the_local_engine_too,
