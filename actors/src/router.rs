@@ -104,7 +104,6 @@ impl Router {
         Ok(())
     }
 
-    /// The next leg of `role`, round-robin over admitted legs in name order.
     /// The next leg of `role` among the admitted ones (in name order): the one with the fewest
     /// of this router's requests in flight (`least_loaded`; ties go round-robin), or each in
     /// turn (`round_robin`).
