@@ -288,6 +288,44 @@ async fn the_router_prefers_the_least_loaded_leg(links: LinkKind) {
     cluster.shutdown();
 }
 
+/// A long prefill computes on the prefill leg's workers, not on the arbiter that serves the
+/// leg's control messages: a short request sent while a 4 000-token prompt computes on the same
+/// prefill leg gets its KV parameters long before the long prompt does. (Computed on the
+/// arbiter, the long prompt would hold up the short one's allocation and grant, and every lease
+/// renewal, until it finished: both prefill stages would then take about as long; measured so
+/// when the pool is bypassed.)
+async fn a_long_prefill_computes_off_the_arbiter(links: LinkKind) {
+    let cluster = start(config(&[]), links).await;
+    let long_prompt = prompt_tokens(51, 4_000, 256);
+    let long = cluster.router().send(Generate {
+        prompt: long_prompt.clone().into(),
+        max_tokens: 1,
+    });
+    // Give the long prompt time to reach the prefill leg and start computing.
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(20) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let short_prompt = prompt_tokens(52, 20, 256);
+    let short_pd = cluster.generate(short_prompt.clone(), 2).await.unwrap();
+    let long_pd = long.await.unwrap().unwrap();
+    assert!(
+        short_pd.prefill_stage * 4 < long_pd.prefill_stage,
+        "the short prefill waited for the long one: {:?} vs {:?}",
+        short_pd.prefill_stage,
+        long_pd.prefill_stage
+    );
+    for (pd, prompt, max_tokens) in [(short_pd, short_prompt, 2), (long_pd, long_prompt, 1)] {
+        let direct = cluster.direct(prompt, max_tokens, None).await.unwrap();
+        assert_eq!(
+            (pd.tokens, pd.logits_digest),
+            (direct.tokens, direct.logits_digest)
+        );
+    }
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
 /// A full wait queue refuses at once; a wait past `alloc_wait_ms` fails with the last refusal.
 async fn waits_for_blocks_are_bounded_in_count_and_time(links: LinkKind) {
     let cluster = start(
@@ -737,6 +775,7 @@ macro_rules! on_both_links {
 }
 
 on_both_links!(
+    a_long_prefill_computes_off_the_arbiter,
     the_router_prefers_the_least_loaded_leg,
     pd_equals_direct_with_every_leg_on_one_thread,
     pd_equals_direct_for_every_tail_combination,
