@@ -28,6 +28,7 @@ pub mod memory;
 pub mod router;
 pub mod scheduler;
 pub mod sweep;
+pub mod timer;
 pub mod transfer;
 
 /// Stops the actor that receives it (a cluster shutting down).

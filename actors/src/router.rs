@@ -13,8 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::{
-    Actor, ActorFutureExt, AsyncContext, Context, Handler, Message, ResponseActFuture, ResponseFuture,
-    SpawnHandle, WrapFuture,
+    Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
 use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine};
 use pdkv_core::wire::{Body, Envelope, KvParams, NodeId, RequestId, Role, Stage};
@@ -27,6 +26,7 @@ use crate::deployment::Selection;
 use crate::error::RequestError;
 use crate::link::{Admit, Inbound, Peers, Refusal, SetLink};
 use crate::scheduler::Output;
+use crate::timer::{self, MachineTimer};
 
 /// What a client waits on.
 type Reply = oneshot::Sender<Result<Output, RequestError>>;
@@ -34,7 +34,7 @@ type Reply = oneshot::Sender<Result<Output, RequestError>>;
 struct Pending {
     machine: RouterMachine,
     reply: Option<Reply>,
-    timer: Option<(u64, SpawnHandle)>,
+    timer: MachineTimer,
     started: Instant,
     /// When the prefill leg's KV parameters arrived.
     kv_ready: Option<Instant>,
@@ -195,30 +195,26 @@ impl Router {
             return;
         };
         if pending.machine.is_done() {
-            if let Some((_, timer)) = self.requests.remove(&request).and_then(|pending| pending.timer) {
-                ctx.cancel_future(timer);
+            if let Some(mut pending) = self.requests.remove(&request) {
+                timer::cancel(&mut pending.timer, ctx);
             }
             return;
         }
         let next = pending.machine.poll_timeout();
-        if pending.timer.as_ref().map(|(at, _)| *at) == next {
-            return;
-        }
-        if let Some((_, timer)) = pending.timer.take() {
-            ctx.cancel_future(timer);
-        }
-        if let Some(at) = next {
-            let delay = Duration::from_millis(at.saturating_sub(now));
-            let timer = ctx.run_later(delay, move |router, ctx| {
+        timer::rearm(
+            &mut pending.timer,
+            next,
+            now,
+            ctx,
+            move |router: &mut Router, ctx| {
                 let now = router.clock.now_ms();
                 if let Some(pending) = router.requests.get_mut(&request) {
                     pending.timer = None;
                     pending.machine.handle_timeout(now);
                 }
                 router.drive(request, ctx);
-            });
-            pending.timer = Some((at, timer));
-        }
+            },
+        );
     }
 
     /// Sends one message to one leg outside any machine and waits (bounded) for its first answer.

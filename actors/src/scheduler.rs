@@ -20,8 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{
-    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, SpawnHandle,
-    WrapFuture,
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, WrapFuture,
 };
 use pdkv_core::allocator::{AllocError, Allocation, window_crosses_block};
 use pdkv_core::block::BlockId;
@@ -39,6 +38,7 @@ use crate::error::{RequestError, ask};
 use crate::exchange::{Deliver, ExchangeActor, Outbound};
 use crate::link::Refusal;
 use crate::memory::LegMemory;
+use crate::timer::{self, MachineTimer};
 use crate::transfer::{Read, TransferActor};
 
 /// Aborted requests a leg remembers, so that a late request for one is refused.
@@ -200,7 +200,7 @@ struct Job {
     /// The request's blocks per group, as the allocator last listed them.
     lists: Vec<Vec<BlockId>>,
     deadline_ms: u64,
-    timer: Option<(u64, SpawnHandle)>,
+    timer: MachineTimer,
 }
 
 /// The scheduler actor of one leg.
@@ -282,30 +282,27 @@ impl Scheduler {
             return;
         };
         if job.machine.is_done() {
-            if let Some((_, timer)) = self.jobs.remove(&request).and_then(|job| job.timer) {
-                ctx.cancel_future(timer);
+            if let Some(mut job) = self.jobs.remove(&request) {
+                timer::cancel(&mut job.timer, ctx);
             }
             return;
         }
         let next = job.machine.poll_timeout();
-        if job.timer.as_ref().map(|(at, _)| *at) == next {
-            return;
-        }
-        if let Some((_, timer)) = job.timer.take() {
-            ctx.cancel_future(timer);
-        }
-        if let Some(at) = next {
-            let delay = Duration::from_millis(at.saturating_sub(self.leg.clock.now_ms()));
-            let timer = ctx.run_later(delay, move |actor, ctx| {
+        let now = self.leg.clock.now_ms();
+        timer::rearm(
+            &mut job.timer,
+            next,
+            now,
+            ctx,
+            move |actor: &mut Scheduler, ctx| {
                 let now = actor.now_ms();
                 if let Some(job) = actor.jobs.get_mut(&request) {
                     job.timer = None;
                     job.machine.handle_timeout(now);
                 }
                 actor.drive(request, ctx);
-            });
-            job.timer = Some((at, timer));
-        }
+            },
+        );
     }
 
     /// Feeds the machine of `request` (if it still runs) and drives it.
