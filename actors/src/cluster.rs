@@ -470,7 +470,6 @@ fn start_leg(
             max_decode_tail_blocks: config.exchange.max_decode_tail_blocks,
             alloc_wait_ms: limits.alloc_wait_ms,
         },
-        role: node.role,
         limits,
         model: model.clone(),
         memory: memory.clone(),

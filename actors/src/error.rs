@@ -1,14 +1,11 @@
 //! The error a request fails with, whichever actor it failed in.
 
 use pdkv_core::allocator::AllocError;
-use pdkv_core::exchange::ExchangeError;
 use pdkv_core::grant::GrantError;
-use pdkv_core::plan::PlanError;
 use pdkv_core::wire::{Failure, Stage};
 use pdkv_transport::engine::EngineError as ReadEngineError;
 
 use crate::config::PromptTooLong;
-use crate::engine::EngineError;
 
 /// Why a request failed. Every variant says which step and what was wrong; none is retried
 /// silently, and a decode leg never answers from KV it could not verify.
@@ -31,21 +28,12 @@ pub enum RequestError {
     /// The allocator refused.
     #[error("allocation failed: {0}")]
     Alloc(#[from] AllocError),
-    /// The exchange refused to pair.
-    #[error("exchange failed: {0}")]
-    Exchange(#[from] ExchangeError),
-    /// The transfer plan could not be built.
-    #[error("transfer plan failed: {0}")]
-    Plan(#[from] PlanError),
     /// The grant was refused or is gone.
     #[error("grant failed: {0}")]
     Grant(#[from] GrantError),
     /// The READ failed (partial READs fail the request).
     #[error("read failed: {0}")]
     Read(#[from] ReadEngineError),
-    /// The engine could not compute.
-    #[error("engine failed: {0}")]
-    Engine(#[from] EngineError),
     /// An actor could not be reached or did not answer in time.
     #[error("{actor} unreachable: {detail}")]
     Mailbox {
@@ -122,11 +110,8 @@ impl RequestError {
                 lookahead_tokens: *lookahead_tokens,
             },
             RequestError::Alloc(error) => Failure::Alloc(error.to_string()),
-            RequestError::Exchange(error) => Failure::Exchange(error.to_string()),
-            RequestError::Plan(error) => Failure::Plan(error.to_string()),
             RequestError::Grant(error) => Failure::Grant(error.to_string()),
             RequestError::Read(error) => Failure::Read(error.to_string()),
-            RequestError::Engine(error) => Failure::Engine(error.to_string()),
             RequestError::BadParams(detail) => Failure::BadParams(detail.clone()),
             RequestError::Timeout { .. } => Failure::DeadlinePassed,
             RequestError::Failed { failure, .. } => failure.clone(),

@@ -158,7 +158,6 @@ impl ExchangeActor {
     /// allocator (answering the renewal), everything else to the scheduler.
     fn route(&mut self, msg: Inbound, ctx: &mut Context<Self>) -> Result<Answer, Refusal> {
         self.peers.check(&msg)?;
-        self.peers.heard_from(&msg.envelope.from);
         match msg.envelope.body {
             Body::Ping { nonce } => {
                 let from = msg.envelope.from;

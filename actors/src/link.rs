@@ -291,8 +291,6 @@ impl ControlService for DoorService {
 struct Peer {
     hello: Hello,
     link: Option<Arc<dyn Link>>,
-    /// When this node last received anything from the peer.
-    last_heard: Option<std::time::Instant>,
 }
 
 /// A door's admitted peers and its links to them.
@@ -337,14 +335,7 @@ impl Peers {
                 (old != peer.hello.incarnation).then_some(old)
             }
             None => {
-                self.peers.insert(
-                    node,
-                    Peer {
-                        hello,
-                        link: None,
-                        last_heard: None,
-                    },
-                );
+                self.peers.insert(node, Peer { hello, link: None });
                 None
             }
         }
@@ -360,18 +351,6 @@ impl Peers {
     /// The hello of an admitted peer.
     pub fn hello(&self, node: &NodeId) -> Option<&Hello> {
         self.peers.get(node).map(|peer| &peer.hello)
-    }
-
-    /// Notes that an envelope from `node` arrived now (for failure detection).
-    pub fn heard_from(&mut self, node: &NodeId) {
-        if let Some(peer) = self.peers.get_mut(node) {
-            peer.last_heard = Some(std::time::Instant::now());
-        }
-    }
-
-    /// When this node last received an envelope from `node`.
-    pub fn last_heard(&self, node: &NodeId) -> Option<std::time::Instant> {
-        self.peers.get(node).and_then(|peer| peer.last_heard)
     }
 
     /// Every admitted peer's hello.

@@ -300,7 +300,6 @@ impl Handler<Inbound> for Router {
 
     fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
         self.peers.check(&msg)?;
-        self.peers.heard_from(&msg.envelope.from);
         let Envelope {
             request,
             from,

@@ -32,7 +32,7 @@ use tokio::sync::watch;
 
 use crate::allocator::{Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseWindow, RevokeGrant};
 use crate::compute::ComputePool;
-use crate::config::{Limits, Role};
+use crate::config::Limits;
 use crate::engine::{LogitsDigest, Model, argmax};
 use crate::error::{RequestError, ask};
 use crate::exchange::{Deliver, ExchangeActor, Outbound};
@@ -90,8 +90,6 @@ impl Output {
 pub struct LegContext {
     /// What the request machines know about the leg.
     pub config: LegConfig,
-    /// Prefill or decode.
-    pub role: Role,
     /// Bounds.
     pub limits: Limits,
     /// The reference model.
@@ -332,12 +330,25 @@ impl Scheduler {
         self.drive(request, ctx);
     }
 
+    /// Sends `body` about a running request, with the budget its deadline leaves.
     fn send(&self, request: RequestId, to: NodeId, body: Body, ctx: &mut Context<Self>) {
         let deadline_ms = self.jobs.get(&request).map_or(0, |job| job.deadline_ms);
+        let budget_ms = deadline_ms.saturating_sub(self.now_ms());
+        self.send_with_budget(request, to, budget_ms, body, ctx);
+    }
+
+    fn send_with_budget(
+        &self,
+        request: RequestId,
+        to: NodeId,
+        budget_ms: u64,
+        body: Body,
+        ctx: &mut Context<Self>,
+    ) {
         let message = Outbound {
             to,
             request,
-            budget_ms: deadline_ms.saturating_sub(self.now_ms()),
+            budget_ms,
             body,
         };
         ctx.spawn(
@@ -605,16 +616,11 @@ impl Scheduler {
                     "kv params are for {}, the message for {request}",
                     params.request
                 ));
-                let message = Outbound {
-                    to: from,
-                    request,
-                    budget_ms,
-                    body: Body::Failed {
-                        stage: Stage::Decode,
-                        reason: failure,
-                    },
+                let failed = Body::Failed {
+                    stage: Stage::Decode,
+                    reason: failure,
                 };
-                ctx.spawn(self.exchange.send(message).into_actor(self).map(|_, _, _| ()));
+                self.send_with_budget(request, from, budget_ms, failed, ctx);
                 Err(Refusal::BadMessage {
                     node: self.leg.node().clone(),
                     detail: format!("kv params are for {}, the message for {request}", params.request),
