@@ -12,10 +12,16 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod admin;
 mod certs_cmd;
+mod client;
 mod errors;
 mod gpus_cmd;
+mod launch;
+mod launch_cmd;
 mod lengths;
+mod node_cmd;
+mod openai;
 mod plan_cmd;
 mod sim_cmd;
 mod sweep_cmd;
@@ -24,8 +30,20 @@ mod sweep_cmd;
 #[derive(Debug, Parser)]
 #[command(name = "pdkv", version, about)]
 struct Cli {
+    /// Log line format on standard error (`RUST_LOG` filters, default `warn`).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormatArg::Text)]
+    log_format: LogFormatArg,
     #[command(subcommand)]
     command: Command,
+}
+
+/// `--log-format` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormatArg {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, with the current spans (a completion's `request_id`).
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -45,11 +63,17 @@ enum Command {
     /// Run the leg protocol's deterministic simulation over many seeds (faults included) and
     /// check its invariants.
     Sim(sim_cmd::SimArgs),
+    /// Run one leg of a cluster.toml in this process.
+    Node(node_cmd::NodeArgs),
+    /// Run the router of a cluster.toml behind its OpenAI-compatible HTTP API.
+    Router(node_cmd::RouterArgs),
+    /// Start every node of a cluster.toml and the router as local processes and supervise them.
+    Launch(launch_cmd::LaunchArgs),
 }
 
 fn main() -> ExitCode {
-    init_tracing();
     let cli = Cli::parse();
+    init_tracing(cli.log_format);
     let result = match cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Certs(command) => certs_cmd::run(command),
@@ -57,6 +81,9 @@ fn main() -> ExitCode {
         Command::Demo(args) => sweep_cmd::run(args, Some(pdkv_actors::sweep::demo_lengths())),
         Command::Sweep(args) => sweep_cmd::run(args, None),
         Command::Sim(args) => sim_cmd::run(args),
+        Command::Node(args) => node_cmd::run_node(args),
+        Command::Router(args) => node_cmd::run_router(args),
+        Command::Launch(args) => launch_cmd::run(args),
     };
     match result {
         Ok(code) => code,
@@ -69,15 +96,21 @@ fn main() -> ExitCode {
 
 /// Logs to stderr, filtered by `RUST_LOG` (default `warn`); colours only when stderr is a
 /// terminal, so log files and pipes get plain text.
-fn init_tracing() {
+fn init_tracing(format: LogFormatArg) {
     use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::builder()
         .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
         .from_env_lossy();
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormatArg::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
+        LogFormatArg::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init(),
+    };
 }

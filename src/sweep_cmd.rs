@@ -1,4 +1,8 @@
-//! `pdkv demo` and `pdkv sweep`: P/D against direct over many prompt lengths, in one process.
+//! `pdkv demo` and `pdkv sweep`: P/D against direct over many prompt lengths.
+//!
+//! By default the cluster runs as local processes (`pdkv launch`): every prompt goes through the
+//! router's HTTP API, and the client computes the direct (one-leg) output itself from the same
+//! seeded model, in-process. `--in-process` runs the whole actor cluster in this process instead.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -32,10 +36,20 @@ pub struct SweepArgs {
     /// One JSON line per length, then a summary line.
     #[arg(long)]
     pub json: bool,
-    /// Override `[transport] links`: `local` (actor mailboxes) or `quic` (QUIC with mutual TLS on
-    /// loopback).
-    #[arg(long, value_enum)]
+    /// Run the actor cluster in this process instead of as local processes.
+    #[arg(long)]
+    pub in_process: bool,
+    /// With `--in-process`: override `[transport] links`, `local` (actor mailboxes) or `quic`
+    /// (QUIC with mutual TLS on loopback).
+    #[arg(long, value_enum, requires = "in_process")]
     pub links: Option<LinksArg>,
+    /// Without `--in-process`: the run directory (default: a fresh one under the system's
+    /// temporary directory, removed when every length matched).
+    #[arg(long, conflicts_with = "in_process")]
+    pub run_dir: Option<PathBuf>,
+    /// Without `--in-process`: seconds the processes have to become ready.
+    #[arg(long, default_value_t = 30.0, conflicts_with = "in_process")]
+    pub ready_timeout: f64,
 }
 
 /// `--links` values.
@@ -84,7 +98,179 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
             .map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
     }
     let system = actix::System::new();
-    system.block_on(async move { sweep_cluster(config, &lengths, &args).await })
+    if args.in_process {
+        return system.block_on(async move { sweep_cluster(config, &lengths, &args).await });
+    }
+    system.block_on(async move { sweep_processes(config, &lengths, &args).await })
+}
+
+/// The run directory of a process sweep, and whether it was made here (and may be removed).
+fn sweep_run_dir(args: &SweepArgs) -> (PathBuf, bool) {
+    match &args.run_dir {
+        Some(dir) => (dir.clone(), false),
+        None => {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.subsec_nanos());
+            let dir = std::env::temp_dir().join(format!("pdkv-sweep-{}-{nanos}", std::process::id()));
+            (dir, true)
+        }
+    }
+}
+
+/// The config text the processes run: the file (or the embedded default) with `--pairing`
+/// written into `[exchange]`.
+fn process_config_text(args: &SweepArgs) -> anyhow::Result<String> {
+    let text = match &args.config {
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?
+        }
+        None => pdkv_actors::config::DEFAULT_CLUSTER_TOML.to_string(),
+    };
+    let Some(PairingModeArg(mode)) = args.pairing else {
+        return Ok(text);
+    };
+    let mut doc: toml::Table = text.parse().context("cluster.toml is not TOML")?;
+    let exchange = doc
+        .entry("exchange")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    if let toml::Value::Table(exchange) = exchange {
+        let name = match mode {
+            PairingMode::Anchored => "anchored",
+            PairingMode::Legacy => "legacy",
+        };
+        exchange.insert("pairing".into(), toml::Value::String(name.into()));
+    }
+    Ok(toml::to_string(&doc)?)
+}
+
+/// Launches the cluster as processes, sends every length through the router's HTTP API and
+/// compares each answer with a direct run computed here.
+async fn sweep_processes(
+    config: ClusterConfig,
+    lengths: &[u64],
+    args: &SweepArgs,
+) -> anyhow::Result<ExitCode> {
+    let mode = match config.exchange.pairing {
+        PairingMode::Anchored => "anchored",
+        PairingMode::Legacy => "legacy",
+    };
+    let (run_dir, temporary) = sweep_run_dir(args);
+    let mut options = crate::launch_cmd::options(None, run_dir.clone(), args.ready_timeout)?;
+    options.config_text = process_config_text(args)?;
+    if let Some(path) = &args.config {
+        options.config_name = path.display().to_string();
+    }
+    let launched = tokio::task::spawn_blocking(move || crate::launch::Cluster::launch(&options))
+        .await
+        .context("launcher thread")??;
+    // The reference: one leg alone, in this process, on the same seeded model.
+    let mut reference = config.clone();
+    reference.transport.read_engine = pdkv_actors::config::ReadEngineKind::Local;
+    reference.transport.links = LinkKind::Local;
+    let direct = LocalCluster::start(reference)
+        .await
+        .context("cannot start the in-process reference leg")?;
+    let request_timeout = std::time::Duration::from_millis(config.limits.request_timeout_ms + 5000);
+    let client = std::sync::Arc::new(crate::client::Client::new(&launched.router_url, request_timeout));
+    let started = Instant::now();
+    let mut printer = Printer::new(args.json, lengths.len());
+    let mut results: Vec<Comparison> = Vec::with_capacity(lengths.len());
+    for &length in lengths {
+        let result = compare_over_http(&config, &client, &direct, length, args.max_tokens).await;
+        printer.row(&result);
+        results.push(result);
+    }
+    printer.finish();
+    let elapsed = started.elapsed();
+    direct.shutdown();
+    let groups = config.layout.groups().len();
+    let legs: Vec<(String, String)> = launched
+        .members
+        .iter()
+        .filter(|member| member.name != pdkv_actors::config::ROUTER_NODE)
+        .map(|member| (member.name.clone(), member.admin_url.clone()))
+        .collect();
+    let stats =
+        tokio::task::spawn_blocking(move || wait_legs_idle(&legs, groups, std::time::Duration::from_secs(3)))
+            .await
+            .context("metrics thread")??;
+    let mut launched = launched;
+    tokio::task::spawn_blocking(move || launched.stop())
+        .await
+        .context("launcher thread")?;
+    let code = report(&results, &stats, mode, "processes over QUIC", elapsed, args.json);
+    if temporary && code == ExitCode::SUCCESS {
+        let _ = std::fs::remove_dir_all(&run_dir);
+    } else if code != ExitCode::SUCCESS {
+        eprintln!("logs and the resolved cluster.toml are in {}", run_dir.display());
+    }
+    Ok(code)
+}
+
+/// Polls every leg's `/metrics` until all are idle or `timeout` passes; returns the last reading.
+fn wait_legs_idle(
+    legs: &[(String, String)],
+    groups: usize,
+    timeout: std::time::Duration,
+) -> anyhow::Result<Vec<pdkv_actors::allocator::LegStats>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let stats = legs
+            .iter()
+            .map(|(name, url)| crate::client::leg_stats(name, url, groups))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(anyhow::Error::msg)?;
+        if stats.iter().all(|leg| leg.is_idle()) || Instant::now() >= deadline {
+            return Ok(stats);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// One length through the router's HTTP API against a direct run here.
+async fn compare_over_http(
+    config: &ClusterConfig,
+    client: &std::sync::Arc<crate::client::Client>,
+    direct: &LocalCluster,
+    length: u64,
+    max_tokens: u32,
+) -> Comparison {
+    let failed = |error: String| Comparison {
+        prompt_tokens: length,
+        matched: false,
+        error: Some(error),
+        read_bytes: 0,
+        read_runs: 0,
+    };
+    if let Err(error) = config.check_prompt_tokens(length) {
+        return failed(error.to_string());
+    }
+    let params = config.model;
+    let prompt = pdkv_actors::engine::prompt_tokens(params.seed, length as usize, params.vocab);
+    let (http_client, http_prompt) = (client.clone(), prompt.clone());
+    let answer = tokio::task::spawn_blocking(move || http_client.complete(&http_prompt, max_tokens))
+        .await
+        .unwrap_or_else(|error| Err(error.to_string()));
+    let answer = match answer {
+        Ok(answer) => answer,
+        Err(error) => return failed(format!("p/d: {error}")),
+    };
+    match direct.direct(prompt, max_tokens, None).await {
+        Ok(reference) => Comparison {
+            prompt_tokens: length,
+            matched: answer.tokens == reference.tokens && answer.logits_digest == reference.logits_digest,
+            error: None,
+            read_bytes: answer.read_bytes,
+            read_runs: answer.read_runs,
+        },
+        Err(error) => Comparison {
+            error: Some(format!("direct: {error}")),
+            read_bytes: answer.read_bytes,
+            read_runs: answer.read_runs,
+            ..failed(String::new())
+        },
+    }
 }
 
 async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs) -> anyhow::Result<ExitCode> {
@@ -97,18 +283,40 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
         .await
         .context("cannot start the cluster")?;
     let started = Instant::now();
-    let progress = if args.json {
-        indicatif::ProgressBar::hidden()
-    } else {
-        indicatif::ProgressBar::new(lengths.len() as u64)
-    };
-    if !args.json {
-        println!("{:>8} {:>10} {:>6}  result", "prompt", "read KiB", "runs");
-    }
+    let mut printer = Printer::new(args.json, lengths.len());
     let mut results: Vec<Comparison> = Vec::with_capacity(lengths.len());
     for &length in lengths {
         let result = sweep::compare(&cluster, length, args.max_tokens).await;
-        if args.json {
+        printer.row(&result);
+        results.push(result);
+    }
+    printer.finish();
+    let elapsed = started.elapsed();
+    let stats = cluster.wait_idle(std::time::Duration::from_secs(2)).await?;
+    cluster.shutdown();
+    let transport = format!("in one process, {links} links");
+    Ok(report(&results, &stats, mode, &transport, elapsed, args.json))
+}
+
+/// Prints a row per length (a table with a progress bar, or JSON lines).
+struct Printer {
+    json: bool,
+    progress: indicatif::ProgressBar,
+}
+
+impl Printer {
+    fn new(json: bool, lengths: usize) -> Self {
+        let progress = if json {
+            indicatif::ProgressBar::hidden()
+        } else {
+            println!("{:>8} {:>10} {:>6}  result", "prompt", "read KiB", "runs");
+            indicatif::ProgressBar::new(lengths as u64)
+        };
+        Printer { json, progress }
+    }
+
+    fn row(&mut self, result: &Comparison) {
+        if self.json {
             println!(
                 "{}",
                 json!({
@@ -125,7 +333,7 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
                 (None, true) => "match".to_string(),
                 (None, false) => "MISMATCH (P/D output differs from direct)".to_string(),
             };
-            progress.suspend(|| {
+            self.progress.suspend(|| {
                 println!(
                     "{:>8} {:>10.1} {:>6}  {verdict}",
                     result.prompt_tokens,
@@ -134,13 +342,24 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
                 )
             });
         }
-        progress.inc(1);
-        results.push(result);
+        self.progress.inc(1);
     }
-    progress.finish_and_clear();
-    let elapsed = started.elapsed();
-    let stats = cluster.wait_idle(std::time::Duration::from_secs(2)).await?;
-    cluster.shutdown();
+
+    fn finish(&self) {
+        self.progress.finish_and_clear();
+    }
+}
+
+/// Prints the legs' accounting and the summary; success when every length matched and every
+/// leg is idle.
+fn report(
+    results: &[Comparison],
+    stats: &[pdkv_actors::allocator::LegStats],
+    mode: &str,
+    transport: &str,
+    elapsed: std::time::Duration,
+    json_lines: bool,
+) -> ExitCode {
     let matched = results.iter().filter(|result| result.matched).count();
     let mismatched: Vec<u64> = results
         .iter()
@@ -154,12 +373,12 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
         .collect();
     let idle = stats.iter().all(|leg| leg.is_idle());
     let read_bytes: u64 = results.iter().map(|result| result.read_bytes).sum();
-    if args.json {
+    if json_lines {
         println!(
             "{}",
             json!({"summary": {
                 "pairing": mode,
-                "links": links.to_string(),
+                "transport": transport,
                 "lengths": results.len(),
                 "matched": matched,
                 "mismatched": mismatched,
@@ -170,7 +389,7 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
             }})
         );
     } else {
-        for leg in &stats {
+        for leg in stats {
             println!(
                 "leg {}: free blocks {:?} of {:?}, {} requests, {} grants{}",
                 leg.node,
@@ -188,15 +407,15 @@ async fn sweep_cluster(config: ClusterConfig, lengths: &[u64], args: &SweepArgs)
             println!("failed at prompt lengths {errors:?}");
         }
         println!(
-            "{matched}/{} match ({mode} pairing, {links} links, {:.1} KiB read, {:.1} s)",
+            "{matched}/{} match ({mode} pairing, {transport}, {:.1} KiB read, {:.1} s)",
             results.len(),
             read_bytes as f64 / 1024.0,
             elapsed.as_secs_f64()
         );
     }
-    Ok(if matched == results.len() && idle {
+    if matched == results.len() && idle {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    })
+    }
 }

@@ -34,6 +34,7 @@ fn hello(node: &str) -> Hello {
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 7,
         engines: vec![],
+        host: pdkv_transport::host::host_id(),
     }
 }
 

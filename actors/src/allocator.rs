@@ -39,11 +39,15 @@ pub struct AllocatorActor {
 }
 
 impl AllocatorActor {
-    /// An allocator actor over `allocator`, mirroring generations into `memory`.
+    /// An allocator actor over `allocator` issuing grants into `grants` with leases on `clock`
+    /// (both shared with a network memory server, if the leg serves one), mirroring
+    /// generations into `memory`.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         node: NodeId,
         allocator: Allocator,
-        max_grants: usize,
+        grants: Arc<Mutex<GrantTable>>,
+        clock: MonotonicClock,
         lease_ms: u64,
         memory: Arc<LegMemory>,
         freed: watch::Sender<u64>,
@@ -52,11 +56,11 @@ impl AllocatorActor {
         AllocatorActor {
             node,
             allocator,
-            grants: Arc::new(Mutex::new(GrantTable::new(max_grants))),
+            grants,
             lease_ms,
             memory,
             freed,
-            clock: MonotonicClock::new(),
+            clock,
             expiry_timer: None,
             mailbox,
         }

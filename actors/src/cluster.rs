@@ -13,12 +13,13 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::{Actor, Addr, Arbiter, ArbiterHandle, AsyncContext, Context, Recipient};
 use pdkv_core::allocator::Allocator;
+use pdkv_core::grant::GrantTable;
 use pdkv_core::leg::LegConfig;
 use pdkv_core::plan::RegionLayout;
 use pdkv_core::wire::{Incarnation, NodeId, RequestId, Role};
@@ -29,6 +30,7 @@ use pdkv_transport::control::{
     new_incarnation,
 };
 use pdkv_transport::engine::{EngineKey, ReadEngine};
+use pdkv_transport::host::host_id;
 use pdkv_transport::mapped::{LocalFabric, MappedEngine};
 use pdkv_transport::tls::{ClusterCa, NodeIdentity};
 use tokio::sync::watch;
@@ -116,18 +118,25 @@ pub struct LegHandle {
     pub allocator: Addr<AllocatorActor>,
     /// Its transfer actor (decode legs).
     pub transfer: Option<Addr<TransferActor>>,
-    /// Its READ engine (tests arm faults on it).
+    /// Its in-process or shared-memory READ engine (tests arm faults on it).
     pub engine: Arc<MappedEngine>,
+    /// All its READ engines, in preference order.
+    pub engines: Vec<Arc<dyn ReadEngine>>,
     /// Its KV memory.
     pub memory: Arc<LegMemory>,
 }
 
 /// One node's door as the cluster wires it: what it says, and where its messages go.
-struct Door {
-    hello: Hello,
-    admit: Recipient<Admit>,
-    inbound: Recipient<Inbound>,
-    set_link: Recipient<SetLink>,
+#[derive(Clone)]
+pub struct Door {
+    /// What the node says at handshake.
+    pub hello: Hello,
+    /// Admits a peer's hello.
+    pub admit: Recipient<Admit>,
+    /// Takes a peer's envelopes.
+    pub inbound: Recipient<Inbound>,
+    /// Takes a link to a peer.
+    pub set_link: Recipient<SetLink>,
 }
 
 /// The QUIC side of a cluster on QUIC links: one control server and client per node.
@@ -208,7 +217,8 @@ impl LocalCluster {
                 }
                 LegThreads::Shared => Placement::Current,
             };
-            let (leg, door) = start_leg(&config, node, &model, &fabric, placement)?;
+            let parts = in_process_parts(&config, node, &model, &fabric)?;
+            let (leg, door) = start_leg(&config, node, &model, parts, placement)?;
             legs.push(leg);
             doors.push(door);
         }
@@ -220,6 +230,7 @@ impl LocalCluster {
             protocol_version: PROTOCOL_VERSION,
             layout_hash: config.layout.compat_hash(),
             engines: Vec::new(),
+            host: host_id(),
         };
         let router = Router::new(
             router_hello.clone(),
@@ -385,20 +396,64 @@ impl LocalCluster {
 }
 
 /// Where a leg's actors run.
-enum Placement {
+pub enum Placement {
     /// On an arbiter of the leg's own.
     Own(ArbiterHandle),
     /// On the arbiter that starts the cluster.
     Current,
 }
 
-/// Builds one leg where `placement` says: memory registered with its READ engine, allocator,
+/// What a leg is built from besides its configuration: its KV memory, the engines its readers
+/// reach it through, and the grant table and clock its allocator shares with a memory server.
+pub struct LegParts {
+    /// The leg's KV memory.
+    pub memory: Arc<LegMemory>,
+    /// Its in-process or shared-memory engine (preferred where it reaches).
+    pub mapped: Arc<MappedEngine>,
+    /// Further engines, in preference order (the network engine across hosts).
+    pub more_engines: Vec<Arc<dyn ReadEngine>>,
+    /// The one grant table.
+    pub grants: Arc<Mutex<GrantTable>>,
+    /// The clock leases are measured on.
+    pub clock: MonotonicClock,
+}
+
+/// A leg's memory and engine inside one process, as `[transport] read_engine` says.
+fn in_process_parts(
+    config: &ClusterConfig,
+    node: &NodeConfig,
+    model: &Model,
+    fabric: &LocalFabric,
+) -> Result<LegParts, RequestError> {
+    let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
+    let key = EngineKey(node.name.0.clone());
+    let (memory, engine) = match config.transport.read_engine {
+        ReadEngineKind::Local => (
+            LegMemory::heap(model, &capacity),
+            MappedEngine::local(key, fabric.clone())?,
+        ),
+        ReadEngineKind::Shm | ReadEngineKind::Net => (
+            LegMemory::shared(model, &capacity, &node.name.0)
+                .map_err(|error| RequestError::Read(error.into()))?,
+            MappedEngine::shm(key)?,
+        ),
+    };
+    Ok(LegParts {
+        memory: Arc::new(memory),
+        mapped: Arc::new(engine),
+        more_engines: Vec::new(),
+        grants: Arc::new(Mutex::new(GrantTable::new(config.limits.max_grants))),
+        clock: MonotonicClock::new(),
+    })
+}
+
+/// Builds one leg where `placement` says: memory registered with its READ engines, allocator,
 /// transfer (decode legs), scheduler and exchange.
-fn start_leg(
+pub(crate) fn start_leg(
     config: &ClusterConfig,
     node: &NodeConfig,
     model: &Arc<Model>,
-    fabric: &LocalFabric,
+    parts: LegParts,
     placement: Placement,
 ) -> Result<(LegHandle, Door), RequestError> {
     let arbiter = match &placement {
@@ -407,24 +462,34 @@ fn start_leg(
     };
     let limits = config.limits;
     let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
-    let key = EngineKey(node.name.0.clone());
-    let (memory, engine) = match config.transport.read_engine {
-        ReadEngineKind::Local => (
-            LegMemory::heap(model, &capacity),
-            MappedEngine::local(key, fabric.clone())?,
-        ),
-        ReadEngineKind::Shm => (
-            LegMemory::shared(model, &capacity, &node.name.0)
-                .map_err(|error| RequestError::Read(error.into()))?,
-            MappedEngine::shm(key)?,
-        ),
-    };
-    let (memory, engine) = (Arc::new(memory), Arc::new(engine));
-    let mut descriptors = Vec::new();
-    for (id, region) in memory.registered_regions() {
-        descriptors.push(engine.register(id, region.clone())?);
+    let LegParts {
+        memory,
+        mapped,
+        more_engines,
+        grants,
+        clock,
+    } = parts;
+    // Readers choose the first engine that reaches a peer: the mapped one unless the network
+    // engine is asked for (`read_engine = "net"`).
+    let mut engines: Vec<Arc<dyn ReadEngine>> = vec![mapped.clone()];
+    if config.transport.read_engine == ReadEngineKind::Net {
+        engines.splice(0..0, more_engines);
+    } else {
+        engines.extend(more_engines);
+    }
+    let mut adverts = Vec::with_capacity(engines.len());
+    for engine in &engines {
+        let mut descriptors = Vec::new();
+        for (id, region) in memory.registered_regions() {
+            descriptors.push(engine.register(id, region.clone())?);
+        }
+        adverts.push(EngineAdvert {
+            engine: engine.descriptor(),
+            regions: descriptors,
+        });
     }
     let incarnation = incarnation()?;
+    let host = host_id();
     let hello = Hello {
         node: node.name.clone(),
         role: node.role,
@@ -432,10 +497,8 @@ fn start_leg(
         regions: memory.regions.clone(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: config.layout.compat_hash(),
-        engines: vec![EngineAdvert {
-            engine: engine.descriptor(),
-            regions: descriptors,
-        }],
+        engines: adverts,
+        host: host.clone(),
     };
     let allocator = Allocator::new(&config.layout, &capacity, node.prefix_caching)?;
     let (freed_tx, freed_rx) = watch::channel(0u64);
@@ -444,7 +507,8 @@ fn start_leg(
         AllocatorActor::new(
             name,
             allocator,
-            limits.max_grants,
+            grants,
+            clock,
             limits.lease_ms,
             actor_memory,
             freed_tx,
@@ -452,11 +516,11 @@ fn start_leg(
         )
     });
     let transfer = (node.role == Role::Decode).then(|| {
-        let engine: Arc<dyn ReadEngine> = engine.clone();
         let (layout, local_regions) = (config.layout.clone(), memory.regions.clone());
         let read_timeout = Duration::from_millis(limits.request_timeout_ms);
+        let engines = engines.clone();
         TransferActor::start_in_arbiter(&arbiter, move |_| {
-            TransferActor::new(engine, layout, local_regions, read_timeout, limits.mailbox)
+            TransferActor::new(engines, host, layout, local_regions, read_timeout, limits.mailbox)
         })
     });
     let context = Arc::new(LegContext {
@@ -480,7 +544,7 @@ fn start_leg(
             Duration::from_micros(limits.inline_compute_us),
         ),
         freed: freed_rx,
-        clock: MonotonicClock::new(),
+        clock,
     });
     // The scheduler and its exchange name each other: the exchange starts inside the
     // scheduler's constructor, on the same arbiter, and its address comes back here.
@@ -520,7 +584,8 @@ fn start_leg(
         exchange,
         allocator,
         transfer,
-        engine,
+        engine: mapped,
+        engines,
         memory,
     };
     Ok((leg, door))

@@ -80,9 +80,13 @@ pub enum ReadEngineKind {
     /// Heap memory, direct copies inside the process.
     Local,
     /// Shared memory (memfd): each leg's regions are mapped read-only by the legs reading them,
-    /// exactly as legs in separate processes on one host do.
+    /// exactly as legs in separate processes on one host do. Legs on different hosts (separate
+    /// processes only) read over the network engine.
     #[default]
     Shm,
+    /// The network engine even between legs on one host (separate processes only; a cluster
+    /// in one process reads through shared memory).
+    Net,
 }
 
 /// How the router and the legs carry protocol messages to each other.

@@ -25,6 +25,7 @@ pub mod error;
 pub mod exchange;
 pub mod link;
 pub mod memory;
+pub mod node;
 pub mod router;
 pub mod scheduler;
 pub mod sweep;

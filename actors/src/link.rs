@@ -358,6 +358,14 @@ impl Peers {
         self.peers.values().map(|peer| &peer.hello)
     }
 
+    /// The hellos of admitted peers this node has a link to (it can send them requests).
+    pub fn linked_hellos(&self) -> impl Iterator<Item = &Hello> {
+        self.peers
+            .values()
+            .filter(|peer| peer.link.is_some())
+            .map(|peer| &peer.hello)
+    }
+
     /// Checks that an envelope really comes from an admitted incarnation of the link's peer.
     pub fn check(&self, inbound: &Inbound) -> Result<(), Refusal> {
         let envelope = &inbound.envelope;

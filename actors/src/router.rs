@@ -108,7 +108,11 @@ impl Router {
     /// of this router's requests in flight (`least_loaded`; ties go round-robin), or each in
     /// turn (`round_robin`).
     fn pick(&mut self, role: Role) -> Result<Hello, RequestError> {
-        let mut legs: Vec<&Hello> = self.peers.hellos().filter(|hello| hello.role == role).collect();
+        let mut legs: Vec<&Hello> = self
+            .peers
+            .linked_hellos()
+            .filter(|hello| hello.role == role)
+            .collect();
         if legs.is_empty() {
             return Err(RequestError::UnknownNode(format!("no {role} leg")));
         }

@@ -212,6 +212,8 @@ pub struct Scheduler {
     aborted_set: HashSet<RequestId>,
     /// Taken while a wait for the next free is pending.
     freed: Option<watch::Receiver<u64>>,
+    /// New requests are refused ([`Drain`]).
+    draining: bool,
 }
 
 impl Scheduler {
@@ -225,6 +227,7 @@ impl Scheduler {
             aborted: VecDeque::new(),
             aborted_set: HashSet::new(),
             freed,
+            draining: false,
         }
     }
 
@@ -588,6 +591,28 @@ impl Scheduler {
             ..
         } = envelope;
         let deadline_ms = now.saturating_add(budget_ms);
+        let new_job =
+            matches!(body, Body::Prefill { .. } | Body::Decode { .. }) && !self.jobs.contains_key(&request);
+        if new_job && self.draining {
+            let stage = if matches!(body, Body::Prefill { .. }) {
+                Stage::Prefill
+            } else {
+                Stage::Decode
+            };
+            let reason = "draining: the leg is shutting down".to_string();
+            let failed = Body::Failed {
+                stage,
+                reason: Failure::Refused {
+                    node: self.leg.node().clone(),
+                    reason: reason.clone(),
+                },
+            };
+            self.send_with_budget(request, from, budget_ms, failed, ctx);
+            return Err(Refusal::Busy {
+                node: self.leg.node().clone(),
+                detail: reason,
+            });
+        }
         if matches!(body, Body::Prefill { .. } | Body::Decode { .. }) && self.aborted_set.contains(&request) {
             return Err(Refusal::Aborted {
                 node: self.leg.node().clone(),
@@ -709,6 +734,21 @@ impl Actor for Scheduler {
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(self.leg.limits.mailbox);
         self.watch_frees(ctx);
+    }
+}
+
+/// Stop taking new requests (SIGTERM): requests in flight run to their end, new ones are
+/// answered with a refusal at once so the router can go elsewhere.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Drain;
+
+impl Handler<Drain> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, _msg: Drain, _ctx: &mut Self::Context) -> Self::Result {
+        tracing::info!(node = %self.leg.node(), requests = self.jobs.len(), "draining");
+        self.draining = true;
     }
 }
 

@@ -18,11 +18,41 @@ use pdkv_core::leg::{GenerationCheck, ReadDone};
 use pdkv_core::plan::{self, RegionLayout, TransferPlan};
 use pdkv_core::wire::{Failure, GrantId, NodeId, RequestId};
 use pdkv_transport::control::Hello;
-use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp};
+use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine, ReadOp};
+use pdkv_transport::host::same_host;
+
+/// Which of a decode leg's engines reads from a prefill leg: the first of `ours` (in preference
+/// order) that the peer offers and that can reach it. Same-host engines (in-process, shared
+/// memory) need equal host ids; the network engine and mori reach any host.
+pub fn choose_engine(ours: &[EngineKind], our_host: &str, peer: &Hello) -> Result<usize, String> {
+    let offered = |kind: EngineKind| peer.engines.iter().any(|advert| advert.engine.kind == kind);
+    let local = same_host(our_host, &peer.host);
+    ours.iter()
+        .position(|&kind| {
+            offered(kind)
+                && match kind {
+                    EngineKind::Local | EngineKind::Shm => local,
+                    EngineKind::Net | EngineKind::Mori => true,
+                }
+        })
+        .ok_or_else(|| {
+            let offers: Vec<EngineKind> = peer.engines.iter().map(|advert| advert.engine.kind).collect();
+            format!(
+                "{} offers READ engines {offers:?}{}, this leg reads with {ours:?}",
+                peer.node,
+                if local { "" } else { " from another host" }
+            )
+        })
+}
 
 /// The transfer actor of one decode leg.
 pub struct TransferActor {
-    engine: Arc<dyn ReadEngine>,
+    /// This leg's engines, in preference order.
+    engines: Vec<Arc<dyn ReadEngine>>,
+    /// This leg's host id.
+    host: String,
+    /// The engine each prefill leg is read with, chosen at its hello.
+    chosen: HashMap<NodeId, Arc<dyn ReadEngine>>,
     layout: KvLayout,
     local_regions: RegionLayout,
     /// Region layouts of the prefill legs this leg reads from, learned from their hellos.
@@ -32,16 +62,20 @@ pub struct TransferActor {
 }
 
 impl TransferActor {
-    /// A transfer actor over `engine` for a leg whose memory is placed as `local_regions`.
+    /// A transfer actor over `engines` (in preference order) for a leg on `host` whose memory
+    /// is placed as `local_regions`.
     pub fn new(
-        engine: Arc<dyn ReadEngine>,
+        engines: Vec<Arc<dyn ReadEngine>>,
+        host: String,
         layout: KvLayout,
         local_regions: RegionLayout,
         read_timeout: Duration,
         mailbox: usize,
     ) -> Self {
         TransferActor {
-            engine,
+            engines,
+            host,
+            chosen: HashMap::new(),
             layout,
             local_regions,
             remote_regions: HashMap::new(),
@@ -71,16 +105,29 @@ impl Handler<AddPeer> for TransferActor {
     type Result = Result<(), Failure>;
 
     fn handle(&mut self, msg: AddPeer, _ctx: &mut Self::Context) -> Self::Result {
-        let ours = self.engine.descriptor().kind;
+        let kinds: Vec<EngineKind> = self
+            .engines
+            .iter()
+            .map(|engine| engine.descriptor().kind)
+            .collect();
+        let index = choose_engine(&kinds, &self.host, &msg.hello).map_err(Failure::Read)?;
+        let engine = self.engines[index].clone();
         let advert = msg
             .hello
             .engines
             .iter()
-            .find(|advert| advert.engine.kind == ours)
-            .ok_or_else(|| Failure::Read(format!("{} offers no {ours:?} READ engine", msg.hello.node)))?;
-        self.engine
+            .find(|advert| advert.engine.kind == kinds[index])
+            .ok_or_else(|| {
+                Failure::Read(format!(
+                    "{} offers no {:?} READ engine",
+                    msg.hello.node, kinds[index]
+                ))
+            })?;
+        engine
             .register_remote(&advert.engine, &advert.regions)
             .map_err(|error| Failure::Read(error.to_string()))?;
+        tracing::info!(peer = %msg.hello.node, engine = ?kinds[index], "reading from peer");
+        self.chosen.insert(msg.hello.node.clone(), engine);
         self.remote_regions
             .insert(msg.hello.node.clone(), msg.hello.regions.clone());
         Ok(())
@@ -107,16 +154,20 @@ impl Handler<Read> for TransferActor {
     type Result = ResponseFuture<Result<ReadDone, Failure>>;
 
     fn handle(&mut self, msg: Read, _ctx: &mut Self::Context) -> Self::Result {
-        let planned = match self.remote_regions.get(&msg.prefill) {
-            Some(remote) => plan::plan(&self.layout, &msg.pairing, &self.local_regions, remote)
-                .map(|plan| (plan, remote.clone()))
-                .map_err(|error| Failure::Plan(error.to_string())),
-            None => Err(Failure::Read(format!("{} never said hello", msg.prefill))),
+        let planned = match (
+            self.remote_regions.get(&msg.prefill),
+            self.chosen.get(&msg.prefill),
+        ) {
+            (Some(remote), Some(engine)) => {
+                plan::plan(&self.layout, &msg.pairing, &self.local_regions, remote)
+                    .map(|plan| (plan, remote.clone(), engine.clone()))
+                    .map_err(|error| Failure::Plan(error.to_string()))
+            }
+            _ => Err(Failure::Read(format!("{} never said hello", msg.prefill))),
         };
-        let engine = self.engine.clone();
         let read_timeout = self.read_timeout;
         Box::pin(async move {
-            let (plan, remote_regions) = planned?;
+            let (plan, remote_regions, engine) = planned?;
             let remote = EngineKey(msg.prefill.0.clone());
             let report = read_plan(engine.as_ref(), &remote, msg.grant, &plan, read_timeout).await?;
             verify_generations(engine.as_ref(), &remote, &msg, &remote_regions).await?;

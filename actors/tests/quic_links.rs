@@ -42,6 +42,7 @@ async fn dial_as(
         protocol_version: PROTOCOL_VERSION,
         layout_hash: cluster.config().layout.compat_hash(),
         engines: vec![],
+        host: pdkv_transport::host::host_id(),
     };
     let client = ControlClient::new(&runtime, SocketAddr::from(([127, 0, 0, 1], 0)), &identity).unwrap();
     let addr = cluster.control_addr(to).unwrap();

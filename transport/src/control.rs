@@ -89,6 +89,9 @@ pub struct Hello {
     pub layout_hash: u64,
     /// READ engines the sender offers.
     pub engines: Vec<EngineAdvert>,
+    /// Where the sender runs ([`crate::host::host_id`]): shared memory is offered only between
+    /// equal ids.
+    pub host: String,
 }
 
 /// A fresh random incarnation for a node starting now.
@@ -405,6 +408,10 @@ async fn serve_frames<S: ControlService>(
                 connection.close(CLOSE_PROTOCOL.into(), b"unexpected frame on a stream of frames");
                 return;
             }
+            Err(codec::CodecError::Io(error)) if connection.close_reason().is_some() => {
+                tracing::debug!(%peer, %error, "stream of frames ended with its connection");
+                return;
+            }
             Err(error) => {
                 tracing::warn!(%peer, %error, "malformed frame, closing the connection");
                 connection.close(CLOSE_PROTOCOL.into(), error.to_string().as_bytes());
@@ -428,8 +435,8 @@ async fn refuse(
     ControlError::Refused(reason)
 }
 
-/// A client endpoint that dials other nodes.
-#[derive(Debug)]
+/// A client endpoint that dials other nodes; clones share the endpoint.
+#[derive(Debug, Clone)]
 pub struct ControlClient {
     endpoint: quinn::Endpoint,
     runtime: tokio::runtime::Handle,
@@ -588,6 +595,11 @@ impl PeerConnection {
     /// Sends raw bytes as one request frame (tests prove garbage closes the connection).
     pub async fn send_raw(&self, payload: &[u8], timeout: Duration) -> Result<Vec<u8>, ControlError> {
         self.round_trip(payload, timeout, "raw request").await
+    }
+
+    /// Waits until the connection is closed (by either side, or lost), and says why.
+    pub async fn closed(&self) -> String {
+        close_reason(&self.connection.closed().await)
     }
 
     /// Whether the connection is still open.

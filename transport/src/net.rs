@@ -587,6 +587,8 @@ fn authorize_runs(
 
 struct RemoteEngine {
     address: String,
+    /// The serving process (a restarted peer is a new one).
+    pid: u32,
     regions: HashMap<u32, u64>,
     connection: Option<Arc<tokio::sync::Mutex<TcpStream>>>,
 }
@@ -734,21 +736,28 @@ impl ReadEngine for NetEngine {
                 engine.key, engine.address
             )));
         }
-        let regions = regions
+        let regions: HashMap<u32, u64> = regions
             .iter()
             .map(|region| (region.region, region.len_bytes))
             .collect();
-        self.remotes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(
-                engine.key.clone(),
-                RemoteEngine {
-                    address: engine.address.clone(),
-                    regions,
-                    connection: None,
-                },
-            );
+        let mut remotes = self.remotes.lock().unwrap_or_else(PoisonError::into_inner);
+        // The same process said hello again (each side of a link admits the other): keep its
+        // data connection. Anything else starts without one.
+        let connection = remotes
+            .get(&engine.key)
+            .filter(|known| {
+                known.address == engine.address && known.pid == engine.pid && known.regions == regions
+            })
+            .and_then(|known| known.connection.clone());
+        remotes.insert(
+            engine.key.clone(),
+            RemoteEngine {
+                address: engine.address.clone(),
+                pid: engine.pid,
+                regions,
+                connection,
+            },
+        );
         Ok(())
     }
 

@@ -108,6 +108,7 @@ fn hello(node: &str) -> Hello {
         protocol_version: PROTOCOL_VERSION,
         layout_hash: layout().compat_hash(),
         engines: vec![],
+        host: pdkv_transport::host::host_id(),
     }
 }
 

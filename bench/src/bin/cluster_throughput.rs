@@ -190,6 +190,7 @@ fn echo_hello(node: &str) -> Hello {
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 1,
         engines: vec![],
+        host: pdkv_transport::host::host_id(),
     }
 }
 

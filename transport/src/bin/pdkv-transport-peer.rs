@@ -197,6 +197,7 @@ fn run() -> Result<(), String> {
                 regions: net_regions,
             },
         ],
+        host: pdkv_transport::host::host_id(),
     };
     let service = Arc::new(PeerService {
         grants,

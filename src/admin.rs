@@ -1,0 +1,172 @@
+//! What every pdkv process serves over HTTP for operators: `/live` (always 200), `/ready` (200
+//! once the node can serve, 503 before and while draining, a JSON body naming every peer's
+//! state) and Prometheus `/metrics`. The HTTP server runs on its own small tokio runtime beside
+//! the actix system.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use pdkv_actors::node::Readiness;
+
+/// Histogram buckets, in each metric's unit: seconds from 100 µs to 60 s.
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
+];
+
+/// Bytes from 4 KiB to 1 GiB, by powers of 4.
+const BYTES_BUCKETS: &[f64] = &[
+    4096.0,
+    16384.0,
+    65536.0,
+    262144.0,
+    1048576.0,
+    4194304.0,
+    16777216.0,
+    67108864.0,
+    268435456.0,
+    1073741824.0,
+];
+
+/// READ runs per transfer.
+const RUNS_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0];
+
+/// Installs the process's Prometheus recorder with explicit buckets (histograms, not
+/// summaries), and keeps its upkeep running.
+pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full("pdkv_kv_transfer_bytes".into()), BYTES_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full("pdkv_kv_transfer_runs".into()), RUNS_BUCKETS)?
+        .install_recorder()
+        .context("cannot install the metrics recorder")?;
+    let upkeep = handle.clone();
+    std::thread::Builder::new()
+        .name("pdkv-metrics-upkeep".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_secs(5));
+                upkeep.run_upkeep();
+            }
+        })
+        .context("cannot start the metrics upkeep thread")?;
+    Ok(handle)
+}
+
+/// Updates gauges that are read at scrape time (a leg's block accounting).
+pub type Refresh = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+
+/// What the admin routes read.
+#[derive(Clone)]
+pub struct AdminState {
+    /// The node's readiness, computed on each call.
+    pub readiness: Arc<dyn Fn() -> Readiness + Send + Sync>,
+    /// The metrics recorder.
+    pub metrics: PrometheusHandle,
+    /// Run before each scrape.
+    pub refresh: Option<Refresh>,
+}
+
+/// The admin routes, to serve alone or merged into the router's API.
+pub fn routes(state: AdminState) -> Router {
+    let (ready_state, metrics, refresh) = (state.clone(), state.metrics.clone(), state.refresh.clone());
+    Router::new()
+        .route("/live", get(|| async { "live\n" }))
+        .route(
+            "/ready",
+            get(move || {
+                let readiness = (ready_state.readiness)();
+                async move {
+                    let status = if readiness.ready {
+                        StatusCode::OK
+                    } else {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    };
+                    (status, axum::Json(readiness)).into_response()
+                }
+            }),
+        )
+        .route(
+            "/metrics",
+            get(move || {
+                let (metrics, refresh) = (metrics.clone(), refresh.clone());
+                async move {
+                    if let Some(refresh) = refresh {
+                        refresh().await;
+                    }
+                    let text = metrics.render();
+                    Response::builder()
+                        .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
+                        .body(axum::body::Body::from(text))
+                        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+                }
+            }),
+        )
+}
+
+/// An HTTP server on its own runtime; stops when dropped.
+pub struct HttpServer {
+    local_addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl HttpServer {
+    /// Serves `app` on `bind` with `threads` worker threads.
+    pub fn start(bind: SocketAddr, app: Router, threads: usize, name: &str) -> anyhow::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name(format!("pdkv-{name}-http"))
+            .enable_all()
+            .build()
+            .with_context(|| format!("cannot start the {name} HTTP runtime"))?;
+        let listener = std::net::TcpListener::bind(bind)
+            .with_context(|| format!("cannot bind the {name} HTTP server to {bind}"))?;
+        listener.set_nonblocking(true)?;
+        let local_addr = listener.local_addr()?;
+        let listener = {
+            let _entered = runtime.enter();
+            tokio::net::TcpListener::from_std(listener)?
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        runtime.spawn(async move {
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
+            if let Err(error) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                tracing::error!(%error, "HTTP server failed");
+            }
+        });
+        Ok(HttpServer {
+            local_addr,
+            stop: Some(stop),
+            runtime: Some(runtime),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(runtime) = self.runtime.take() {
+            // Callable from inside another runtime (the actix system), unlike a blocking wait.
+            runtime.shutdown_background();
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! A small client of a launched cluster: completions through the router's HTTP API, and a leg's
+//! block accounting read from its `/metrics`.
+
+use std::time::Duration;
+
+use pdkv_actors::allocator::LegStats;
+use pdkv_core::wire::NodeId;
+use serde_json::{Value, json};
+
+use crate::launch::http_agent;
+
+/// One completion as the router answered it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// Generated token ids.
+    pub tokens: Vec<u32>,
+    /// Digest of every step's logits.
+    pub logits_digest: u64,
+    /// Bytes the decode leg read.
+    pub read_bytes: u64,
+    /// READ runs posted.
+    pub read_runs: u64,
+}
+
+/// Talks to one router.
+pub struct Client {
+    agent: ureq::Agent,
+    base: String,
+}
+
+impl Client {
+    /// A client of the router at `base` (`http://host:port`), each call bounded by `timeout`.
+    pub fn new(base: &str, timeout: Duration) -> Self {
+        Client {
+            agent: http_agent(timeout),
+            base: base.trim_end_matches('/').to_string(),
+        }
+    }
+
+    /// `POST /v1/completions` with token ids; an error answer becomes `Err` with its message.
+    pub fn complete(&self, prompt: &[u32], max_tokens: u32) -> Result<Answer, String> {
+        let body = json!({"model": crate::openai::MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens});
+        let mut response = self
+            .agent
+            .post(format!("{}/v1/completions", self.base))
+            .send_json(&body)
+            .map_err(|error| format!("router: {error}"))?;
+        let status = response.status().as_u16();
+        let answer: Value = response
+            .body_mut()
+            .read_json()
+            .map_err(|error| format!("router answered {status} without JSON: {error}"))?;
+        if status != 200 {
+            return Err(format!(
+                "{status}: {}",
+                answer["error"]["message"].as_str().unwrap_or("no message")
+            ));
+        }
+        parse_answer(&answer)
+    }
+}
+
+/// Reads the generated tokens and pdkv's figures from a completions answer.
+pub fn parse_answer(answer: &Value) -> Result<Answer, String> {
+    let tokens = answer["choices"][0]["token_ids"]
+        .as_array()
+        .ok_or("answer without choices[0].token_ids")?
+        .iter()
+        .map(|token| {
+            token
+                .as_u64()
+                .map(|token| token as u32)
+                .ok_or("token id is not a number")
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let digest = answer["pdkv"]["logits_digest"]
+        .as_str()
+        .ok_or("answer without pdkv.logits_digest")?;
+    Ok(Answer {
+        tokens,
+        logits_digest: u64::from_str_radix(digest, 16)
+            .map_err(|error| format!("logits digest {digest:?}: {error}"))?,
+        read_bytes: answer["pdkv"]["read_bytes"].as_u64().unwrap_or(0),
+        read_runs: answer["pdkv"]["read_runs"].as_u64().unwrap_or(0),
+    })
+}
+
+/// The value of a Prometheus sample `name{labels}` in `text` (labels as written, e.g.
+/// `group="0"`; empty for none).
+pub fn sample(text: &str, name: &str, labels: &str) -> Option<f64> {
+    let key = if labels.is_empty() {
+        name.to_string()
+    } else {
+        format!("{name}{{{labels}}}")
+    };
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            line.strip_prefix(key.as_str())?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+}
+
+/// A leg's block accounting from its `/metrics` at `admin_url`.
+pub fn leg_stats(node: &str, admin_url: &str, groups: usize) -> Result<LegStats, String> {
+    let agent = http_agent(Duration::from_secs(2));
+    let mut response = agent
+        .get(format!("{admin_url}/metrics"))
+        .call()
+        .map_err(|error| format!("{node} /metrics: {error}"))?;
+    let text = response
+        .body_mut()
+        .read_to_string()
+        .map_err(|error| format!("{node} /metrics: {error}"))?;
+    let missing = |what: &str| format!("{node} /metrics has no {what}");
+    let mut free = Vec::with_capacity(groups);
+    let mut capacity = Vec::with_capacity(groups);
+    for group in 0..groups {
+        let labels = format!("group=\"{group}\"");
+        free.push(
+            sample(&text, "pdkv_blocks_free", &labels).ok_or_else(|| missing("pdkv_blocks_free"))? as usize,
+        );
+        capacity.push(
+            sample(&text, "pdkv_blocks_capacity", &labels).ok_or_else(|| missing("pdkv_blocks_capacity"))?
+                as u32,
+        );
+    }
+    Ok(LegStats {
+        node: NodeId(node.into()),
+        free,
+        capacity,
+        requests: sample(&text, "pdkv_requests_active", "").ok_or_else(|| missing("pdkv_requests_active"))?
+            as usize,
+        grants: sample(&text, "pdkv_grants_active", "").ok_or_else(|| missing("pdkv_grants_active"))?
+            as usize,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_are_found_by_name_and_labels() {
+        let text = "# TYPE pdkv_blocks_free gauge\npdkv_blocks_free{group=\"0\"} 64\npdkv_blocks_free{group=\"1\"} 12\npdkv_grants_active 3\npdkv_grants_active_total 9\n";
+        assert_eq!(sample(text, "pdkv_blocks_free", "group=\"1\""), Some(12.0));
+        assert_eq!(sample(text, "pdkv_blocks_free", "group=\"0\""), Some(64.0));
+        assert_eq!(sample(text, "pdkv_grants_active", ""), Some(3.0));
+        assert_eq!(sample(text, "pdkv_blocks_free", "group=\"2\""), None);
+    }
+}

@@ -1,0 +1,437 @@
+//! Starting a whole cluster.toml as local processes: one `pdkv node` per leg and one
+//! `pdkv router`, each in its own process group with its own log file in a run directory.
+//!
+//! Before starting anything the launcher writes the run directory's `cluster.toml`: the given
+//! file with every port that was 0 (or absent) replaced by a free one, and, when the file has no
+//! `[tls]`, a throwaway cluster CA and certificates (keys 0600) under `certs/`. Then it starts
+//! every process and waits, with a bound, until each one's `/ready` says it is linked to all its
+//! peers. Dropping a [`Cluster`] stops every process group it started (SIGTERM, then SIGKILL
+//! after a grace period), so no child outlives the launcher.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
+use pdkv_actors::deployment::{Launch, LogFormat};
+use pdkv_actors::node::resolve;
+use pdkv_transport::tls::{Existing, write_cluster_certs};
+use std::os::unix::process::CommandExt;
+
+/// How often the readiness gate and the supervisor look at the children.
+const POLL: Duration = Duration::from_millis(50);
+
+/// How long one `/ready` probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Lines of a failed node's log quoted in its error.
+const LOG_TAIL_LINES: usize = 40;
+
+/// One process of a launched cluster.
+#[derive(Debug)]
+pub struct Member {
+    /// Node name (`router` for the router).
+    pub name: String,
+    /// Its log file (standard output and error).
+    pub log: PathBuf,
+    /// Where its `/ready` and `/metrics` are served.
+    pub admin_url: String,
+    args: Vec<String>,
+    child: Option<Child>,
+    /// Times it was started.
+    pub starts: u32,
+}
+
+impl Member {
+    /// The process id of the running process, if any.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+}
+
+/// What to start and where.
+#[derive(Debug, Clone)]
+pub struct LaunchOptions {
+    /// The cluster description as given.
+    pub config_text: String,
+    /// Where it came from (for messages).
+    pub config_name: String,
+    /// The run directory (created if missing).
+    pub run_dir: PathBuf,
+    /// Bound on the readiness gate.
+    pub ready_timeout: Duration,
+    /// The `pdkv` binary the children run.
+    pub binary: PathBuf,
+}
+
+/// A running cluster of local processes.
+#[derive(Debug)]
+pub struct Cluster {
+    /// The resolved configuration the processes run.
+    pub config: ClusterConfig,
+    /// Its path in the run directory.
+    pub config_path: PathBuf,
+    /// The router's API base URL.
+    pub router_url: String,
+    /// Every process, legs first, router last.
+    pub members: Vec<Member>,
+    /// How long to wait after SIGTERM before SIGKILL.
+    grace: Duration,
+}
+
+/// Binds `host:0` for TCP or UDP and keeps the socket, so no two picks collide.
+#[allow(
+    dead_code,
+    reason = "the sockets are only held open until the ports are written"
+)]
+enum Reserved {
+    Tcp(TcpListener),
+    Udp(UdpSocket),
+}
+
+impl Reserved {
+    fn pick(host: &str, udp: bool) -> anyhow::Result<(u16, Reserved)> {
+        let address: SocketAddr = resolve(host, 0).map_err(anyhow::Error::msg)?;
+        if udp {
+            let socket =
+                UdpSocket::bind(address).with_context(|| format!("cannot bind a UDP port on {host}"))?;
+            Ok((socket.local_addr()?.port(), Reserved::Udp(socket)))
+        } else {
+            let socket =
+                TcpListener::bind(address).with_context(|| format!("cannot bind a TCP port on {host}"))?;
+            Ok((socket.local_addr()?.port(), Reserved::Tcp(socket)))
+        }
+    }
+}
+
+/// Sets `table[key]` to a free port on `host` unless it holds a nonzero one.
+fn fill_port(
+    table: &mut toml::Table,
+    key: &str,
+    host: &str,
+    udp: bool,
+    reserved: &mut Vec<Reserved>,
+) -> anyhow::Result<u16> {
+    if let Some(port) = table.get(key).and_then(toml::Value::as_integer)
+        && port != 0
+    {
+        return Ok(port as u16);
+    }
+    let (port, socket) = Reserved::pick(host, udp)?;
+    reserved.push(socket);
+    table.insert(key.into(), toml::Value::Integer(i64::from(port)));
+    Ok(port)
+}
+
+/// Writes the run directory's cluster.toml (ports fixed, `[tls]` set) and returns its path.
+pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> anyhow::Result<PathBuf> {
+    let config =
+        ClusterConfig::from_toml(config_text).with_context(|| format!("{config_name} is not valid"))?;
+    std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
+    let run_dir = run_dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", run_dir.display()))?;
+    let mut doc: toml::Table = config_text
+        .parse()
+        .with_context(|| format!("{config_name} is not TOML"))?;
+    let mut reserved = Vec::new();
+    if let Some(toml::Value::Array(nodes)) = doc.get_mut("nodes") {
+        for (node, checked) in nodes.iter_mut().zip(&config.nodes) {
+            let toml::Value::Table(table) = node else {
+                bail!("{config_name}: nodes must be tables");
+            };
+            let host = checked.address.host.clone();
+            fill_port(table, "control_port", &host, true, &mut reserved)?;
+            fill_port(table, "data_port", &host, false, &mut reserved)?;
+            fill_port(table, "admin_port", &host, false, &mut reserved)?;
+        }
+    }
+    let router = doc
+        .entry("router")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let toml::Value::Table(router) = router else {
+        bail!("{config_name}: [router] must be a table");
+    };
+    fill_port(router, "control_port", &config.router.host, true, &mut reserved)?;
+    fill_port(router, "http_port", &config.router.host, false, &mut reserved)?;
+    if config.tls.is_none() {
+        let certs = run_dir.join("certs");
+        let mut names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
+        names.push(ROUTER_NODE);
+        write_cluster_certs(&certs, "pdkv", &names, Existing::Replace)
+            .with_context(|| format!("cannot write certificates to {}", certs.display()))?;
+        let mut tls = toml::Table::new();
+        tls.insert("dir".into(), toml::Value::String(certs.display().to_string()));
+        doc.insert("tls".into(), toml::Value::Table(tls));
+    }
+    let path = run_dir.join("cluster.toml");
+    let text = format!(
+        "# Written by pdkv launch from {config_name}: ports fixed, certificates set.\n{}",
+        toml::to_string(&doc).context("cannot write the resolved cluster.toml")?
+    );
+    std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    drop(reserved);
+    ClusterConfig::from_file(&path)
+        .with_context(|| format!("the resolved {} is not valid", path.display()))?;
+    Ok(path)
+}
+
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n")
+}
+
+impl Cluster {
+    /// Prepares the run directory, starts every process and waits until all are linked.
+    pub fn launch(options: &LaunchOptions) -> anyhow::Result<Cluster> {
+        let config_path = prepare_run_dir(&options.config_text, &options.config_name, &options.run_dir)?;
+        let config = ClusterConfig::from_file(&config_path)?;
+        let run_dir = config_path.parent().context("run directory")?.to_path_buf();
+        let mut members = Vec::new();
+        let format = match config.logging.format {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        };
+        let config_arg = config_path.display().to_string();
+        for node in &config.nodes {
+            if let Launch::Ssh { target } = &node.launch {
+                bail!(
+                    "node {}: launch = \"ssh\" (to {target}) is not supported by this pdkv yet; start it there with `pdkv node --config cluster.toml --node {}`",
+                    node.name,
+                    node.name
+                );
+            }
+            members.push(Member {
+                name: node.name.0.clone(),
+                log: run_dir.join(format!("{}.log", node.name)),
+                admin_url: format!("http://{}", address(&node.address.host, node.address.admin_port)),
+                args: vec![
+                    "--log-format".into(),
+                    format.into(),
+                    "node".into(),
+                    "--config".into(),
+                    config_arg.clone(),
+                    "--node".into(),
+                    node.name.0.clone(),
+                ],
+                child: None,
+                starts: 0,
+            });
+        }
+        let router_url = format!("http://{}", address(&config.router.host, config.router.http_port));
+        members.push(Member {
+            name: ROUTER_NODE.into(),
+            log: run_dir.join(format!("{ROUTER_NODE}.log")),
+            admin_url: router_url.clone(),
+            args: vec![
+                "--log-format".into(),
+                format.into(),
+                "router".into(),
+                "--config".into(),
+                config_arg,
+            ],
+            child: None,
+            starts: 0,
+        });
+        let grace = Duration::from_millis(config.limits.request_timeout_ms) + Duration::from_secs(2);
+        let mut cluster = Cluster {
+            config,
+            config_path,
+            router_url,
+            members,
+            grace,
+        };
+        for index in 0..cluster.members.len() {
+            cluster.spawn(index, &options.binary)?;
+        }
+        cluster.wait_ready(options.ready_timeout)?;
+        Ok(cluster)
+    }
+
+    /// Starts member `index` (again).
+    pub fn spawn(&mut self, index: usize, binary: &Path) -> anyhow::Result<()> {
+        let level = self.config.logging.level.clone();
+        let member = &mut self.members[index];
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(&member.log)
+            .with_context(|| format!("cannot open {}", member.log.display()))?;
+        let mut command = Command::new(binary);
+        command
+            .args(&member.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0);
+        if std::env::var_os("RUST_LOG").is_none() {
+            command.env("RUST_LOG", format!("{level},pdkv=info,pdkv_actors=info"));
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("cannot start {} ({})", member.name, binary.display()))?;
+        tracing::info!(node = %member.name, pid = child.id(), "started");
+        member.child = Some(child);
+        member.starts += 1;
+        Ok(())
+    }
+
+    /// Waits until every process answers `/ready` with all its peers linked; fails naming the
+    /// first process that exited or is not ready by the deadline, with its log.
+    pub fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        let agent = http_agent(PROBE_TIMEOUT);
+        let mut pending: Vec<usize> = (0..self.members.len()).collect();
+        let mut last: BTreeMap<usize, String> = BTreeMap::new();
+        while !pending.is_empty() {
+            if let Some((index, status)) = self.exited() {
+                let member = &self.members[index];
+                bail!(
+                    "{} exited during startup ({status}); log {}:\n{}",
+                    member.name,
+                    member.log.display(),
+                    log_tail(&member.log)
+                );
+            }
+            pending.retain(|&index| {
+                let member = &self.members[index];
+                match probe_ready(&agent, &member.admin_url) {
+                    Ok(()) => false,
+                    Err(why) => {
+                        last.insert(index, why);
+                        true
+                    }
+                }
+            });
+            if pending.is_empty() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let index = pending[0];
+                let member = &self.members[index];
+                bail!(
+                    "{} not ready after {:.1} s ({}); log {}:\n{}",
+                    member.name,
+                    timeout.as_secs_f64(),
+                    last.get(&index).map_or("no answer", String::as_str),
+                    member.log.display(),
+                    log_tail(&member.log)
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+        Ok(())
+    }
+
+    /// The first member whose process has exited, with its status (reaped).
+    pub fn exited(&mut self) -> Option<(usize, ExitStatus)> {
+        for (index, member) in self.members.iter_mut().enumerate() {
+            if let Some(child) = &mut member.child
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                member.child = None;
+                return Some((index, status));
+            }
+        }
+        None
+    }
+
+    /// Stops every process: SIGTERM to each group (the router first, so no new requests come),
+    /// then SIGKILL to whatever still runs after the grace period. Returns each process's status.
+    pub fn stop(&mut self) -> Vec<(String, Option<ExitStatus>)> {
+        let order: Vec<usize> = (0..self.members.len()).rev().collect();
+        for &index in &order {
+            if let Some(pid) = self.members[index].pid() {
+                let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + self.grace;
+        let mut statuses = Vec::new();
+        for index in order {
+            let member = &mut self.members[index];
+            let Some(child) = &mut member.child else {
+                continue;
+            };
+            let status = loop {
+                match child.try_wait() {
+                    Ok(Some(status)) => break Some(status),
+                    Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                    _ => {
+                        tracing::warn!(node = %member.name, "still running after the grace period: SIGKILL");
+                        let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+                        break child.wait().ok();
+                    }
+                }
+            };
+            // Whatever the node left in its group goes with it.
+            let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+            member.child = None;
+            statuses.push((member.name.clone(), status));
+        }
+        statuses
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if self.members.iter().any(|member| member.child.is_some()) {
+            self.stop();
+        }
+    }
+}
+
+fn address(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// An HTTP client that reports 4xx/5xx as answers, not errors.
+pub fn http_agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(timeout))
+        .build()
+        .into()
+}
+
+/// Whether a process's `/ready` says it serves and all its peers are linked.
+fn probe_ready(agent: &ureq::Agent, base: &str) -> Result<(), String> {
+    let mut response = agent
+        .get(format!("{base}/ready"))
+        .call()
+        .map_err(|error| error.to_string())?;
+    let status = response.status().as_u16();
+    let body: serde_json::Value = response
+        .body_mut()
+        .read_json()
+        .map_err(|error| error.to_string())?;
+    if status == 200 && body["all_peers_linked"] == serde_json::Value::Bool(true) {
+        return Ok(());
+    }
+    let waiting: Vec<String> = body["peers"]
+        .as_object()
+        .map(|peers| {
+            peers
+                .iter()
+                .filter(|(_, peer)| peer["linked"] != serde_json::Value::Bool(true))
+                .map(|(name, peer)| {
+                    format!(
+                        "{name}: {}",
+                        peer["last_error"].as_str().unwrap_or("not linked yet")
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Err(format!("/ready {status}, waiting for {}", waiting.join("; ")))
+}

@@ -1,0 +1,150 @@
+//! `pdkv launch`: start every node of a cluster.toml and the router as local processes, wait
+//! until they are linked, then supervise them until Ctrl-C / SIGTERM (drain and stop all) or the
+//! first unexpected exit (report it and stop all, or restart that node with
+//! `--restart on-failure`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use pdkv_actors::config::DEFAULT_CLUSTER_TOML;
+
+use crate::launch::{Cluster, LaunchOptions};
+
+/// How often the supervisor looks at its children.
+const SUPERVISE_POLL: Duration = Duration::from_millis(50);
+
+/// Restarts of one node allowed before the launcher gives up on it.
+const MAX_RESTARTS: u32 = 100;
+
+/// What to do when a node exits on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RestartArg {
+    /// Report it and stop the cluster.
+    Never,
+    /// Start it again (a new incarnation); chaos testing needs this.
+    OnFailure,
+}
+
+/// Arguments of `pdkv launch`.
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// cluster.toml to launch (default: the embedded copy of the shipped one).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Run directory for the resolved cluster.toml, certificates and logs (default:
+    /// `pdkv-run-<unix time>` in the current directory).
+    #[arg(long)]
+    pub run_dir: Option<PathBuf>,
+    /// Seconds every process has to become ready.
+    #[arg(long, default_value_t = 30.0)]
+    pub ready_timeout: f64,
+    /// What to do when a node exits on its own.
+    #[arg(long, value_enum, default_value_t = RestartArg::Never)]
+    pub restart: RestartArg,
+}
+
+/// Reads the config text and names it.
+pub fn options(
+    config: Option<&PathBuf>,
+    run_dir: PathBuf,
+    ready_timeout: f64,
+) -> anyhow::Result<LaunchOptions> {
+    let (config_text, config_name) = match config {
+        Some(path) => (
+            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?,
+            path.display().to_string(),
+        ),
+        None => (
+            DEFAULT_CLUSTER_TOML.to_string(),
+            "the embedded cluster.toml".to_string(),
+        ),
+    };
+    if !(ready_timeout.is_finite() && ready_timeout > 0.0 && ready_timeout <= 3600.0) {
+        anyhow::bail!("--ready-timeout: {ready_timeout} is not a number of seconds in (0, 3600]");
+    }
+    Ok(LaunchOptions {
+        config_text,
+        config_name,
+        run_dir,
+        ready_timeout: Duration::from_secs_f64(ready_timeout),
+        binary: std::env::current_exe().context("cannot find the pdkv binary")?,
+    })
+}
+
+/// Runs `pdkv launch`.
+pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
+    let run_dir = args.run_dir.clone().unwrap_or_else(|| {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_secs());
+        PathBuf::from(format!("pdkv-run-{now}"))
+    });
+    let options = options(args.config.as_ref(), run_dir, args.ready_timeout)?;
+    let mut cluster = Cluster::launch(&options)?;
+    for member in &cluster.members {
+        println!(
+            "{:<12} pid {:<8} {}  log {}",
+            member.name,
+            member.pid().unwrap_or(0),
+            member.admin_url,
+            member.log.display()
+        );
+    }
+    println!(
+        "READY router={} config={}",
+        cluster.router_url,
+        cluster.config_path.display()
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the supervisor's runtime")?;
+    let code = runtime.block_on(supervise(&mut cluster, &options, args.restart))?;
+    for (name, status) in cluster.stop() {
+        tracing::info!(node = %name, ?status, "stopped");
+    }
+    Ok(code)
+}
+
+async fn supervise(
+    cluster: &mut Cluster,
+    options: &LaunchOptions,
+    restart: RestartArg,
+) -> anyhow::Result<ExitCode> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    loop {
+        tokio::select! {
+            _ = terminate.recv() => {
+                eprintln!("SIGTERM: stopping the cluster");
+                return Ok(ExitCode::SUCCESS);
+            }
+            _ = interrupt.recv() => {
+                eprintln!("interrupted: stopping the cluster");
+                return Ok(ExitCode::SUCCESS);
+            }
+            _ = tokio::time::sleep(SUPERVISE_POLL) => {}
+        }
+        if let Some((index, status)) = cluster.exited() {
+            let member = &cluster.members[index];
+            eprintln!(
+                "{} exited unexpectedly ({status}); log {}",
+                member.name,
+                member.log.display()
+            );
+            if restart == RestartArg::OnFailure && member.starts <= MAX_RESTARTS {
+                cluster.spawn(index, &options.binary)?;
+                eprintln!(
+                    "{} restarted (start {})",
+                    cluster.members[index].name, cluster.members[index].starts
+                );
+                continue;
+            }
+            return Ok(ExitCode::FAILURE);
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! `pdkv node` (one leg in this process) and `pdkv router` (the router behind the
+//! OpenAI-compatible HTTP API), each from a cluster.toml with fixed ports and `[tls]`
+//! certificates (`pdkv launch` writes both).
+//!
+//! Both print one `READY ...` line on standard output once serving, and on SIGTERM or Ctrl-C
+//! stop taking requests, let in-flight ones finish (bounded by the request timeout), and exit 0.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use pdkv_actors::allocator::Stats;
+use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
+use pdkv_actors::node::{NodeProcess, resolve};
+use pdkv_core::wire::Role;
+use pdkv_transport::tls::NodeIdentity;
+
+use crate::admin::{self, AdminState, HttpServer};
+use crate::openai::{self, ApiState};
+
+/// Largest completions request body.
+const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// How often a draining leg checks whether it is idle.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+/// Arguments of `pdkv node`.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// The cluster.toml (ports fixed, `[tls]` set).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Which `[[nodes]]` entry to run.
+    #[arg(long)]
+    pub node: String,
+}
+
+/// Arguments of `pdkv router`.
+#[derive(Debug, Args)]
+pub struct RouterArgs {
+    /// The cluster.toml (ports fixed, `[tls]` set).
+    #[arg(long)]
+    pub config: PathBuf,
+}
+
+fn load(path: &std::path::Path, name: &str) -> anyhow::Result<(ClusterConfig, NodeIdentity)> {
+    let config = ClusterConfig::from_file(path)?;
+    let Some(tls) = &config.tls else {
+        bail!(
+            "{} has no [tls] table: run `pdkv certs init --config {} --out DIR` and set [tls] dir = \"DIR\", or start the cluster with `pdkv launch`",
+            path.display(),
+            path.display()
+        );
+    };
+    let identity = NodeIdentity::load(&tls.dir, name)
+        .with_context(|| format!("cannot load the certificate of {name} from {}", tls.dir.display()))?;
+    Ok((config, identity))
+}
+
+/// Runs `pdkv node`.
+pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
+    if args.node == ROUTER_NODE {
+        bail!(
+            "{ROUTER_NODE} is the router: run `pdkv router --config {}`",
+            args.config.display()
+        );
+    }
+    let (config, identity) = load(&args.config, &args.node)?;
+    let node = config
+        .nodes
+        .iter()
+        .find(|node| node.name.0 == args.node)
+        .with_context(|| {
+            let names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
+            format!(
+                "{} has no node {:?} (nodes: {})",
+                args.config.display(),
+                args.node,
+                names.join(", ")
+            )
+        })?
+        .clone();
+    if node.address.admin_port == 0 {
+        bail!(
+            "node {}: admin_port is 0; a node of its own needs fixed ports (`pdkv launch` picks them)",
+            args.node
+        );
+    }
+    let admin_bind = resolve(&node.address.host, node.address.admin_port).map_err(anyhow::Error::msg)?;
+    let metrics = admin::install_metrics()?;
+    let drain_bound = Duration::from_millis(config.limits.request_timeout_ms);
+    let system = actix::System::new();
+    system.block_on(async move {
+        let process = NodeProcess::start(config, &args.node, identity).await?;
+        let leg = process.leg().context("a leg node started without its leg")?;
+        let allocator = leg.allocator.clone();
+        let (name, role, board, draining) = (
+            process.name().clone(),
+            process.role(),
+            process.board(),
+            process.draining_flag(),
+        );
+        let readiness = Arc::new(move || pdkv_actors::node::readiness(&name, role, &board, &draining));
+        let gauges = allocator.clone();
+        let state = AdminState {
+            readiness,
+            metrics,
+            refresh: Some(Arc::new(move || {
+                let allocator = gauges.clone();
+                Box::pin(async move {
+                    if let Ok(stats) = allocator.send(Stats).await {
+                        export_stats(&stats);
+                    }
+                })
+            })),
+        };
+        let admin = HttpServer::start(admin_bind, admin::routes(state), 1, "admin")?;
+        println!(
+            "READY node={} role={} control={} admin=http://{}{}",
+            process.name(),
+            process.role(),
+            process.control_addr().map_or("?".into(), |addr| addr.to_string()),
+            admin.local_addr(),
+            process
+                .data_addr()
+                .map_or(String::new(), |addr| format!(" data={addr}")),
+        );
+        wait_for_shutdown_signal().await?;
+        process.drain();
+        let deadline = Instant::now() + drain_bound;
+        let idle = loop {
+            match allocator.send(Stats).await {
+                Ok(stats) if stats.is_idle() => break true,
+                Ok(_) if Instant::now() < deadline => tokio::time::sleep(DRAIN_POLL).await,
+                _ => break false,
+            }
+        };
+        if !idle {
+            tracing::warn!(
+                bound_ms = drain_bound.as_millis() as u64,
+                "drain bound passed with requests in flight"
+            );
+        }
+        drop(admin);
+        process.shutdown();
+        anyhow::Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Sets the leg's block gauges from its allocator's accounting.
+fn export_stats(stats: &pdkv_actors::allocator::LegStats) {
+    for (group, (&free, &capacity)) in stats.free.iter().zip(&stats.capacity).enumerate() {
+        let group = group.to_string();
+        metrics::gauge!("pdkv_blocks_free", "group" => group.clone()).set(free as f64);
+        metrics::gauge!("pdkv_blocks_capacity", "group" => group).set(f64::from(capacity));
+    }
+    metrics::gauge!("pdkv_grants_active").set(stats.grants as f64);
+    metrics::gauge!("pdkv_requests_active").set(stats.requests as f64);
+}
+
+/// Runs `pdkv router`.
+pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
+    let (config, identity) = load(&args.config, ROUTER_NODE)?;
+    if config.router.http_port == 0 {
+        bail!("[router] http_port is 0; the router of its own needs a fixed port (`pdkv launch` picks one)");
+    }
+    let http_bind = resolve(&config.router.host, config.router.http_port).map_err(anyhow::Error::msg)?;
+    let metrics = admin::install_metrics()?;
+    let (vocab, request_timeout) = (
+        config.model.vocab,
+        Duration::from_millis(config.limits.request_timeout_ms),
+    );
+    let system = actix::System::new();
+    system.block_on(async move {
+        let process = NodeProcess::start(config, ROUTER_NODE, identity).await?;
+        let router = process
+            .router()
+            .context("the router node started without its router")?
+            .clone();
+        let (name, board, draining) = (process.name().clone(), process.board(), process.draining_flag());
+        let readiness =
+            Arc::new(move || pdkv_actors::node::readiness(&name, Role::Router, &board, &draining));
+        let admin_state = AdminState {
+            readiness,
+            metrics,
+            refresh: None,
+        };
+        let api = ApiState {
+            router,
+            vocab,
+            max_body_bytes: MAX_BODY_BYTES,
+            request_timeout,
+            next_id: Arc::new(AtomicU64::new(1)),
+        };
+        let app = openai::routes(api).merge(admin::routes(admin_state));
+        let http = HttpServer::start(http_bind, app, 2, "router")?;
+        println!(
+            "READY node={ROUTER_NODE} role=router control={} http=http://{}",
+            process.control_addr().map_or("?".into(), |addr| addr.to_string()),
+            http.local_addr()
+        );
+        wait_for_shutdown_signal().await?;
+        process.drain();
+        drop(http);
+        process.shutdown();
+        anyhow::Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Waits for SIGTERM or SIGINT.
+pub async fn wait_for_shutdown_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    tokio::select! {
+        _ = terminate.recv() => tracing::info!("SIGTERM: draining"),
+        _ = interrupt.recv() => tracing::info!("SIGINT: draining"),
+    }
+    Ok(())
+}
