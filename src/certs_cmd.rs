@@ -11,7 +11,8 @@ use pdkv_transport::tls::Existing;
 /// `pdkv certs` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum CertsCommand {
-    /// Write a new cluster CA (`ca.pem`, `ca.key`) and `<node>.pem`/`<node>.key` for every node.
+    /// Write a new cluster CA (`ca.pem`, `ca.key`) and `<node>.pem`/`<node>.key` for every node
+    /// and the router.
     Init(InitArgs),
 }
 
@@ -42,7 +43,9 @@ fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
         None => ClusterConfig::embedded_default(),
     };
     let ca_key = args.out.join("ca.key");
-    let names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
+    // Every node and the router, which holds a certificate like any node.
+    let mut names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
+    names.push(pdkv_actors::config::ROUTER_NODE);
     let existing = if args.force {
         Existing::Replace
     } else {

@@ -74,6 +74,8 @@ async fn models() -> Response {
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
     model: Option<String>,
+    /// Null when missing, refused by name below.
+    #[serde(default)]
     prompt: Value,
     max_tokens: Option<u32>,
     #[serde(default)]
@@ -205,7 +207,12 @@ pub fn parse_completion(body: &[u8], vocab: u32) -> Result<Completion, ApiError>
     let request: CompletionRequest =
         serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
             let path = error.path().to_string();
-            let param = if path == "." { "body".to_string() } else { path };
+            // serde_path_to_error names the root "." and a spot inside malformed JSON "?".
+            let param = if path == "." || path.starts_with('?') {
+                "body".to_string()
+            } else {
+                path
+            };
             ApiError::invalid(param, error.into_inner().to_string())
         })?;
     if let Some(model) = &request.model
@@ -560,6 +567,7 @@ mod tests {
         assert_eq!(param(r#"{"prompt": "x", "stream": "yes"}"#).1, "stream");
         assert_eq!(param(r#"{"prompt": "x", "model": "gpt-4"}"#).0, 404);
         assert_eq!(param(r#"not json"#).1, "body");
+        assert_eq!(param(r#"{not json"#).1, "body");
         assert_eq!(param(r#"[1, 2]"#).1, "body");
         // A multi-byte character is bytes >= 128: inside a 256-token vocabulary, outside 128.
         assert!(parse_completion("{\"prompt\": \"é\"}".as_bytes(), 256).is_ok());

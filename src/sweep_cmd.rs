@@ -50,6 +50,14 @@ pub struct SweepArgs {
     /// Without `--in-process`: seconds the processes have to become ready.
     #[arg(long, default_value_t = 30.0, conflicts_with = "in_process")]
     pub ready_timeout: f64,
+    /// Sweep a cluster that is already running, through its router at this URL
+    /// (`http://host:port`), instead of launching one; `--config` must be the cluster's.
+    #[arg(long, conflicts_with_all = ["in_process", "run_dir"])]
+    pub router: Option<String>,
+    /// With `--router`: the legs whose `/metrics` are checked for leaks afterwards, as
+    /// `name=http://host:admin_port,...`.
+    #[arg(long, requires = "router", value_delimiter = ',')]
+    pub legs: Vec<String>,
 }
 
 /// `--links` values.
@@ -156,14 +164,38 @@ async fn sweep_processes(
         PairingMode::Legacy => "legacy",
     };
     let (run_dir, temporary) = sweep_run_dir(args);
-    let mut options = crate::launch_cmd::options(None, run_dir.clone(), args.ready_timeout)?;
-    options.config_text = process_config_text(args)?;
-    if let Some(path) = &args.config {
-        options.config_name = path.display().to_string();
-    }
-    let launched = tokio::task::spawn_blocking(move || crate::launch::Cluster::launch(&options))
-        .await
-        .context("launcher thread")??;
+    let (launched, router_url, legs) = match &args.router {
+        Some(url) => {
+            let legs = args
+                .legs
+                .iter()
+                .map(|leg| {
+                    leg.split_once('=')
+                        .map(|(name, url)| (name.to_string(), url.trim_end_matches('/').to_string()))
+                        .with_context(|| format!("--legs: {leg:?} is not name=http://host:port"))
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            (None, url.trim_end_matches('/').to_string(), legs)
+        }
+        None => {
+            let mut options = crate::launch_cmd::options(None, run_dir.clone(), args.ready_timeout)?;
+            options.config_text = process_config_text(args)?;
+            if let Some(path) = &args.config {
+                options.config_name = path.display().to_string();
+            }
+            let launched = tokio::task::spawn_blocking(move || crate::launch::Cluster::launch(&options))
+                .await
+                .context("launcher thread")??;
+            let legs = launched
+                .members
+                .iter()
+                .filter(|member| member.name != pdkv_actors::config::ROUTER_NODE)
+                .map(|member| (member.name.clone(), member.admin_url.clone()))
+                .collect();
+            let url = launched.router_url.clone();
+            (Some(launched), url, legs)
+        }
+    };
     // The reference: one leg alone, in this process, on the same seeded model.
     let mut reference = config.clone();
     reference.transport.read_engine = pdkv_actors::config::ReadEngineKind::Local;
@@ -172,7 +204,7 @@ async fn sweep_processes(
         .await
         .context("cannot start the in-process reference leg")?;
     let request_timeout = std::time::Duration::from_millis(config.limits.request_timeout_ms + 5000);
-    let client = std::sync::Arc::new(crate::client::Client::new(&launched.router_url, request_timeout));
+    let client = std::sync::Arc::new(crate::client::Client::new(&router_url, request_timeout));
     let started = Instant::now();
     let mut printer = Printer::new(args.json, lengths.len());
     let mut results: Vec<Comparison> = Vec::with_capacity(lengths.len());
@@ -185,17 +217,20 @@ async fn sweep_processes(
     let elapsed = started.elapsed();
     direct.shutdown();
     let groups = config.layout.groups().len();
-    let legs: Vec<(String, String)> = launched
-        .members
-        .iter()
-        .filter(|member| member.name != pdkv_actors::config::ROUTER_NODE)
-        .map(|member| (member.name.clone(), member.admin_url.clone()))
-        .collect();
     let stats =
         tokio::task::spawn_blocking(move || wait_legs_idle(&legs, groups, std::time::Duration::from_secs(3)))
             .await
             .context("metrics thread")??;
-    let mut launched = launched;
+    let Some(mut launched) = launched else {
+        return Ok(report(
+            &results,
+            &stats,
+            mode,
+            "a running cluster",
+            elapsed,
+            args.json,
+        ));
+    };
     tokio::task::spawn_blocking(move || launched.stop())
         .await
         .context("launcher thread")?;

@@ -16,12 +16,32 @@ fn pdkv(args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// The README's first command: the shipped cluster as processes, every length through the
+/// router's HTTP API.
 #[test]
 fn demo_matches_on_all_102_lengths() {
     let (code, stdout, stderr) = pdkv(&["demo"]);
     assert_eq!(code, 0, "{stdout}\n{stderr}");
-    assert!(stdout.contains("102/102 match (anchored pairing"), "{stdout}");
+    assert!(
+        stdout.contains("102/102 match (anchored pairing, processes over QUIC"),
+        "{stdout}"
+    );
     assert!(!stdout.contains("LEAK"), "{stdout}");
+}
+
+/// The same lengths with the whole actor cluster in this process, on both link kinds.
+#[test]
+fn demo_in_process_matches_on_all_102_lengths() {
+    for links in ["local", "quic"] {
+        let (code, stdout, stderr) = pdkv(&["demo", "--in-process", "--links", links]);
+        assert_eq!(code, 0, "{stdout}\n{stderr}");
+        assert!(
+            stdout.contains(&format!(
+                "102/102 match (anchored pairing, in one process, {links} links"
+            )),
+            "{stdout}"
+        );
+    }
 }
 
 /// The legacy sweep fails exactly where `N > 128` and `(N - 1) % 64 >= 55`, and nowhere else.
@@ -127,7 +147,7 @@ fn absurd_lengths_are_refused_before_any_work() {
 #[test]
 fn logs_to_a_pipe_are_plain_text() {
     let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args(["sweep", "--lengths", "5"])
+        .args(["sweep", "--in-process", "--lengths", "5"])
         .env("RUST_LOG", "pdkv_actors=debug")
         .output()
         .expect("pdkv runs");

@@ -125,6 +125,7 @@ impl AllocatorActor {
                 let now = actor.now_ms();
                 let expired = actor.table().expire(now);
                 for grant in expired {
+                    metrics::counter!("pdkv_lease_expired_total").increment(1);
                     tracing::warn!(node = %actor.node, grant = grant.id.0, request = %grant.request, peer = %grant.peer, "lease expired, unpinning");
                     if let Err(error) = actor.allocator.unpin(&grant.blocks) {
                         tracing::error!(node = %actor.node, %error, "unpin of an expired grant failed");

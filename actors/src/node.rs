@@ -603,8 +603,10 @@ impl Dialer {
                         state.since_unix_s = unix_now();
                     });
                     tracing::info!(peer = %self.peer, incarnation, "linked");
+                    metrics::gauge!("pdkv_peer_up", "peer" => self.peer.0.clone()).set(1.0);
                     let reason = connection.closed().await;
                     tracing::warn!(peer = %self.peer, %reason, "link lost");
+                    metrics::gauge!("pdkv_peer_up", "peer" => self.peer.0.clone()).set(0.0);
                     self.board.update(&self.peer, |state| {
                         state.linked = false;
                         state.last_error = Some(format!("link lost: {reason}"));
@@ -613,6 +615,7 @@ impl Dialer {
                 }
                 Err(error) => {
                     failures += 1;
+                    metrics::gauge!("pdkv_peer_up", "peer" => self.peer.0.clone()).set(0.0);
                     // The first failure and then every 20th: a peer still starting is normal.
                     if failures == 1 || failures.is_multiple_of(20) {
                         tracing::warn!(peer = %self.peer, address = %self.address, %error, failures, "dial failed");

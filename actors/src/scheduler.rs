@@ -716,6 +716,11 @@ impl Scheduler {
         deadline_ms: u64,
         ctx: &mut Context<Self>,
     ) {
+        let stage = match &machine {
+            Machine::Prefill(_) => "prefill",
+            Machine::Decode(_) => "decode",
+        };
+        metrics::counter!("pdkv_leg_requests_total", "stage" => stage).increment(1);
         let job = Job {
             machine,
             prompt,

@@ -167,13 +167,39 @@ impl Handler<Read> for TransferActor {
         };
         let read_timeout = self.read_timeout;
         Box::pin(async move {
-            let (plan, remote_regions, engine) = planned?;
-            let remote = EngineKey(msg.prefill.0.clone());
-            let report = read_plan(engine.as_ref(), &remote, msg.grant, &plan, read_timeout).await?;
-            verify_generations(engine.as_ref(), &remote, &msg, &remote_regions).await?;
-            tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
-            Ok(report)
+            let started = std::time::Instant::now();
+            let result = async {
+                let (plan, remote_regions, engine) = planned?;
+                let remote = EngineKey(msg.prefill.0.clone());
+                let report = read_plan(engine.as_ref(), &remote, msg.grant, &plan, read_timeout).await?;
+                verify_generations(engine.as_ref(), &remote, &msg, &remote_regions).await?;
+                Ok(report)
+            }
+            .await;
+            match &result {
+                Ok(report) => {
+                    tracing::debug!(request = %msg.request, bytes = report.bytes, runs = report.runs, "read done");
+                    metrics::histogram!("pdkv_kv_transfer_seconds").record(started.elapsed().as_secs_f64());
+                    metrics::histogram!("pdkv_kv_transfer_bytes").record(report.bytes as f64);
+                    metrics::histogram!("pdkv_kv_transfer_runs").record(report.runs as f64);
+                }
+                Err(failure) => {
+                    metrics::counter!("pdkv_kv_transfer_failures_total", "reason" => failure_reason(failure))
+                        .increment(1);
+                }
+            }
+            result
         })
+    }
+}
+
+/// A transfer failure's metric label.
+fn failure_reason(failure: &Failure) -> &'static str {
+    match failure {
+        Failure::StaleBlock { .. } => "stale_block",
+        Failure::Plan(_) => "plan",
+        Failure::Read(_) => "read",
+        _ => "other",
     }
 }
 

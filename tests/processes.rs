@@ -1,0 +1,547 @@
+//! Clusters of real processes: `pdkv launch`, `pdkv node`, `pdkv router` and the router's HTTP
+//! API, on loopback. (Across network namespaces: `tests/netns.rs`.)
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+const SHIPPED: &str = include_str!("../cluster.toml");
+
+fn pdkv() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_pdkv"))
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pdkv-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The shipped cluster.toml with its nodes replaced by `prefill` prefill and `decode` decode legs.
+fn cluster_toml(prefill: usize, decode: usize) -> String {
+    let mut text = SHIPPED[..SHIPPED.find("[[nodes]]").unwrap()].to_string();
+    for (role, count, lookahead) in [("prefill", prefill, 0), ("decode", decode, 9)] {
+        for index in 0..count {
+            text.push_str(&format!(
+                "[[nodes]]\nname = \"{role}-{index}\"\nrole = \"{role}\"\nlookahead_tokens = {lookahead}\nblocks_per_group = 64\n\n"
+            ));
+        }
+    }
+    text
+}
+
+/// A running `pdkv launch`; interrupted (Ctrl-C) and waited for when dropped.
+struct Launched {
+    child: Child,
+    router: String,
+    /// (name, pid, admin URL) per process.
+    members: Vec<(String, u32, String)>,
+    run_dir: PathBuf,
+}
+
+impl Launched {
+    fn start(config: &Path, run_dir: &Path) -> Launched {
+        let mut child = pdkv()
+            .args(["launch", "--config"])
+            .arg(config)
+            .arg("--run-dir")
+            .arg(run_dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (lines_tx, lines_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines_tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut members = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = match lines_rx.recv_timeout(left) {
+                Ok(line) => line,
+                Err(_) => {
+                    let _ = child.kill();
+                    let output = child.wait_with_output().unwrap();
+                    panic!(
+                        "launch did not get ready: {}",
+                        String::from_utf8_lossy(&output.stderr)
+                    );
+                }
+            };
+            if let Some(rest) = line.strip_prefix("READY router=") {
+                let router = rest.split_whitespace().next().unwrap().to_string();
+                return Launched {
+                    child,
+                    router,
+                    members,
+                    run_dir: run_dir.to_path_buf(),
+                };
+            }
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() >= 4 && fields[1] == "pid" {
+                members.push((
+                    fields[0].to_string(),
+                    fields[2].parse().unwrap(),
+                    fields[3].to_string(),
+                ));
+            }
+        }
+    }
+
+    fn admin(&self, name: &str) -> &str {
+        &self.members.iter().find(|member| member.0 == name).unwrap().2
+    }
+
+    /// Ctrl-C; returns the launcher's exit code.
+    fn interrupt(mut self) -> i32 {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGINT,
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code().unwrap_or(-1);
+            }
+            assert!(Instant::now() < deadline, "launch did not stop");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Launched {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.child.id() as i32),
+                nix::sys::signal::Signal::SIGINT,
+            );
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .into()
+}
+
+/// POSTs `body` to the completions endpoint: (status, X-Request-Id, body text).
+fn post(base: &str, body: &str, request_id: Option<&str>) -> (u16, Option<String>, String) {
+    let mut request = agent()
+        .post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json");
+    if let Some(id) = request_id {
+        request = request.header("x-request-id", id);
+    }
+    let mut response = request.send(body).unwrap();
+    let id = response
+        .headers()
+        .get("x-request-id")
+        .map(|value| value.to_str().unwrap().to_string());
+    let status = response.status().as_u16();
+    (status, id, response.body_mut().read_to_string().unwrap())
+}
+
+fn get(url: &str) -> (u16, String) {
+    let mut response = agent().get(url).call().unwrap();
+    (
+        response.status().as_u16(),
+        response.body_mut().read_to_string().unwrap(),
+    )
+}
+
+/// A Prometheus sample's value.
+fn sample(metrics: &str, key: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+fn process_alive(pid: u32) -> bool {
+    // Signal 0 checks existence; a reaped child is gone (ESRCH).
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None).is_ok()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|stat| stat.split_whitespace().nth(2) == Some("Z"))
+            .unwrap_or(true)
+}
+
+/// The router's HTTP API on a launched 1P1D cluster: streamed and plain answers are equal,
+/// `X-Request-Id` is echoed, bad bodies get a 4xx naming the field, probes and metrics answer;
+/// Ctrl-C on the launcher stops every process it started.
+#[test]
+fn http_api_answers_like_openai_and_ctrl_c_leaves_no_process() {
+    let dir = temp_dir("http");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, cluster_toml(1, 1)).unwrap();
+    let launched = Launched::start(&config, &dir.join("run"));
+    let base = launched.router.clone();
+    assert_eq!(launched.members.len(), 3, "two legs and the router");
+
+    let prompt = "The quick brown fox jumps over the lazy dog, again and again.";
+    let body = json!({"model": "pdkv-reference", "prompt": prompt, "max_tokens": 5}).to_string();
+    let (status, id, text) = post(&base, &body, Some("req-42"));
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(id.as_deref(), Some("req-42"));
+    let plain: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(plain["id"], "cmpl-req-42");
+    assert_eq!(plain["object"], "text_completion");
+    assert_eq!(plain["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(plain["usage"]["completion_tokens"], 5);
+    assert_eq!(plain["usage"]["total_tokens"], prompt.len() + 5);
+    let tokens = plain["choices"][0]["token_ids"].as_array().unwrap().clone();
+    assert_eq!(tokens.len(), 5);
+    assert!(
+        plain["pdkv"]["read_bytes"].as_u64().unwrap() > 0,
+        "the decode leg read KV"
+    );
+
+    // The same prompt as token ids, streamed: the same tokens, chunk by chunk, then [DONE].
+    let ids: Vec<u32> = prompt.bytes().map(u32::from).collect();
+    let body =
+        json!({"prompt": ids, "max_tokens": 5, "stream": true, "stream_options": {"include_usage": true}})
+            .to_string();
+    let (status, id, text) = post(&base, &body, None);
+    assert_eq!(status, 200, "{text}");
+    assert!(
+        id.is_some_and(|id| !id.is_empty()),
+        "a request id is made up when none is sent"
+    );
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|event| !event.is_empty())
+        .map(|event| event.strip_prefix("data: ").expect("SSE data lines"))
+        .collect();
+    assert_eq!(events.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|event| serde_json::from_str(event).unwrap())
+        .collect();
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .flat_map(|chunk| chunk["choices"].as_array().unwrap().clone())
+        .flat_map(|choice| choice["token_ids"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(streamed, tokens, "streamed and plain answers are equal");
+    let last = chunks.last().unwrap();
+    assert_eq!(last["usage"]["completion_tokens"], 5);
+    assert_eq!(last["pdkv"]["logits_digest"], plain["pdkv"]["logits_digest"]);
+
+    // Bad bodies: 4xx, JSON error naming the field, the request id still echoed.
+    for (body, status, param) in [
+        (r#"{"prompt": [1, 999]}"#, 400, "prompt[1]"),
+        (r#"{"prompt": "x", "max_tokens": "many"}"#, 400, "max_tokens"),
+        (r#"{"prompt": ""}"#, 400, "prompt"),
+        (r#"{"max_tokens": 3}"#, 400, "prompt"),
+        (r#"{"prompt": "x", "model": "other"}"#, 404, "model"),
+        ("{not json", 400, "body"),
+    ] {
+        let (got, id, text) = post(&base, body, Some("bad-1"));
+        assert_eq!(got, status, "{body}: {text}");
+        assert_eq!(id.as_deref(), Some("bad-1"));
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error["error"]["param"], param, "{body}: {text}");
+    }
+    let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(2 << 20));
+    let (got, _, text) = post(&base, &huge, None);
+    assert_eq!(got, 413, "{text}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).unwrap()["error"]["param"],
+        "body"
+    );
+    let too_long = json!({"prompt": vec![1; 5000]}).to_string();
+    let (got, _, text) = post(&base, &too_long, None);
+    assert_eq!(got, 400, "{text}");
+    assert!(text.contains("longer than the cluster's limit"), "{text}");
+    let (got, _, _) = post(
+        &base,
+        r#"{"prompt": "x", "stream": true, "max_tokens": 0}"#,
+        Some("bad id"),
+    );
+    assert_eq!(got, 400, "a request id with a space is refused");
+
+    // Probes and metrics.
+    let (status, text) = get(&format!("{base}/v1/models"));
+    assert_eq!(status, 200);
+    assert!(text.contains("pdkv-reference"));
+    assert_eq!(get(&format!("{base}/live")).0, 200);
+    let (status, text) = get(&format!("{base}/ready"));
+    assert_eq!(status, 200, "{text}");
+    let ready: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(ready["peers"]["prefill-0"]["linked"], true);
+    assert_eq!(ready["peers"]["decode-0"]["linked"], true);
+    let (_, metrics) = get(&format!("{base}/metrics"));
+    assert_eq!(
+        sample(&metrics, r#"pdkv_requests_total{outcome="ok"}"#),
+        Some(2.0),
+        "{metrics}"
+    );
+    assert!(
+        sample(&metrics, r#"pdkv_requests_total{outcome="bad_request"}"#).unwrap() >= 8.0,
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("pdkv_request_seconds_bucket{stage=\"prefill\",le=\"0.001\"}"),
+        "{metrics}"
+    );
+    let (_, leg) = get(&format!("{}/metrics", launched.admin("decode-0")));
+    assert_eq!(sample(&leg, "pdkv_kv_transfer_seconds_count"), Some(2.0), "{leg}");
+    assert!(
+        leg.contains("pdkv_kv_transfer_bytes_bucket{le=\"65536\"}"),
+        "{leg}"
+    );
+    assert_eq!(
+        sample(&leg, r#"pdkv_peer_up{peer="prefill-0"}"#),
+        Some(1.0),
+        "{leg}"
+    );
+    assert_eq!(
+        sample(&leg, r#"pdkv_blocks_free{group="0"}"#),
+        Some(64.0),
+        "{leg}"
+    );
+
+    // Ctrl-C: every process the launcher started is gone afterwards.
+    let pids: Vec<u32> = launched.members.iter().map(|member| member.1).collect();
+    assert!(pids.iter().all(|&pid| process_alive(pid)));
+    let run_dir = launched.run_dir.clone();
+    assert_eq!(launched.interrupt(), 0);
+    for pid in pids {
+        assert!(!process_alive(pid), "process {pid} outlived the launcher");
+    }
+    // Every node drained and exited 0 (its log says so, and no panic).
+    for name in ["prefill-0", "decode-0", "router"] {
+        let log = std::fs::read_to_string(run_dir.join(format!("{name}.log"))).unwrap();
+        assert!(log.contains("READY node="), "{name}: {log}");
+        assert!(!log.contains("panicked"), "{name}: {log}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// 2P2D on loopback: every length matches direct, the router spreads requests over all four
+/// legs, and every leg's blocks are back to capacity afterwards (read from `/metrics`).
+#[test]
+fn two_prefill_two_decode_spreads_requests_and_leaks_nothing() {
+    let dir = temp_dir("2p2d");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, cluster_toml(2, 2)).unwrap();
+    let launched = Launched::start(&config, &dir.join("run"));
+    let legs: Vec<String> = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+        .iter()
+        .map(|name| format!("{name}={}", launched.admin(name)))
+        .collect();
+    let output = pdkv()
+        .args(["sweep", "--config"])
+        .arg(&config)
+        .args(["--router", &launched.router, "--legs", &legs.join(","), "--json"])
+        .args(["--lengths", "1..=40,63..=66,127..=130,500,1000"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["summary"]["matched"], 50, "{summary}");
+    assert_eq!(summary["summary"]["legs_idle"], true);
+    for name in ["prefill-0", "prefill-1", "decode-0", "decode-1"] {
+        let (_, metrics) = get(&format!("{}/metrics", launched.admin(name)));
+        let stage = if name.starts_with("prefill") {
+            "prefill"
+        } else {
+            "decode"
+        };
+        let served =
+            sample(&metrics, &format!("pdkv_leg_requests_total{{stage=\"{stage}\"}}")).unwrap_or(0.0);
+        // 50 requests over two legs of each role, ties taken in turn: 25 each.
+        assert_eq!(served, 25.0, "{name}: {metrics}");
+        for group in 0..2 {
+            assert_eq!(
+                sample(&metrics, &format!("pdkv_blocks_free{{group=\"{group}\"}}")),
+                Some(64.0),
+                "{name}"
+            );
+        }
+        assert_eq!(sample(&metrics, "pdkv_grants_active"), Some(0.0), "{name}");
+    }
+    assert_eq!(launched.interrupt(), 0);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A node whose certificate comes from another CA is refused at every handshake: the launcher's
+/// readiness gate fails in time, naming a node, the reason and its log file.
+#[test]
+fn a_node_from_another_ca_is_refused_and_the_gate_names_it() {
+    let dir = temp_dir("wrong-ca");
+    let certs = dir.join("certs");
+    let other = dir.join("other");
+    let config = dir.join("cluster.toml");
+    std::fs::write(
+        &config,
+        format!("{}\n[tls]\ndir = \"{}\"\n", cluster_toml(1, 1), certs.display()),
+    )
+    .unwrap();
+    for out in [&certs, &other] {
+        let status = pdkv()
+            .args(["certs", "init", "--config"])
+            .arg(&config)
+            .arg("--out")
+            .arg(out)
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+    for file in ["decode-0.pem", "decode-0.key"] {
+        std::fs::copy(other.join(file), certs.join(file)).unwrap();
+    }
+    let started = Instant::now();
+    let output = pdkv()
+        .args(["launch", "--ready-timeout", "4", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(dir.join("run"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "bounded by the readiness timeout"
+    );
+    assert!(stderr.contains("not ready after 4.0 s"), "{stderr}");
+    assert!(stderr.contains("decode-0"), "the refused node is named: {stderr}");
+    assert!(stderr.contains(".log"), "its log file is named: {stderr}");
+    // The router's log says why it could not link decode-0.
+    let log = std::fs::read_to_string(dir.join("run").join("router.log")).unwrap();
+    assert!(log.contains("decode-0") && log.contains("dial failed"), "{log}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Ports free on loopback right now (held until returned, then released).
+fn free_ports(count: usize) -> Vec<u16> {
+    let sockets: Vec<std::net::TcpListener> = (0..count)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    sockets
+        .iter()
+        .map(|socket| socket.local_addr().unwrap().port())
+        .collect()
+}
+
+/// A prefill leg started with another KV layout is refused at handshake: the router's `/ready`
+/// stays 503 and names the leg and the reason.
+#[test]
+fn a_leg_with_another_layout_shows_in_the_routers_ready() {
+    let dir = temp_dir("wrong-layout");
+    let ports = free_ports(9);
+    let mut text = cluster_toml(1, 1);
+    text = text.replacen(
+        "blocks_per_group = 64\n",
+        &format!(
+            "blocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {}\n",
+            ports[0], ports[1], ports[2]
+        ),
+        1,
+    );
+    let second = text.rfind("blocks_per_group = 64\n").unwrap();
+    text.replace_range(
+        second..second + "blocks_per_group = 64\n".len(),
+        &format!(
+            "blocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {}\n",
+            ports[3], ports[4], ports[5]
+        ),
+    );
+    text.push_str(&format!(
+        "\n[router]\ncontrol_port = {}\nhttp_port = {}\n\n[tls]\ndir = \"{}\"\n",
+        ports[6],
+        ports[7],
+        dir.join("certs").display()
+    ));
+    let good = dir.join("cluster.toml");
+    std::fs::write(&good, &text).unwrap();
+    // Same nodes and ports, another window: another layout.
+    let bad = dir.join("other-layout.toml");
+    std::fs::write(&bad, text.replace("window = 128", "window = 192")).unwrap();
+    let status = pdkv()
+        .args(["certs", "init", "--config"])
+        .arg(&good)
+        .arg("--out")
+        .arg(dir.join("certs"))
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let spawn = |args: &[&str], config: &Path, log: &str| -> Child {
+        let log = std::fs::File::create(dir.join(log)).unwrap();
+        pdkv()
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .env("RUST_LOG", "info")
+            .spawn()
+            .unwrap()
+    };
+    let mut children = vec![
+        spawn(&["router"], &good, "router.log"),
+        spawn(&["node", "--node", "decode-0"], &good, "decode.log"),
+        spawn(&["node", "--node", "prefill-0"], &bad, "prefill.log"),
+    ];
+    let ready_url = format!("http://127.0.0.1:{}/ready", ports[7]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reason = loop {
+        assert!(
+            Instant::now() < deadline,
+            "the router never reported prefill-0's refusal"
+        );
+        if let Ok(mut response) = agent().get(&ready_url).call() {
+            let status = response.status().as_u16();
+            let ready: Value = response.body_mut().read_json().unwrap();
+            let peer = &ready["peers"]["prefill-0"];
+            if ready["peers"]["decode-0"]["linked"] == true && peer["last_error"].is_string() {
+                assert_eq!(status, 503, "{ready}");
+                assert_eq!(ready["ready"], false);
+                assert_eq!(peer["linked"], false);
+                break peer["last_error"].as_str().unwrap().to_string();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(reason.contains("layout"), "{reason}");
+    for child in &mut children {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+    }
+    for mut child in children {
+        assert_eq!(
+            child.wait().unwrap().code(),
+            Some(0),
+            "SIGTERM drains and exits 0"
+        );
+    }
+    let log = std::fs::read_to_string(dir.join("router.log")).unwrap();
+    assert!(log.contains("prefill-0") && log.contains("layout"), "{log}");
+    std::fs::remove_dir_all(dir).ok();
+}
