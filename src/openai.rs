@@ -203,6 +203,9 @@ pub struct Completion {
 
 /// Parses and checks a request body against a vocabulary of `vocab` tokens.
 pub fn parse_completion(body: &[u8], vocab: u32) -> Result<Completion, ApiError> {
+    if body.trim_ascii_start().first() != Some(&b'{') {
+        return Err(ApiError::invalid("body", "must be a JSON object"));
+    }
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     let request: CompletionRequest =
         serde_path_to_error::deserialize(&mut deserializer).map_err(|error| {
