@@ -146,7 +146,7 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
             let toml::Value::Table(table) = node else {
                 bail!("{config_name}: nodes must be tables");
             };
-            let host = checked.address.host.clone();
+            let host = checked.address.bind_host().to_string();
             fill_port(table, "control_port", &host, true, &mut reserved)?;
             fill_port(table, "data_port", &host, false, &mut reserved)?;
             fill_port(table, "admin_port", &host, false, &mut reserved)?;
@@ -158,8 +158,20 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
     let toml::Value::Table(router) = router else {
         bail!("{config_name}: [router] must be a table");
     };
-    fill_port(router, "control_port", &config.router.host, true, &mut reserved)?;
-    fill_port(router, "http_port", &config.router.host, false, &mut reserved)?;
+    fill_port(
+        router,
+        "control_port",
+        config.router.bind_host(),
+        true,
+        &mut reserved,
+    )?;
+    fill_port(
+        router,
+        "http_port",
+        config.router.bind_host(),
+        false,
+        &mut reserved,
+    )?;
     if config.tls.is_none() {
         let certs = run_dir.join("certs");
         let mut names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();

@@ -44,6 +44,16 @@ pub struct LaunchArgs {
     /// What to do when a node exits on its own.
     #[arg(long, value_enum, default_value_t = RestartArg::Never)]
     pub restart: RestartArg,
+    /// Write files that run the cluster under Slurm (`slurm`: an sbatch script) or Kubernetes
+    /// (`k8s`: manifests) into `--out` instead of starting anything.
+    #[arg(long, value_enum, requires = "out")]
+    pub render: Option<crate::render::Target>,
+    /// Where `--render` writes.
+    #[arg(long, requires = "render")]
+    pub out: Option<PathBuf>,
+    /// With `--render k8s`: the container image holding `pdkv` on its PATH.
+    #[arg(long, default_value = "pdkv:latest", requires = "render")]
+    pub image: String,
 }
 
 /// Reads the config text and names it.
@@ -76,6 +86,18 @@ pub fn options(
 
 /// Runs `pdkv launch`.
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
+    if let (Some(target), Some(out)) = (args.render, &args.out) {
+        let text = match &args.config {
+            Some(path) => {
+                std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?
+            }
+            None => DEFAULT_CLUSTER_TOML.to_string(),
+        };
+        for path in crate::render::render(target, &text, out, &args.image)? {
+            println!("wrote {}", path.display());
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let run_dir = args.run_dir.clone().unwrap_or_else(|| {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)

@@ -23,6 +23,7 @@ mod lengths;
 mod node_cmd;
 mod openai;
 mod plan_cmd;
+mod render;
 mod sim_cmd;
 mod sweep_cmd;
 

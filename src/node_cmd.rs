@@ -90,7 +90,8 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             args.node
         );
     }
-    let admin_bind = resolve(&node.address.host, node.address.admin_port).map_err(anyhow::Error::msg)?;
+    let admin_bind =
+        resolve(node.address.bind_host(), node.address.admin_port).map_err(anyhow::Error::msg)?;
     let metrics = admin::install_metrics()?;
     let drain_bound = Duration::from_millis(config.limits.request_timeout_ms);
     let system = actix::System::new();
@@ -168,7 +169,8 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
     if config.router.http_port == 0 {
         bail!("[router] http_port is 0; the router of its own needs a fixed port (`pdkv launch` picks one)");
     }
-    let http_bind = resolve(&config.router.host, config.router.http_port).map_err(anyhow::Error::msg)?;
+    let http_bind =
+        resolve(config.router.bind_host(), config.router.http_port).map_err(anyhow::Error::msg)?;
     let metrics = admin::install_metrics()?;
     let (vocab, request_timeout) = (
         config.model.vocab,

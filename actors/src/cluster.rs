@@ -613,8 +613,11 @@ fn linked_pairs(doors: &[Door]) -> Vec<(usize, usize)> {
     pairs
 }
 
-async fn admit(door: &Door, hello: &Hello) -> Result<(), RequestError> {
-    let message = Admit { hello: hello.clone() };
+async fn admit(door: &Door, hello: &Hello, dialed_in: bool) -> Result<(), RequestError> {
+    let message = Admit {
+        hello: hello.clone(),
+        dialed_in,
+    };
     door.admit
         .send(message)
         .await
@@ -627,7 +630,7 @@ async fn link_locally(doors: &[Door]) -> Result<(), RequestError> {
     let pairs = linked_pairs(doors);
     // Links are both ways, so every node of a pair admits the other here.
     for &(a, b) in &pairs {
-        admit(&doors[b], &doors[a].hello).await?;
+        admit(&doors[b], &doors[a].hello, true).await?;
     }
     for (a, b) in pairs {
         let (from, to) = (&doors[a], &doors[b]);
@@ -696,7 +699,7 @@ async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNo
             .connect(addr, &to.hello.node.0, &from.hello, CONNECT_TIMEOUT)
             .await
             .map_err(|error| link_error(&to.hello.node, error))?;
-        admit(from, &connection.peer).await?;
+        admit(from, &connection.peer, false).await?;
         let frames = connection
             .open_frames(CONNECT_TIMEOUT)
             .await

@@ -195,6 +195,8 @@ struct NodeSection {
     #[serde(default)]
     host: Option<String>,
     #[serde(default)]
+    bind: Option<String>,
+    #[serde(default)]
     control_port: Option<u16>,
     #[serde(default)]
     data_port: Option<u16>,
@@ -430,6 +432,7 @@ impl ClusterConfig {
             }
             let placement = NodePlacement {
                 host: node.host,
+                bind: node.bind,
                 control_port: node.control_port,
                 data_port: node.data_port,
                 admin_port: node.admin_port,
@@ -457,6 +460,9 @@ impl ClusterConfig {
             }
         }
         check_host("router.host", &file.router.host)?;
+        if let Some(bind) = &file.router.bind {
+            check_host("router.bind", bind)?;
+        }
         let router_listeners = [
             (
                 "router.http_port".to_string(),
@@ -806,7 +812,7 @@ mod tests {
         let text = DEFAULT_CLUSTER_TOML
             .replacen(
                 "blocks_per_group = 64\nprefix_caching = false",
-                "blocks_per_group = 64\nprefix_caching = false\nhost = \"10.0.0.7\"\ncontrol_port = 7100\n\
+                "blocks_per_group = 64\nprefix_caching = false\nhost = \"10.0.0.7\"\nbind = \"0.0.0.0\"\ncontrol_port = 7100\n\
                  data_port = 7101\nadmin_port = 7102\nlaunch = \"ssh\"\nssh = \"pdkv@gpu7\"",
                 1,
             )
@@ -822,6 +828,7 @@ mod tests {
             prefill.address,
             NodeAddress {
                 host: "10.0.0.7".into(),
+                bind: Some("0.0.0.0".into()),
                 control_port: 7100,
                 data_port: 7101,
                 admin_port: 7102

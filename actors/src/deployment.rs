@@ -21,8 +21,12 @@ pub const LOOPBACK: &str = "127.0.0.1";
 /// `admin_port`); port 0 means "pick a free one at start".
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeAddress {
-    /// Host name or IP address the node binds and its peers dial.
+    /// Host name or IP address the node's peers dial (and it binds, unless `bind` says
+    /// otherwise).
     pub host: String,
+    /// Address to bind instead of `host` (e.g. `0.0.0.0` in a container whose DNS name
+    /// resolves only once it runs).
+    pub bind: Option<String>,
     /// QUIC control plane (mutual TLS).
     pub control_port: u16,
     /// Network READ data port (TCP), for the net engine.
@@ -31,10 +35,18 @@ pub struct NodeAddress {
     pub admin_port: u16,
 }
 
+impl NodeAddress {
+    /// Where the node's listeners bind.
+    pub fn bind_host(&self) -> &str {
+        self.bind.as_deref().unwrap_or(&self.host)
+    }
+}
+
 impl Default for NodeAddress {
     fn default() -> Self {
         NodeAddress {
             host: LOOPBACK.into(),
+            bind: None,
             control_port: 0,
             data_port: 0,
             admin_port: 0,
@@ -81,8 +93,11 @@ pub enum Selection {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RouterConfig {
-    /// Host the HTTP API binds.
+    /// Host the legs dial and the HTTP API is reached at (and binds, unless `bind` says
+    /// otherwise).
     pub host: String,
+    /// Address to bind instead of `host`.
+    pub bind: Option<String>,
     /// HTTP port of the OpenAI-compatible API (0: pick a free one).
     pub http_port: u16,
     /// QUIC control port the router's links use (0: pick a free one).
@@ -91,10 +106,18 @@ pub struct RouterConfig {
     pub selection: Selection,
 }
 
+impl RouterConfig {
+    /// Where the router's listeners bind.
+    pub fn bind_host(&self) -> &str {
+        self.bind.as_deref().unwrap_or(&self.host)
+    }
+}
+
 impl Default for RouterConfig {
     fn default() -> Self {
         RouterConfig {
             host: LOOPBACK.into(),
+            bind: None,
             http_port: 0,
             control_port: 0,
             selection: Selection::default(),
@@ -145,6 +168,8 @@ impl Default for LoggingConfig {
 pub struct NodePlacement {
     /// `host`.
     pub host: Option<String>,
+    /// `bind`.
+    pub bind: Option<String>,
     /// `control_port`.
     pub control_port: Option<u16>,
     /// `data_port`.
@@ -161,8 +186,12 @@ pub struct NodePlacement {
 pub fn node_deployment(key: &str, placement: NodePlacement) -> Result<(NodeAddress, Launch), ConfigError> {
     let host = placement.host.unwrap_or_else(|| LOOPBACK.into());
     check_host(&format!("{key}.host"), &host)?;
+    if let Some(bind) = &placement.bind {
+        check_host(&format!("{key}.bind"), bind)?;
+    }
     let address = NodeAddress {
         host,
+        bind: placement.bind,
         control_port: placement.control_port.unwrap_or(0),
         data_port: placement.data_port.unwrap_or(0),
         admin_port: placement.admin_port.unwrap_or(0),

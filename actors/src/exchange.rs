@@ -63,8 +63,14 @@ impl ExchangeActor {
 
     fn send(&self, to: &NodeId, request: RequestId, budget_ms: u64, body: Body) {
         let kind = body.kind();
+        let grants = matches!(body, Body::KvReady(_));
         if let Err(error) = self.peers.send(to, request, budget_ms, body) {
             tracing::warn!(node = %self.node(), %to, %request, kind, %error, "message not sent");
+            if grants {
+                // Nobody will hear of the grant: free its blocks now, not at lease end. (At most
+                // one per request, so `do_send` cannot pile messages up past the request rate.)
+                self.allocator.do_send(RevokeRequest { request });
+            }
         }
     }
 
@@ -96,7 +102,7 @@ impl Handler<Admit> for ExchangeActor {
     type Result = actix::ResponseActFuture<Self, Result<(), Refusal>>;
 
     fn handle(&mut self, msg: Admit, _ctx: &mut Self::Context) -> Self::Result {
-        let hello = msg.hello;
+        let (hello, dialed_in) = (msg.hello, msg.dialed_in);
         if let Err(error) = check_compat(&self.hello, &hello) {
             return Box::pin(actix::fut::ready(Err(Refusal::Incompatible(error.to_string()))));
         }
@@ -120,7 +126,7 @@ impl Handler<Admit> for ExchangeActor {
             .into_actor(self)
             .map(move |result, actor, _ctx| {
                 result?;
-                if let Some(old) = actor.peers.admit(hello.clone()) {
+                if let Some(old) = actor.peers.admit(hello.clone(), dialed_in) {
                     tracing::warn!(%node, peer = %hello.node, %old, new = %hello.incarnation, "peer restarted");
                 } else {
                     tracing::debug!(%node, peer = %hello.node, "peer admitted");

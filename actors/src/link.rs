@@ -38,6 +38,9 @@ pub struct Inbound {
 pub struct Admit {
     /// The peer's hello.
     pub hello: Hello,
+    /// The peer dialled this node (so its link to this node is up), rather than this node
+    /// dialling it.
+    pub dialed_in: bool,
 }
 
 /// Sets a door's link to an admitted peer (after dialling it, or in-process wiring).
@@ -250,17 +253,32 @@ impl Link for QuicLink {
     }
 }
 
+/// Told the name of every peer a control server admits (a node's dialer uses it to dial back
+/// at once).
+pub type OnAdmit = Arc<dyn Fn(&NodeId) + Send + Sync>;
+
 /// The control-plane service of a node: admits peers and hands their envelopes to its door,
 /// awaiting the door's answer.
 pub struct DoorService {
     admit: Recipient<Admit>,
     inbound: Recipient<Inbound>,
+    on_admit: Option<OnAdmit>,
 }
 
 impl DoorService {
     /// A service for the door behind `admit` and `inbound`.
     pub fn new(admit: Recipient<Admit>, inbound: Recipient<Inbound>) -> Self {
-        DoorService { admit, inbound }
+        DoorService {
+            admit,
+            inbound,
+            on_admit: None,
+        }
+    }
+
+    /// Also calls `on_admit` with every peer admitted.
+    pub fn with_on_admit(mut self, on_admit: OnAdmit) -> Self {
+        self.on_admit = Some(on_admit);
+        self
     }
 }
 
@@ -269,9 +287,18 @@ impl ControlService for DoorService {
     type Response = ();
 
     async fn admit(&self, hello: &Hello) -> Result<(), String> {
-        let message = Admit { hello: hello.clone() };
+        let message = Admit {
+            hello: hello.clone(),
+            dialed_in: true,
+        };
         match self.admit.send(message).await {
-            Ok(result) => result.map_err(|refusal| refusal.to_string()),
+            Ok(Ok(())) => {
+                if let Some(on_admit) = &self.on_admit {
+                    on_admit(&hello.node);
+                }
+                Ok(())
+            }
+            Ok(Err(refusal)) => Err(refusal.to_string()),
             Err(error) => Err(format!("node unavailable: {error}")),
         }
     }
@@ -291,6 +318,8 @@ impl ControlService for DoorService {
 struct Peer {
     hello: Hello,
     link: Option<Arc<dyn Link>>,
+    /// This incarnation dialled us: it has a link here.
+    dialed_in: bool,
 }
 
 /// A door's admitted peers and its links to them.
@@ -320,22 +349,30 @@ impl Peers {
         self.incarnation
     }
 
-    /// Admits (or re-admits) a peer. Returns the incarnation it replaces, if the peer restarted:
-    /// everything promised by the old one is void.
-    pub fn admit(&mut self, hello: Hello) -> Option<Incarnation> {
+    /// Admits (or re-admits) a peer; `dialed_in` when it dialled this node. Returns the
+    /// incarnation it replaces, if the peer restarted: everything promised by the old one is
+    /// void.
+    pub fn admit(&mut self, hello: Hello, dialed_in: bool) -> Option<Incarnation> {
         let node = hello.node.clone();
         match self.peers.get_mut(&node) {
             Some(peer) => {
                 let old = peer.hello.incarnation;
                 if old != hello.incarnation {
-                    // A new process: the old link went with the old connection.
+                    // A new process: the old links went with the old connections.
                     peer.link = None;
+                    peer.dialed_in = false;
                 }
+                peer.dialed_in |= dialed_in;
                 peer.hello = hello;
                 (old != peer.hello.incarnation).then_some(old)
             }
             None => {
-                self.peers.insert(node, Peer { hello, link: None });
+                let peer = Peer {
+                    hello,
+                    link: None,
+                    dialed_in,
+                };
+                self.peers.insert(node, peer);
                 None
             }
         }
@@ -358,11 +395,12 @@ impl Peers {
         self.peers.values().map(|peer| &peer.hello)
     }
 
-    /// The hellos of admitted peers this node has a link to (it can send them requests).
+    /// The hellos of admitted peers linked both ways: this node has a link to them and they
+    /// dialled this node (they can answer).
     pub fn linked_hellos(&self) -> impl Iterator<Item = &Hello> {
         self.peers
             .values()
-            .filter(|peer| peer.link.is_some())
+            .filter(|peer| peer.link.is_some() && peer.dialed_in)
             .map(|peer| &peer.hello)
     }
 
@@ -403,5 +441,69 @@ impl Peers {
             budget_ms,
             body,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdkv_core::plan::RegionLayout;
+
+    use super::*;
+
+    struct Dropped;
+
+    impl Link for Dropped {
+        fn send(&self, _envelope: Envelope) -> Result<(), LinkError> {
+            Ok(())
+        }
+    }
+
+    fn hello(node: &str, incarnation: u64) -> Hello {
+        Hello {
+            node: NodeId(node.into()),
+            role: pdkv_core::wire::Role::Prefill,
+            incarnation: Incarnation(incarnation),
+            regions: RegionLayout::default(),
+            protocol_version: 1,
+            layout_hash: 0,
+            engines: Vec::new(),
+            host: String::new(),
+        }
+    }
+
+    fn linked(peers: &Peers) -> Vec<String> {
+        let mut names: Vec<String> = peers.linked_hellos().map(|hello| hello.node.0.clone()).collect();
+        names.sort();
+        names
+    }
+
+    /// A peer is chosen for requests only once both directions are up: this node's link to it,
+    /// and its own dial here (its way to answer). A restart needs both again.
+    #[test]
+    fn only_peers_linked_both_ways_take_requests() {
+        let mut peers = Peers::new(NodeId("router".into()), Incarnation(1));
+        let p = NodeId("p".into());
+        assert_eq!(peers.admit(hello("p", 7), false), None);
+        peers.set_link(&p, Arc::new(Dropped));
+        assert!(
+            linked(&peers).is_empty(),
+            "p never dialled in: it could not answer"
+        );
+        assert_eq!(peers.admit(hello("p", 7), true), None);
+        assert_eq!(linked(&peers), ["p"]);
+        // Admitted again from our own dial: still linked both ways.
+        assert_eq!(peers.admit(hello("p", 7), false), None);
+        assert_eq!(linked(&peers), ["p"]);
+        // A new incarnation: both directions are gone until re-established.
+        assert_eq!(peers.admit(hello("p", 8), true), Some(Incarnation(7)));
+        assert!(linked(&peers).is_empty(), "no link to the new process yet");
+        peers.set_link(&p, Arc::new(Dropped));
+        assert_eq!(linked(&peers), ["p"]);
+        assert_eq!(peers.admit(hello("p", 9), false), Some(Incarnation(8)));
+        peers.set_link(&p, Arc::new(Dropped));
+        assert!(
+            linked(&peers).is_empty(),
+            "the new process has not dialled in yet"
+        );
     }
 }

@@ -261,7 +261,7 @@ impl NodeProcess {
             TransportRuntime::new(TRANSPORT_THREADS).map_err(|error| setup_error(&node_id, error))?;
         let handle = runtime.handle();
         let (role, bind, actors, door, memory_server, tickets, net) = if name == ROUTER_NODE {
-            let bind = resolve(&config.router.host, config.router.control_port)
+            let bind = resolve(config.router.bind_host(), config.router.control_port)
                 .map_err(|detail| setup_error(&node_id, detail))?;
             let (router, door) = start_router(&config)?;
             (Role::Router, bind, Actors::Router(router), door, None, None, None)
@@ -278,7 +278,7 @@ impl NodeProcess {
                     "[transport] read_engine = \"local\" works only in one process; use \"shm\" or \"net\"",
                 ));
             }
-            let bind = resolve(&node.address.host, node.address.control_port)
+            let bind = resolve(node.address.bind_host(), node.address.control_port)
                 .map_err(|detail| setup_error(&node_id, detail))?;
             let started = start_process_leg(&config, &node, &handle)?;
             (
@@ -291,7 +291,20 @@ impl NodeProcess {
                 Some(started.net),
             )
         };
-        let service = DoorService::new(door.admit.clone(), door.inbound.clone());
+        // A peer that dials us is up: dial it back now rather than at the next backoff.
+        let peers = peers_of(&config, role);
+        let wake: HashMap<NodeId, Arc<tokio::sync::Notify>> = peers
+            .iter()
+            .map(|(peer, _)| (peer.clone(), Arc::new(tokio::sync::Notify::new())))
+            .collect();
+        let on_admit_wake = wake.clone();
+        let service = DoorService::new(door.admit.clone(), door.inbound.clone()).with_on_admit(Arc::new(
+            move |peer: &NodeId| {
+                if let Some(wake) = on_admit_wake.get(peer) {
+                    wake.notify_one();
+                }
+            },
+        ));
         let setup = ServerSetup {
             cluster: cluster_names(&config),
             hello: door.hello.clone(),
@@ -314,10 +327,11 @@ impl NodeProcess {
             Actors::Router(_) => Vec::new(),
         };
         let mut dialers = Vec::new();
-        for (peer, peer_role) in peers_of(&config, role) {
+        for (peer, peer_role) in peers {
             board.add(&peer, peer_role);
             let address = control_address(&config, &peer.0)?;
             let dialer = Dialer {
+                wake: wake[&peer].clone(),
                 door: door.clone(),
                 client: client.clone(),
                 peer,
@@ -522,7 +536,7 @@ fn start_process_leg(
     let grants = Arc::new(Mutex::new(GrantTable::new(config.limits.max_grants)));
     let clock = MonotonicClock::new();
     let (memory_server, tickets, address) = if node.role == Role::Prefill {
-        let bind = resolve(&node.address.host, node.address.data_port)
+        let bind = resolve(node.address.bind_host(), node.address.data_port)
             .map_err(|detail| setup_error(&node.name, detail))?;
         let tickets = Arc::new(TicketBook::new(TICKET_TTL, MAX_TICKETS));
         let authorizer = Arc::new(GrantAuthorizer::new(
@@ -544,8 +558,15 @@ fn start_process_leg(
             MemoryServerLimits::default(),
         )
         .map_err(|error| setup_error(&node.name, format!("memory server on {bind}: {error}")))?;
-        let address = server.local_addr().to_string();
-        (Some(server), Some(tickets), address)
+        // Readers dial what the hello says: the bound address, or the node's host when it
+        // binds every interface.
+        let bound = server.local_addr();
+        let address = if bound.ip().is_unspecified() {
+            resolve(&node.address.host, bound.port()).map_err(|detail| setup_error(&node.name, detail))?
+        } else {
+            bound
+        };
+        (Some(server), Some(tickets), address.to_string())
     } else {
         (None, None, String::new())
     };
@@ -571,6 +592,8 @@ fn start_process_leg(
 /// connection when this decode leg reads the peer over the net engine, opens the stream of
 /// frames and hands the link to the door; when the connection drops, starts over.
 struct Dialer {
+    /// Notified when the peer dials this node.
+    wake: Arc<tokio::sync::Notify>,
     door: Door,
     client: ControlClient,
     peer: NodeId,
@@ -627,7 +650,10 @@ impl Dialer {
                     });
                 }
             }
-            tokio::time::sleep(pause).await;
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = self.wake.notified() => {}
+            }
             pause = (pause * 2).min(MAX_REDIAL);
         }
     }
@@ -641,6 +667,7 @@ impl Dialer {
             .map_err(|error| failed(format!("dial {}: {error}", self.address)))?;
         let admit = Admit {
             hello: connection.peer.clone(),
+            dialed_in: false,
         };
         self.door
             .admit

@@ -269,7 +269,7 @@ impl Handler<Admit> for Router {
     fn handle(&mut self, msg: Admit, ctx: &mut Self::Context) -> Self::Result {
         check_compat(&self.hello, &msg.hello).map_err(|error| Refusal::Incompatible(error.to_string()))?;
         let node = msg.hello.node.clone();
-        if let Some(old) = self.peers.admit(msg.hello) {
+        if let Some(old) = self.peers.admit(msg.hello, msg.dialed_in) {
             tracing::warn!(leg = %node, %old, "leg restarted: failing its requests");
             let affected: Vec<RequestId> = self
                 .requests

@@ -1,0 +1,284 @@
+//! `pdkv launch --render slurm|k8s`: the rendered files parse, hold the expected objects, and
+//! the sbatch script really starts a working cluster when `scontrol` and `srun` are stand-ins
+//! that run each step here (hosts 127.0.0.1 and 127.0.0.2).
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pdkv_actors::config::ClusterConfig;
+use serde::Deserialize;
+use serde_json::Value;
+
+const SHIPPED: &str = include_str!("../cluster.toml");
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pdkv-test-render-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn render(target: &str, config: &Path, out: &Path) {
+    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["launch", "--render", target, "--config"])
+        .arg(config)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn executable(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// 2P1D: two pods of one StatefulSet run two different nodes.
+#[test]
+fn kubernetes_manifests_hold_a_workload_per_role_with_probes_and_certificates() {
+    let dir = temp_dir("k8s");
+    let mut text = SHIPPED[..SHIPPED.find("[[nodes]]").unwrap()].to_string();
+    for (name, role) in [("p-a", "prefill"), ("p-b", "prefill"), ("d-a", "decode")] {
+        text.push_str(&format!(
+            "[[nodes]]\nname = \"{name}\"\nrole = \"{role}\"\nblocks_per_group = 64\n\n"
+        ));
+    }
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, &text).unwrap();
+    render("k8s", &config, &dir.join("out"));
+    let yaml = std::fs::read_to_string(dir.join("out/pdkv.yaml")).unwrap();
+    let documents: Vec<Value> = yaml_serde::Deserializer::from_str(&yaml)
+        .map(|document| Value::deserialize(document).unwrap())
+        .collect();
+    let find = |kind: &str, name: &str| -> &Value {
+        documents
+            .iter()
+            .find(|document| document["kind"] == kind && document["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name} in {yaml}"))
+    };
+    let secret = find("Secret", "pdkv-certs");
+    for file in [
+        "ca.pem",
+        "p-a.pem",
+        "p-a.key",
+        "p-b.pem",
+        "d-a.key",
+        "router.pem",
+        "router.key",
+    ] {
+        assert!(
+            secret["stringData"][file]
+                .as_str()
+                .unwrap()
+                .starts_with("-----BEGIN"),
+            "{file}"
+        );
+    }
+    let toml = find("ConfigMap", "pdkv-config")["data"]["cluster.toml"]
+        .as_str()
+        .unwrap();
+    let placed = ClusterConfig::from_toml(toml).unwrap();
+    assert_eq!(placed.nodes[1].address.host, "pdkv-prefill-1.pdkv-prefill");
+    assert_eq!(placed.nodes[2].address.host, "pdkv-decode-0.pdkv-decode");
+    assert_eq!(placed.nodes[2].address.bind.as_deref(), Some("0.0.0.0"));
+    assert_eq!(placed.router.host, "pdkv-router-0.pdkv-router");
+    assert_eq!(placed.tls.as_ref().unwrap().dir, PathBuf::from("/etc/pdkv/certs"));
+    for (role, replicas) in [("prefill", 2), ("decode", 1), ("router", 1)] {
+        let service = find("Service", &format!("pdkv-{role}"));
+        assert_eq!(service["spec"]["clusterIP"], "None");
+        assert_eq!(service["spec"]["publishNotReadyAddresses"], true);
+        let set = find("StatefulSet", &format!("pdkv-{role}"));
+        assert_eq!(set["spec"]["replicas"], replicas);
+        assert_eq!(set["spec"]["serviceName"], format!("pdkv-{role}"));
+        let container = &set["spec"]["template"]["spec"]["containers"][0];
+        let probe_port = container["readinessProbe"]["httpGet"]["port"].as_str().unwrap();
+        assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/ready");
+        assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/live");
+        let port = container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|port| port["name"] == probe_port)
+            .unwrap_or_else(|| panic!("probe port {probe_port} is not a container port"))["containerPort"]
+            .as_u64()
+            .unwrap();
+        let expected = match role {
+            "router" => placed.router.http_port,
+            _ => {
+                placed
+                    .nodes
+                    .iter()
+                    .find(|node| node.role.to_string() == role)
+                    .unwrap()
+                    .address
+                    .admin_port
+            }
+        };
+        assert_eq!(port, u64::from(expected), "{role} probes its admin/http port");
+    }
+    assert_eq!(
+        find("Service", "pdkv-api")["spec"]["selector"]["app.kubernetes.io/name"],
+        "pdkv-router"
+    );
+    // Pod pdkv-prefill-1 runs the second prefill node: run its command with a stand-in `pdkv`.
+    let set = find("StatefulSet", "pdkv-prefill");
+    let script = set["spec"]["template"]["spec"]["containers"][0]["command"][2]
+        .as_str()
+        .unwrap();
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    executable(&bin.join("pdkv"), "#!/bin/sh\necho \"$@\"\n");
+    let output = Command::new("/bin/sh")
+        .args(["-c", script])
+        .env("HOSTNAME", "pdkv-prefill-1")
+        .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        "node --config /etc/pdkv/config/cluster.toml --node p-b"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+fn free_port(host: &str) -> u16 {
+    std::net::TcpListener::bind((host, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn the_sbatch_script_starts_a_working_cluster() {
+    let dir = temp_dir("slurm");
+    // Fixed, free ports: node 0 and the router on 127.0.0.1, node 1 on 127.0.0.2.
+    let (a, b) = ("127.0.0.1", "127.0.0.2");
+    let mut text = SHIPPED[..SHIPPED.find("[[nodes]]").unwrap()].to_string();
+    text.push_str(&format!(
+        "[[nodes]]\nname = \"prefill-0\"\nrole = \"prefill\"\nblocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {}\n\n",
+        free_port(a),
+        free_port(a),
+        free_port(a)
+    ));
+    let decode_admin = free_port(b);
+    text.push_str(&format!(
+        "[[nodes]]\nname = \"decode-0\"\nrole = \"decode\"\nlookahead_tokens = 9\nblocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {decode_admin}\n\n",
+        free_port(b),
+        free_port(b)
+    ));
+    let http = free_port(a);
+    text.push_str(&format!(
+        "[router]\ncontrol_port = {}\nhttp_port = {http}\n",
+        free_port(a)
+    ));
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, &text).unwrap();
+    let out = dir.join("out");
+    render("slurm", &config, &out);
+    let script = out.join("pdkv.sbatch");
+    let syntax = Command::new("bash").arg("-n").arg(&script).output().unwrap();
+    assert!(
+        syntax.status.success(),
+        "{}",
+        String::from_utf8_lossy(&syntax.stderr)
+    );
+    let sbatch = std::fs::read_to_string(&script).unwrap();
+    assert!(sbatch.contains("#SBATCH --nodes=2"), "{sbatch}");
+    assert_eq!(
+        sbatch.matches("srun ").count(),
+        3,
+        "one step per node and the router"
+    );
+
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    executable(
+        &bin.join("scontrol"),
+        &format!("#!/bin/sh\nprintf '{a}\\n{b}\\n'\n"),
+    );
+    executable(
+        &bin.join("srun"),
+        "#!/bin/sh\nout=/dev/null\nwhile [ $# -gt 0 ]; do\n  case \"$1\" in\n    --output=*) out=\"${1#--output=}\"; shift ;;\n    --*) shift ;;\n    *) break ;;\n  esac\ndone\nexec \"$@\" >\"$out\" 2>&1\n",
+    );
+    let mut job = Command::new("bash")
+        .arg(&script)
+        .env(
+            "PATH",
+            format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
+        )
+        .env("PDKV_BIN", env!("CARGO_BIN_EXE_pdkv"))
+        .env("SLURM_JOB_ID", "42")
+        .env("SLURM_JOB_NODELIST", "stand-in[1-2]")
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let router = format!("http://{a}:{http}");
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_millis(500)))
+        .build()
+        .into();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = agent
+            .get(format!("{router}/ready"))
+            .call()
+            .ok()
+            .and_then(|mut response| response.body_mut().read_json::<Value>().ok());
+        if ready.is_some_and(|ready| ready["all_peers_linked"] == true) {
+            break;
+        }
+        assert!(
+            job.try_wait().unwrap().is_none(),
+            "the job ended before the cluster was ready"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "not ready; logs in {}",
+            out.join("run-42").display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["sweep", "--config"])
+        .arg(out.join("run-42/cluster.toml"))
+        .args(["--router", &router, "--lengths", "1,100,500", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(job.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    job.wait().unwrap();
+    // The trap stopped every step: no pdkv process of this job is left.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let listening = std::net::TcpStream::connect((a, http)).is_ok()
+            || std::net::TcpStream::connect((b, decode_admin)).is_ok();
+        if !listening {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a step outlived the job");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let placed = std::fs::read_to_string(out.join("run-42/cluster.toml")).unwrap();
+    assert!(placed.contains(&format!("host = \"{b}\"")), "{placed}");
+    std::fs::remove_dir_all(dir).ok();
+}
