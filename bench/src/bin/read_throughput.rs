@@ -1,6 +1,11 @@
 //! READ throughput of the shared-memory and network engines against same-run baselines.
 //!
-//! Run: `cargo run --release -p pdkv-bench --bin read_throughput [MIB]`
+//! Run: `cargo run --release -p pdkv-bench --bin read_throughput [MIB] [--processes]`
+//!
+//! With `--processes` the prefill side (its shared-memory region, memory server and the TCP
+//! baseline's server) runs in a second process, as between two legs of a multi-process cluster:
+//! the shm engine maps that process's memfd, the net engine and the TCP baseline cross process
+//! boundaries on loopback.
 //!
 //! For run sizes 4 KiB … 4 MiB, each figure moves the same `MIB` MiB (default 64) region as runs
 //! of that size; 4 KiB runs are what per-block reads of 4 KiB blocks cost, larger runs are what
@@ -12,6 +17,8 @@
 //! Each figure is the best of several passes after a warm-up (pages faulted in).
 
 use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,10 +28,11 @@ use pdkv_core::plan::{ReadRun, RegionLayout};
 use pdkv_core::wire::{GrantId, NodeId, RequestId};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::TransportRuntime;
-use pdkv_transport::engine::{EngineKey, ReadEngine, ReadOp};
+use pdkv_transport::engine::{EngineDescriptor, EngineKey, MemoryDescriptor, ReadEngine, ReadOp};
 use pdkv_transport::mapped::MappedEngine;
-use pdkv_transport::net::{GrantAuthorizer, MemoryServer, MemoryServerLimits, NetEngine, TicketBook};
+use pdkv_transport::net::{GrantAuthorizer, MemoryServer, MemoryServerLimits, NetEngine, Ticket, TicketBook};
 use pdkv_transport::region::Region;
+use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BLOCK: u64 = 4096;
@@ -61,26 +69,34 @@ fn op(grant: GrantId, total: u64, size: u64) -> ReadOp {
     }
 }
 
-fn main() {
-    let mib: u64 = std::env::args().nth(1).and_then(|n| n.parse().ok()).unwrap_or(64);
-    let total = mib << 20;
-    let blocks = (total / BLOCK) as u32;
-    let runtime = TransportRuntime::new(2).expect("runtime");
+/// What the prefill side tells the reader: how to reach its region over each engine.
+#[derive(Debug, Serialize, Deserialize)]
+struct Source {
+    shm_engine: EngineDescriptor,
+    shm_region: MemoryDescriptor,
+    net_engine: EngineDescriptor,
+    net_region: MemoryDescriptor,
+    ticket: Ticket,
+    grant: GrantId,
+    tcp_address: SocketAddr,
+}
 
-    // Shared memory: prefill region in a memfd, mapped read-only by the decode engine.
+/// The bytes the region holds after the null block.
+fn pattern(total: u64) -> Vec<u8> {
+    (0..total).map(|i| (i % 251) as u8).collect()
+}
+
+/// The prefill side: a memfd region holding the pattern, registered with a shm engine and
+/// served by a memory server (one grant over every block, one ticket for `decode`), and a plain
+/// TCP server that streams the pattern in chunks of the size asked. Lives as long as `runtime`
+/// and the returned guard.
+fn serve(runtime: &TransportRuntime, total: u64) -> (Source, Box<dyn std::any::Any>) {
+    let blocks = (total / BLOCK) as u32;
     let source = Arc::new(Region::shared("bench-prefill", (total + BLOCK) as usize).expect("memfd"));
-    let pattern: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
+    let pattern = pattern(total);
     source.write(BLOCK, &pattern).expect("fill");
     let prefill = MappedEngine::shm(EngineKey("prefill".into())).expect("engine");
-    let descriptor = prefill.register(0, source.clone()).expect("register");
-    let decode = MappedEngine::shm(EngineKey("decode".into())).expect("engine");
-    let shm_destination = Arc::new(Region::shared("bench-decode", (total + BLOCK) as usize).expect("memfd"));
-    decode.register(0, shm_destination.clone()).expect("register");
-    decode
-        .register_remote(&prefill.descriptor(), &[descriptor])
-        .expect("map");
-
-    // Network: a memory server over the same region, a grant covering every block.
+    let shm_region = prefill.register(0, source.clone()).expect("register");
     let layout = KvLayout::new(vec![GroupSpec::full(16, 1).expect("group")], vec![0]).expect("layout");
     let grants = Arc::new(Mutex::new(GrantTable::new(4)));
     let clock = MonotonicClock::new();
@@ -98,7 +114,7 @@ fn main() {
         .expect("grant");
     let regions = RegionLayout::region_per_layer(&[BLOCK], blocks + 1).with_generation_tables(1);
     let authorizer = Arc::new(GrantAuthorizer::new(grants, layout, regions, clock));
-    let tickets = Arc::new(TicketBook::new(Duration::from_secs(10), 4));
+    let tickets = Arc::new(TicketBook::new(Duration::from_secs(60), 4));
     let served = HashMap::from([(0u32, source.clone())]);
     let server = MemoryServer::start(
         &runtime.handle(),
@@ -114,27 +130,14 @@ fn main() {
         runtime.handle(),
         server.local_addr().to_string(),
     );
-    let net_descriptor = server_side.register(0, source.clone()).expect("register");
-    let net = NetEngine::new(EngineKey("decode".into()), runtime.handle(), String::new());
-    let net_destination = Arc::new(Region::heap((total + BLOCK) as usize));
-    net.register(0, net_destination.clone()).expect("register");
-    net.register_remote(&server_side.descriptor(), &[net_descriptor])
-        .expect("register remote");
+    let net_region = server_side.register(0, source.clone()).expect("register");
     let ticket = tickets.issue(&peer).expect("ticket");
-    runtime
-        .block_on(net.connect(
-            &EngineKey("prefill".into()),
-            &peer,
-            ticket,
-            Duration::from_secs(5),
-        ))
-        .expect("data connection");
 
     // Plain TCP baseline: a server that streams `total` bytes in `size` writes per request.
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let tcp_address = listener.local_addr().expect("addr");
     listener.set_nonblocking(true).expect("nonblocking");
-    let baseline_source = Arc::new(pattern.clone());
+    let baseline_source = Arc::new(pattern);
     runtime.handle().spawn(async move {
         let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
         let (mut stream, _) = listener.accept().await.expect("accept");
@@ -147,6 +150,74 @@ fn main() {
             }
         }
     });
+    let described = Source {
+        shm_engine: prefill.descriptor(),
+        shm_region,
+        net_engine: server_side.descriptor(),
+        net_region,
+        ticket,
+        grant,
+        tcp_address,
+    };
+    (described, Box::new((source, prefill, server, server_side)))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mib: u64 = args.iter().find_map(|arg| arg.parse().ok()).unwrap_or(64);
+    let total = mib << 20;
+    let runtime = TransportRuntime::new(2).expect("runtime");
+    if args.iter().any(|arg| arg == "--serve") {
+        // The second process: say how to reach the region, then serve until stdin closes.
+        let (source, _guard) = serve(&runtime, total);
+        println!("{}", serde_json::to_string(&source).expect("json"));
+        std::io::stdout().flush().expect("flush");
+        let mut sink = String::new();
+        let _ = std::io::stdin().read_line(&mut sink);
+        return;
+    }
+    let processes = args.iter().any(|arg| arg == "--processes");
+    let mut child = None;
+    let (source, _guard): (Source, Box<dyn std::any::Any>) = if processes {
+        let mut process = std::process::Command::new(std::env::current_exe().expect("exe"))
+            .args([mib.to_string(), "--serve".into()])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("second process");
+        let mut line = String::new();
+        std::io::BufReader::new(process.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("source line");
+        child = Some(process);
+        (serde_json::from_str(&line).expect("source"), Box::new(()))
+    } else {
+        serve(&runtime, total)
+    };
+    let pattern = pattern(total);
+    let grant = source.grant;
+    let peer = NodeId("decode".into());
+
+    let decode = MappedEngine::shm(EngineKey("decode".into())).expect("engine");
+    let shm_destination = Arc::new(Region::shared("bench-decode", (total + BLOCK) as usize).expect("memfd"));
+    decode.register(0, shm_destination.clone()).expect("register");
+    decode
+        .register_remote(&source.shm_engine, &[source.shm_region.clone()])
+        .expect("map");
+    let net = NetEngine::new(EngineKey("decode".into()), runtime.handle(), String::new());
+    let net_destination = Arc::new(Region::heap((total + BLOCK) as usize));
+    net.register(0, net_destination.clone()).expect("register");
+    net.register_remote(&source.net_engine, &[source.net_region.clone()])
+        .expect("register remote");
+    runtime
+        .block_on(net.connect(
+            &EngineKey("prefill".into()),
+            &peer,
+            source.ticket,
+            Duration::from_secs(5),
+        ))
+        .expect("data connection");
+    let tcp_address = source.tcp_address;
     let mut tcp = Some(runtime.block_on(async {
         let stream = tokio::net::TcpStream::connect(tcp_address)
             .await
@@ -157,7 +228,12 @@ fn main() {
     let mut tcp_buffer = vec![0u8; total as usize];
 
     println!(
-        "READ throughput, {mib} MiB per pass, best of {PASSES} passes (GB/s; ratio to the same-run baseline)"
+        "READ throughput, {mib} MiB per pass, best of {PASSES} passes, source {} (GB/s; ratio to the same-run baseline)",
+        if processes {
+            "in a second process"
+        } else {
+            "in this process"
+        }
     );
     println!(
         "{:>9} | {:>7} {:>7} {:>6} | {:>7} {:>7} {:>6}",
@@ -236,4 +312,8 @@ fn main() {
     net_destination.read(BLOCK, &mut check).expect("read back");
     assert!(check == pattern, "net engine copied the wrong bytes");
     println!("(every engine's destination verified byte for byte)");
+    if let Some(mut child) = child {
+        drop(child.stdin.take());
+        let _ = child.wait();
+    }
 }
