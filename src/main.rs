@@ -20,6 +20,7 @@ mod gpus_cmd;
 mod launch;
 mod launch_cmd;
 mod lengths;
+mod load_cmd;
 mod node_cmd;
 mod openai;
 mod plan_cmd;
@@ -70,6 +71,8 @@ enum Command {
     Router(node_cmd::RouterArgs),
     /// Start every node of a cluster.toml and the router as local processes and supervise them.
     Launch(launch_cmd::LaunchArgs),
+    /// Drive load through a router's HTTP API and report throughput and latency.
+    Load(load_cmd::LoadArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
         Command::Node(args) => node_cmd::run_node(args),
         Command::Router(args) => node_cmd::run_router(args),
         Command::Launch(args) => launch_cmd::run(args),
+        Command::Load(args) => load_cmd::run(args),
     };
     match result {
         Ok(code) => code,

@@ -316,6 +316,22 @@ fn http_api_answers_like_openai_and_ctrl_c_leaves_no_process() {
         "{leg}"
     );
 
+    // `pdkv load` against the running router: every request answered, a plot drawn.
+    let plot = dir.join("load.svg");
+    let output = pdkv()
+        .args(["load", "--router", &base, "--concurrency", "2", "--duration", "1", "--lengths", "8..200", "--json"])
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert!(report["requests"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["errors"], 0, "{report}");
+    assert!(report["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{report}");
+    assert!(report["kv_read_gb_per_s"].as_f64().unwrap() > 0.0, "{report}");
+    assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
+
     // Ctrl-C: every process the launcher started is gone afterwards.
     let pids: Vec<u32> = launched.members.iter().map(|member| member.1).collect();
     assert!(pids.iter().all(|&pid| process_alive(pid)));

@@ -1,0 +1,433 @@
+//! `pdkv load`: a load generator against a router's HTTP API.
+//!
+//! Closed loop (`--concurrency N`: N clients, each sending its next request when the last one
+//! answered) or open loop (`--rate R`: R requests a second on a fixed schedule, at most
+//! `--max-in-flight` outstanding; a request that would exceed it is counted as dropped). Prompt
+//! lengths are drawn uniformly from `--lengths`, seeded. Every request is streamed, so the time
+//! to the first token (TTFT) and the gaps between tokens are measured by the client. Without
+//! `--router` it launches the cluster (`--config`, default the shipped one) itself, and then also
+//! reports the router process's CPU share.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
+use pdkv_actors::engine::prompt_tokens;
+use rand_chacha::ChaCha8Rng;
+use rand_core::{RngCore, SeedableRng};
+use serde_json::{Value, json};
+
+use crate::launch::http_agent;
+
+/// Arguments of `pdkv load`.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
+    /// A running router (`http://host:port`); without it the cluster is launched here.
+    #[arg(long)]
+    pub router: Option<String>,
+    /// cluster.toml (the running cluster's, for its vocabulary; or the one to launch).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Closed loop: this many clients, each with one request outstanding.
+    #[arg(long, conflicts_with = "rate", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub concurrency: Option<u32>,
+    /// Open loop: requests a second.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Open loop: most requests outstanding; more are dropped and counted.
+    #[arg(long, default_value_t = 256)]
+    pub max_in_flight: usize,
+    /// Seconds to send requests for.
+    #[arg(long, default_value_t = 10.0)]
+    pub duration: f64,
+    /// Prompt lengths to draw from, as for `pdkv sweep` (`16..1024`, `100,200`).
+    #[arg(long, default_value = "16..1024")]
+    pub lengths: String,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_tokens: u32,
+    /// Seed of the prompt lengths and contents.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw latency and throughput over time into this SVG file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Without `--router`: seconds the launched cluster has to become ready.
+    #[arg(long, default_value_t = 30.0)]
+    pub ready_timeout: f64,
+}
+
+/// One request's outcome.
+#[derive(Debug, Clone)]
+struct Sample {
+    /// Seconds from the start of the run to the request's send.
+    start_s: f64,
+    /// Seconds to the last byte, or to the error.
+    latency_s: f64,
+    /// Seconds to the first token chunk.
+    ttft_s: Option<f64>,
+    /// Gaps between token chunks.
+    gaps_s: Vec<f64>,
+    prompt_tokens: usize,
+    tokens: usize,
+    read_bytes: u64,
+    error: Option<String>,
+}
+
+/// Sends one streamed completion and times it.
+fn complete(agent: &ureq::Agent, base: &str, prompt: &[u32], max_tokens: u32, run_start: Instant) -> Sample {
+    let started = Instant::now();
+    let mut sample = Sample {
+        start_s: started.duration_since(run_start).as_secs_f64(),
+        latency_s: 0.0,
+        ttft_s: None,
+        gaps_s: Vec::new(),
+        prompt_tokens: prompt.len(),
+        tokens: 0,
+        read_bytes: 0,
+        error: None,
+    };
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true});
+    let result = (|| -> Result<(), String> {
+        let response = agent
+            .post(format!("{base}/v1/completions"))
+            .send_json(&body)
+            .map_err(|error| error.to_string())?;
+        let status = response.status().as_u16();
+        if status != 200 {
+            let mut response = response;
+            let text = response.body_mut().read_to_string().unwrap_or_default();
+            return Err(format!("{status}: {text}"));
+        }
+        let mut last_token: Option<Instant> = None;
+        for line in BufReader::new(response.into_body().into_reader()).lines() {
+            let line = line.map_err(|error| error.to_string())?;
+            let Some(data) = line.strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                break;
+            }
+            let chunk: Value = serde_json::from_str(data).map_err(|error| error.to_string())?;
+            if let Some(error) = chunk.get("error") {
+                return Err(error["message"].as_str().unwrap_or("error chunk").to_string());
+            }
+            let now = Instant::now();
+            let tokens = chunk["choices"]
+                .as_array()
+                .map_or(0, |choices| choices.iter().map(|c| c["token_ids"].as_array().map_or(0, Vec::len)).sum());
+            if tokens > 0 {
+                match last_token {
+                    None => sample.ttft_s = Some(now.duration_since(started).as_secs_f64()),
+                    Some(previous) => sample.gaps_s.push(now.duration_since(previous).as_secs_f64()),
+                }
+                last_token = Some(now);
+                sample.tokens += tokens;
+            }
+            if let Some(bytes) = chunk["pdkv"]["read_bytes"].as_u64() {
+                sample.read_bytes = bytes;
+            }
+        }
+        Ok(())
+    })();
+    sample.latency_s = started.elapsed().as_secs_f64();
+    sample.error = result.err();
+    sample
+}
+
+/// The `q`-quantile (0..=1) of `values` (nearest rank), or 0 when empty.
+fn quantile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    values[rank - 1]
+}
+
+/// CPU seconds a process has used (user + system), from `/proc/<pid>/stat`.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_second > 0).then(|| ticks / per_second as f64)
+}
+
+/// Runs `pdkv load`.
+pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
+    if !(args.duration.is_finite() && args.duration > 0.0 && args.duration <= 86_400.0) {
+        bail!("--duration: {} is not a number of seconds in (0, 86400]", args.duration);
+    }
+    if let Some(rate) = args.rate
+        && !(rate.is_finite() && rate > 0.0 && rate <= 100_000.0)
+    {
+        bail!("--rate: {rate} is not a number of requests a second in (0, 100000]");
+    }
+    let lengths = crate::lengths::parse_lengths(&args.lengths).map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
+    let config = match &args.config {
+        Some(path) => ClusterConfig::from_file(path)?,
+        None => ClusterConfig::embedded_default(),
+    };
+    if let Some(&longest) = lengths.iter().max() {
+        config
+            .check_prompt_tokens(longest)
+            .map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
+    }
+    let (cluster, base, run_dir) = match &args.router {
+        Some(url) => (None, url.trim_end_matches('/').to_string(), None),
+        None => {
+            let run_dir = std::env::temp_dir().join(format!("pdkv-load-{}", std::process::id()));
+            let options = crate::launch_cmd::options(args.config.as_ref(), run_dir.clone(), args.ready_timeout)?;
+            let cluster = crate::launch::Cluster::launch(&options)?;
+            let base = cluster.router_url.clone();
+            (Some(cluster), base, Some(run_dir))
+        }
+    };
+    let router_pid = cluster.as_ref().and_then(|cluster| {
+        cluster
+            .members
+            .iter()
+            .find(|member| member.name == ROUTER_NODE)
+            .and_then(|member| member.pid())
+    });
+    let timeout = Duration::from_millis(config.limits.request_timeout_ms + 5000);
+    let duration = Duration::from_secs_f64(args.duration);
+    let cpu_before = router_pid.and_then(cpu_seconds);
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let run_start = Instant::now();
+    let (vocab, seed, max_tokens) = (config.model.vocab, args.seed, args.max_tokens);
+    let lengths = Arc::new(lengths);
+    let request = {
+        let (base, lengths) = (base.clone(), lengths.clone());
+        move |agent: &ureq::Agent, index: u64| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let length = lengths[(rng.next_u64() % lengths.len() as u64) as usize];
+            let prompt = prompt_tokens(seed.wrapping_add(index), length as usize, vocab);
+            complete(agent, &base, &prompt, max_tokens, run_start)
+        }
+    };
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    match (args.concurrency, args.rate) {
+        (_, Some(rate)) => {
+            let in_flight = Arc::new(AtomicUsize::new(0));
+            let interval = Duration::from_secs_f64(1.0 / rate);
+            let mut handles = Vec::new();
+            let mut due = run_start;
+            while due.duration_since(run_start) < duration {
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                due += interval;
+                if in_flight.load(Ordering::SeqCst) >= args.max_in_flight {
+                    dropped.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                in_flight.fetch_add(1, Ordering::SeqCst);
+                let (request, samples, in_flight, next) =
+                    (request.clone(), samples.clone(), in_flight.clone(), next.clone());
+                handles.push(std::thread::spawn(move || {
+                    let agent = http_agent(timeout);
+                    let sample = request(&agent, next.fetch_add(1, Ordering::Relaxed));
+                    samples.lock().unwrap_or_else(PoisonError::into_inner).push(sample);
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                }));
+                handles.retain(|handle| !handle.is_finished());
+            }
+            for handle in handles {
+                let _ = handle.join();
+            }
+        }
+        (concurrency, None) => {
+            let stop = Arc::new(AtomicBool::new(false));
+            let clients: Vec<_> = (0..concurrency.unwrap_or(16))
+                .map(|_| {
+                    let (request, samples, stop, next) = (request.clone(), samples.clone(), stop.clone(), next.clone());
+                    std::thread::spawn(move || {
+                        let agent = http_agent(timeout);
+                        while !stop.load(Ordering::Relaxed) {
+                            let sample = request(&agent, next.fetch_add(1, Ordering::Relaxed));
+                            samples.lock().unwrap_or_else(PoisonError::into_inner).push(sample);
+                        }
+                    })
+                })
+                .collect();
+            std::thread::sleep(duration);
+            stop.store(true, Ordering::Relaxed);
+            for client in clients {
+                let _ = client.join();
+            }
+        }
+    }
+    let elapsed = run_start.elapsed();
+    let router_cpu = match (router_pid.and_then(cpu_seconds), cpu_before) {
+        (Some(after), Some(before)) => Some((after - before) / elapsed.as_secs_f64()),
+        _ => None,
+    };
+    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(PoisonError::into_inner));
+    let report = summarize(&samples, elapsed, dropped.load(Ordering::Relaxed), router_cpu, &args);
+    if let Some(path) = &args.plot {
+        plot(&samples, path).with_context(|| format!("cannot draw {}", path.display()))?;
+    }
+    if let Some(mut cluster) = cluster {
+        cluster.stop();
+    }
+    if let Some(run_dir) = run_dir {
+        let _ = std::fs::remove_dir_all(run_dir);
+    }
+    if args.json {
+        println!("{report}");
+    } else {
+        print_report(&report);
+    }
+    Ok(if report["errors"] == 0 && report["requests"].as_u64() > Some(0) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn summarize(samples: &[Sample], elapsed: Duration, dropped: usize, router_cpu: Option<f64>, args: &LoadArgs) -> Value {
+    let ok: Vec<&Sample> = samples.iter().filter(|sample| sample.error.is_none()).collect();
+    let mut errors: BTreeMap<String, usize> = BTreeMap::new();
+    for sample in samples {
+        if let Some(error) = &sample.error {
+            let kind: String = error.chars().take(60).collect();
+            *errors.entry(kind).or_default() += 1;
+        }
+    }
+    let mut latency: Vec<f64> = ok.iter().map(|sample| sample.latency_s).collect();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|sample| sample.ttft_s).collect();
+    let mut gaps: Vec<f64> = ok.iter().flat_map(|sample| sample.gaps_s.iter().copied()).collect();
+    let seconds = elapsed.as_secs_f64();
+    let read_bytes: u64 = ok.iter().map(|sample| sample.read_bytes).sum();
+    let tokens: usize = ok.iter().map(|sample| sample.tokens).sum();
+    let prompt_tokens: usize = ok.iter().map(|sample| sample.prompt_tokens).sum();
+    let ms = |seconds: f64| (seconds * 1e6).round() / 1e3;
+    json!({
+        "mode": match (args.concurrency, args.rate) {
+            (_, Some(rate)) => format!("open loop, {rate} req/s"),
+            (concurrency, None) => format!("closed loop, {} clients", concurrency.unwrap_or(16)),
+        },
+        "seconds": (seconds * 1e3).round() / 1e3,
+        "requests": ok.len(),
+        "errors": samples.len() - ok.len(),
+        "error_kinds": errors,
+        "dropped": dropped,
+        "requests_per_s": ok.len() as f64 / seconds,
+        "prompt_tokens_per_s": prompt_tokens as f64 / seconds,
+        "generated_tokens_per_s": tokens as f64 / seconds,
+        "latency_ms": {"p50": ms(quantile(&mut latency, 0.5)), "p99": ms(quantile(&mut latency, 0.99))},
+        "ttft_ms": {"p50": ms(quantile(&mut ttft, 0.5)), "p99": ms(quantile(&mut ttft, 0.99))},
+        "inter_token_ms": {"p50": ms(quantile(&mut gaps, 0.5)), "p99": ms(quantile(&mut gaps, 0.99))},
+        "kv_read_gb_per_s": read_bytes as f64 / seconds / 1e9,
+        "router_cpu_share": router_cpu,
+    })
+}
+
+fn print_report(report: &Value) {
+    println!("{} for {} s", report["mode"].as_str().unwrap_or(""), report["seconds"]);
+    println!(
+        "requests: {} ok, {} errors, {} dropped; {:.1} req/s, {:.0} prompt tokens/s, {:.0} generated tokens/s",
+        report["requests"],
+        report["errors"],
+        report["dropped"],
+        report["requests_per_s"].as_f64().unwrap_or(0.0),
+        report["prompt_tokens_per_s"].as_f64().unwrap_or(0.0),
+        report["generated_tokens_per_s"].as_f64().unwrap_or(0.0),
+    );
+    for (name, key) in [("latency", "latency_ms"), ("TTFT", "ttft_ms"), ("inter-token", "inter_token_ms")] {
+        println!("{name:>12}: p50 {} ms, p99 {} ms", report[key]["p50"], report[key]["p99"]);
+    }
+    println!(
+        "KV read: {:.3} GB/s",
+        report["kv_read_gb_per_s"].as_f64().unwrap_or(0.0)
+    );
+    if let Some(share) = report["router_cpu_share"].as_f64() {
+        println!("router CPU: {:.0}% of one core", share * 100.0);
+    }
+    if let Some(errors) = report["error_kinds"].as_object() {
+        for (kind, count) in errors {
+            println!("error x{count}: {kind}");
+        }
+    }
+}
+
+/// Latency of every request over time (top) and completed requests a second (bottom).
+fn plot(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (960, 640)).into_drawing_area();
+    root.fill(&WHITE).map_err(|error| anyhow::anyhow!("{error}"))?;
+    let (top, bottom) = root.split_vertically(320);
+    let end_s = samples
+        .iter()
+        .map(|sample| sample.start_s + sample.latency_s)
+        .fold(1.0, f64::max);
+    let max_ms = samples.iter().map(|sample| sample.latency_s * 1e3).fold(1.0, f64::max) * 1.1;
+    let mut latency = ChartBuilder::on(&top)
+        .caption("request latency (ms) by send time (s); errors in red", ("sans-serif", 16))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..end_s, 0.0..max_ms)
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
+    latency.configure_mesh().draw().map_err(|error| anyhow::anyhow!("{error}"))?;
+    latency
+        .draw_series(samples.iter().map(|sample| {
+            let color = if sample.error.is_some() { RED } else { BLUE };
+            Circle::new((sample.start_s, sample.latency_s * 1e3), 2, color.filled())
+        }))
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
+    let seconds = end_s.ceil() as usize;
+    let mut per_second = vec![0u32; seconds + 1];
+    for sample in samples.iter().filter(|sample| sample.error.is_none()) {
+        per_second[((sample.start_s + sample.latency_s) as usize).min(seconds)] += 1;
+    }
+    let max_rate = f64::from(per_second.iter().copied().max().unwrap_or(1).max(1)) * 1.1;
+    let mut throughput = ChartBuilder::on(&bottom)
+        .caption("completed requests per second", ("sans-serif", 16))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..end_s, 0.0..max_rate)
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
+    throughput.configure_mesh().draw().map_err(|error| anyhow::anyhow!("{error}"))?;
+    throughput
+        .draw_series(LineSeries::new(
+            per_second
+                .iter()
+                .enumerate()
+                .map(|(second, &count)| (second as f64 + 0.5, f64::from(count))),
+            &BLACK,
+        ))
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
+    root.present().map_err(|error| anyhow::anyhow!("{error}"))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantile;
+
+    #[test]
+    fn quantiles_are_nearest_rank() {
+        let mut values: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(quantile(&mut values, 0.5), 50.0);
+        assert_eq!(quantile(&mut values, 0.99), 99.0);
+        assert_eq!(quantile(&mut values, 1.0), 100.0);
+        assert_eq!(quantile(&mut [3.0, 1.0, 2.0], 0.5), 2.0);
+        assert_eq!(quantile(&mut [], 0.5), 0.0);
+    }
+}
