@@ -123,9 +123,12 @@ fn complete(agent: &ureq::Agent, base: &str, prompt: &[u32], max_tokens: u32, ru
                 return Err(error["message"].as_str().unwrap_or("error chunk").to_string());
             }
             let now = Instant::now();
-            let tokens = chunk["choices"]
-                .as_array()
-                .map_or(0, |choices| choices.iter().map(|c| c["token_ids"].as_array().map_or(0, Vec::len)).sum());
+            let tokens = chunk["choices"].as_array().map_or(0, |choices| {
+                choices
+                    .iter()
+                    .map(|c| c["token_ids"].as_array().map_or(0, Vec::len))
+                    .sum()
+            });
             if tokens > 0 {
                 match last_token {
                     None => sample.ttft_s = Some(now.duration_since(started).as_secs_f64()),
@@ -170,14 +173,18 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 /// Runs `pdkv load`.
 pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
     if !(args.duration.is_finite() && args.duration > 0.0 && args.duration <= 86_400.0) {
-        bail!("--duration: {} is not a number of seconds in (0, 86400]", args.duration);
+        bail!(
+            "--duration: {} is not a number of seconds in (0, 86400]",
+            args.duration
+        );
     }
     if let Some(rate) = args.rate
         && !(rate.is_finite() && rate > 0.0 && rate <= 100_000.0)
     {
         bail!("--rate: {rate} is not a number of requests a second in (0, 100000]");
     }
-    let lengths = crate::lengths::parse_lengths(&args.lengths).map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
+    let lengths = crate::lengths::parse_lengths(&args.lengths)
+        .map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
     let config = match &args.config {
         Some(path) => ClusterConfig::from_file(path)?,
         None => ClusterConfig::embedded_default(),
@@ -191,7 +198,8 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
         Some(url) => (None, url.trim_end_matches('/').to_string(), None),
         None => {
             let run_dir = std::env::temp_dir().join(format!("pdkv-load-{}", std::process::id()));
-            let options = crate::launch_cmd::options(args.config.as_ref(), run_dir.clone(), args.ready_timeout)?;
+            let options =
+                crate::launch_cmd::options(args.config.as_ref(), run_dir.clone(), args.ready_timeout)?;
             let cluster = crate::launch::Cluster::launch(&options)?;
             let base = cluster.router_url.clone();
             (Some(cluster), base, Some(run_dir))
@@ -241,7 +249,10 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
                 handles.push(std::thread::spawn(move || {
                     let agent = http_agent(timeout);
                     let sample = request(&agent, next.fetch_add(1, Ordering::Relaxed));
-                    samples.lock().unwrap_or_else(PoisonError::into_inner).push(sample);
+                    samples
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(sample);
                     in_flight.fetch_sub(1, Ordering::SeqCst);
                 }));
                 handles.retain(|handle| !handle.is_finished());
@@ -254,12 +265,16 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
             let stop = Arc::new(AtomicBool::new(false));
             let clients: Vec<_> = (0..concurrency.unwrap_or(16))
                 .map(|_| {
-                    let (request, samples, stop, next) = (request.clone(), samples.clone(), stop.clone(), next.clone());
+                    let (request, samples, stop, next) =
+                        (request.clone(), samples.clone(), stop.clone(), next.clone());
                     std::thread::spawn(move || {
                         let agent = http_agent(timeout);
                         while !stop.load(Ordering::Relaxed) {
                             let sample = request(&agent, next.fetch_add(1, Ordering::Relaxed));
-                            samples.lock().unwrap_or_else(PoisonError::into_inner).push(sample);
+                            samples
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .push(sample);
                         }
                     })
                 })
@@ -277,7 +292,13 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(PoisonError::into_inner));
-    let report = summarize(&samples, elapsed, dropped.load(Ordering::Relaxed), router_cpu, &args);
+    let report = summarize(
+        &samples,
+        elapsed,
+        dropped.load(Ordering::Relaxed),
+        router_cpu,
+        &args,
+    );
     if let Some(path) = &args.plot {
         plot(&samples, path).with_context(|| format!("cannot draw {}", path.display()))?;
     }
@@ -292,14 +313,22 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
     } else {
         print_report(&report);
     }
-    Ok(if report["errors"] == 0 && report["requests"].as_u64() > Some(0) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(
+        if report["errors"] == 0 && report["requests"].as_u64() > Some(0) {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        },
+    )
 }
 
-fn summarize(samples: &[Sample], elapsed: Duration, dropped: usize, router_cpu: Option<f64>, args: &LoadArgs) -> Value {
+fn summarize(
+    samples: &[Sample],
+    elapsed: Duration,
+    dropped: usize,
+    router_cpu: Option<f64>,
+    args: &LoadArgs,
+) -> Value {
     let ok: Vec<&Sample> = samples.iter().filter(|sample| sample.error.is_none()).collect();
     let mut errors: BTreeMap<String, usize> = BTreeMap::new();
     for sample in samples {
@@ -310,7 +339,10 @@ fn summarize(samples: &[Sample], elapsed: Duration, dropped: usize, router_cpu: 
     }
     let mut latency: Vec<f64> = ok.iter().map(|sample| sample.latency_s).collect();
     let mut ttft: Vec<f64> = ok.iter().filter_map(|sample| sample.ttft_s).collect();
-    let mut gaps: Vec<f64> = ok.iter().flat_map(|sample| sample.gaps_s.iter().copied()).collect();
+    let mut gaps: Vec<f64> = ok
+        .iter()
+        .flat_map(|sample| sample.gaps_s.iter().copied())
+        .collect();
     let seconds = elapsed.as_secs_f64();
     let read_bytes: u64 = ok.iter().map(|sample| sample.read_bytes).sum();
     let tokens: usize = ok.iter().map(|sample| sample.tokens).sum();
@@ -338,7 +370,11 @@ fn summarize(samples: &[Sample], elapsed: Duration, dropped: usize, router_cpu: 
 }
 
 fn print_report(report: &Value) {
-    println!("{} for {} s", report["mode"].as_str().unwrap_or(""), report["seconds"]);
+    println!(
+        "{} for {} s",
+        report["mode"].as_str().unwrap_or(""),
+        report["seconds"]
+    );
     println!(
         "requests: {} ok, {} errors, {} dropped; {:.1} req/s, {:.0} prompt tokens/s, {:.0} generated tokens/s",
         report["requests"],
@@ -348,8 +384,15 @@ fn print_report(report: &Value) {
         report["prompt_tokens_per_s"].as_f64().unwrap_or(0.0),
         report["generated_tokens_per_s"].as_f64().unwrap_or(0.0),
     );
-    for (name, key) in [("latency", "latency_ms"), ("TTFT", "ttft_ms"), ("inter-token", "inter_token_ms")] {
-        println!("{name:>12}: p50 {} ms, p99 {} ms", report[key]["p50"], report[key]["p99"]);
+    for (name, key) in [
+        ("latency", "latency_ms"),
+        ("TTFT", "ttft_ms"),
+        ("inter-token", "inter_token_ms"),
+    ] {
+        println!(
+            "{name:>12}: p50 {} ms, p99 {} ms",
+            report[key]["p50"], report[key]["p99"]
+        );
     }
     println!(
         "KV read: {:.3} GB/s",
@@ -375,15 +418,25 @@ fn plot(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<()> {
         .iter()
         .map(|sample| sample.start_s + sample.latency_s)
         .fold(1.0, f64::max);
-    let max_ms = samples.iter().map(|sample| sample.latency_s * 1e3).fold(1.0, f64::max) * 1.1;
+    let max_ms = samples
+        .iter()
+        .map(|sample| sample.latency_s * 1e3)
+        .fold(1.0, f64::max)
+        * 1.1;
     let mut latency = ChartBuilder::on(&top)
-        .caption("request latency (ms) by send time (s); errors in red", ("sans-serif", 16))
+        .caption(
+            "request latency (ms) by send time (s); errors in red",
+            ("sans-serif", 16),
+        )
         .margin(10)
         .x_label_area_size(30)
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..end_s, 0.0..max_ms)
         .map_err(|error| anyhow::anyhow!("{error}"))?;
-    latency.configure_mesh().draw().map_err(|error| anyhow::anyhow!("{error}"))?;
+    latency
+        .configure_mesh()
+        .draw()
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
     latency
         .draw_series(samples.iter().map(|sample| {
             let color = if sample.error.is_some() { RED } else { BLUE };
@@ -403,7 +456,10 @@ fn plot(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<()> {
         .y_label_area_size(50)
         .build_cartesian_2d(0.0..end_s, 0.0..max_rate)
         .map_err(|error| anyhow::anyhow!("{error}"))?;
-    throughput.configure_mesh().draw().map_err(|error| anyhow::anyhow!("{error}"))?;
+    throughput
+        .configure_mesh()
+        .draw()
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
     throughput
         .draw_series(LineSeries::new(
             per_second

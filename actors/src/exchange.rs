@@ -13,10 +13,10 @@ use actix::{
     Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, Recipient, ResponseActFuture,
     WrapFuture,
 };
-use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId, Role};
+use pdkv_core::wire::{Body, Envelope, Incarnation, LegLoad, NodeId, RequestId, Role};
 use pdkv_transport::control::{Hello, check_compat};
 
-use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest};
+use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest, Stats};
 use crate::link::{Admit, Inbound, Peers, Refusal, SetLink};
 use crate::transfer::{AddPeer, TransferActor};
 
@@ -95,6 +95,51 @@ impl Actor for ExchangeActor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(self.mailbox);
+        ctx.run_interval(LOAD_REPORT_INTERVAL, |actor, ctx| actor.report_load(ctx));
+    }
+}
+
+/// How often a leg tells the routers linked to it how loaded it is.
+pub const LOAD_REPORT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+impl ExchangeActor {
+    /// Sends the leg's load (from its allocator's accounting) to every router linked to it.
+    fn report_load(&mut self, ctx: &mut Context<Self>) {
+        let routers: Vec<NodeId> = self
+            .peers
+            .hellos()
+            .filter(|hello| hello.role == Role::Router)
+            .map(|hello| hello.node.clone())
+            .collect();
+        if routers.is_empty() {
+            return;
+        }
+        ctx.spawn(
+            self.allocator
+                .send(Stats)
+                .into_actor(self)
+                .map(move |stats, actor, _| {
+                    let Ok(stats) = stats else {
+                        return;
+                    };
+                    let load = LegLoad {
+                        requests: stats.requests as u64,
+                        grants: stats.grants as u64,
+                        free_blocks: stats.free.iter().map(|&free| free as u64).collect(),
+                        capacity: stats
+                            .capacity
+                            .iter()
+                            .map(|&capacity| u64::from(capacity))
+                            .collect(),
+                    };
+                    for router in &routers {
+                        // Best effort: a report that cannot go is replaced by the next one.
+                        let _ = actor
+                            .peers
+                            .send(router, RequestId(0), 0, Body::Load(load.clone()));
+                    }
+                }),
+        );
     }
 }
 
@@ -188,7 +233,7 @@ impl ExchangeActor {
                 self.hello.role != Role::Prefill
             }
             Body::Decode { .. } | Body::Renewed { .. } => self.hello.role != Role::Decode,
-            Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => true,
+            Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) => true,
             Body::Abort | Body::Ping { .. } | Body::Pong { .. } => false,
         };
         if wrong_leg {
@@ -297,7 +342,7 @@ fn expected_sender(body: &Body) -> Role {
         Body::Renew { .. } | Body::Release { .. } => Role::Decode,
         Body::Renewed { .. } => Role::Prefill,
         // Answers go to the router, never to a leg: refused as misrouted below.
-        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } => Role::Router,
+        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) => Role::Router,
         // Answered before any role check.
         Body::Ping { .. } | Body::Pong { .. } => Role::Router,
     }

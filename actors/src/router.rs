@@ -16,7 +16,7 @@ use actix::{
     Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
 use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine};
-use pdkv_core::wire::{Body, Envelope, KvParams, NodeId, RequestId, Role, Stage};
+use pdkv_core::wire::{Body, Envelope, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::{Hello, check_compat};
 use tokio::sync::oneshot;
@@ -61,6 +61,8 @@ pub struct Router {
     mailbox: usize,
     requests: HashMap<RequestId, Pending>,
     probes: HashMap<RequestId, Probe>,
+    /// Each leg's last load report.
+    loads: HashMap<NodeId, LegLoad>,
 }
 
 impl Router {
@@ -85,6 +87,7 @@ impl Router {
             mailbox,
             requests: HashMap::new(),
             probes: HashMap::new(),
+            loads: HashMap::new(),
         }
     }
 
@@ -104,9 +107,11 @@ impl Router {
         Ok(())
     }
 
-    /// The next leg of `role` among the admitted ones (in name order): the one with the fewest
-    /// of this router's requests in flight (`least_loaded`; ties go round-robin), or each in
-    /// turn (`round_robin`).
+    /// The next leg of `role` among those linked both ways (in name order). `least_loaded`: the
+    /// one with the fewest requests — this router's in flight there, or the leg's own last
+    /// report (which also counts other routers' requests), whichever is more — then the one
+    /// whose scarcest group has the largest free share (from its report); ties go round-robin.
+    /// `round_robin`: each in turn.
     fn pick(&mut self, role: Role) -> Result<Hello, RequestError> {
         let mut legs: Vec<&Hello> = self
             .peers
@@ -136,8 +141,15 @@ impl Router {
                         })
                         .count()
                 };
+                let load = |leg: &Hello| {
+                    let report = self.loads.get(&leg.node);
+                    let requests = report.map_or(0, |load| load.requests as usize);
+                    // Used share of the scarcest group, in thousandths: lower is better.
+                    let used = report.map_or(0, |load| ((1.0 - load.free_share()) * 1000.0) as u64);
+                    (in_flight(leg).max(requests), used)
+                };
                 // `min_by_key` keeps the first of equals: the rotation breaks ties.
-                rotated.min_by_key(|leg| in_flight(leg)).unwrap_or(legs[start])
+                rotated.min_by_key(|leg| load(leg)).unwrap_or(legs[start])
             }
         };
         Ok(hello.clone())
@@ -271,6 +283,7 @@ impl Handler<Admit> for Router {
         let node = msg.hello.node.clone();
         if let Some(old) = self.peers.admit(msg.hello, msg.dialed_in) {
             tracing::warn!(leg = %node, %old, "leg restarted: failing its requests");
+            self.loads.remove(&node);
             let affected: Vec<RequestId> = self
                 .requests
                 .iter()
@@ -319,6 +332,10 @@ impl Handler<Inbound> for Router {
                 return Ok(());
             }
             Body::Pong { .. } => return Ok(()),
+            Body::Load(load) => {
+                self.loads.insert(from, load);
+                return Ok(());
+            }
             _ => {}
         }
         if self.probes.get(&request).is_some_and(|probe| probe.leg == from) {
@@ -346,6 +363,19 @@ impl Handler<Inbound> for Router {
             }
         }
         Ok(())
+    }
+}
+
+/// The legs' last load reports (diagnosis, `/ready`).
+#[derive(Debug, Message)]
+#[rtype(result = "HashMap<NodeId, LegLoad>")]
+pub struct LegLoads;
+
+impl Handler<LegLoads> for Router {
+    type Result = actix::MessageResult<LegLoads>;
+
+    fn handle(&mut self, _msg: LegLoads, _ctx: &mut Self::Context) -> Self::Result {
+        actix::MessageResult(self.loads.clone())
     }
 }
 

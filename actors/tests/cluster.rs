@@ -10,7 +10,7 @@ use pdkv_actors::cluster::LocalCluster;
 use pdkv_actors::config::{ClusterConfig, DEFAULT_CLUSTER_TOML, LinkKind};
 use pdkv_actors::engine::prompt_tokens;
 use pdkv_actors::error::RequestError;
-use pdkv_actors::router::{DecodeOnly, Generate, PrefillOnly};
+use pdkv_actors::router::{DecodeOnly, Generate, LegLoads, PrefillOnly};
 use pdkv_actors::sweep::{self, legacy_predicted_failure};
 use pdkv_core::wire::{Failure, NodeId, RequestId, Stage};
 
@@ -284,6 +284,47 @@ async fn the_router_prefers_the_least_loaded_leg(links: LinkKind) {
         (pd.tokens, pd.logits_digest),
         (direct.tokens, direct.logits_digest)
     );
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+/// The router reads the legs' load reports: a decode leg whose blocks are all held (by nothing
+/// the router sent) says so, and the router sends every request to the other one. Counting only
+/// its own requests in flight it would alternate, and every second request would wait on
+/// decode-0 until `alloc_wait_ms` and fail.
+async fn the_router_avoids_a_leg_that_reports_its_blocks_taken(links: LinkKind) {
+    let second_decode =
+        "[[nodes]]\nname = \"decode-1\"\nrole = \"decode\"\nlookahead_tokens = 9\nblocks_per_group = 64\n";
+    let mut text = DEFAULT_CLUSTER_TOML.replacen("alloc_wait_ms = 5000", "alloc_wait_ms = 300", 1);
+    text.push_str(second_decode);
+    let cluster = start(ClusterConfig::from_toml(&text).unwrap(), links).await;
+    hold_every_decode_block(&cluster).await;
+    // Bounded wait for decode-0's next report (one every LOAD_REPORT_INTERVAL).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let loads = cluster.router().send(LegLoads).await.unwrap();
+        if loads
+            .get(&NodeId("decode-0".into()))
+            .is_some_and(|load| load.requests == 1 && load.free_share() == 0.0)
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no load report from decode-0: {loads:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for seed in 61..65 {
+        let prompt = prompt_tokens(seed, 100, 256);
+        let pd = cluster.generate(prompt.clone(), 2).await.unwrap();
+        let direct = cluster.direct(prompt, 2, None).await.unwrap();
+        assert_eq!(
+            (pd.tokens, pd.logits_digest),
+            (direct.tokens, direct.logits_digest)
+        );
+    }
+    release_decode_blocks(&cluster).await;
     assert_idle(&cluster).await;
     cluster.shutdown();
 }
@@ -777,6 +818,7 @@ macro_rules! on_both_links {
 on_both_links!(
     a_long_prefill_computes_off_the_arbiter,
     the_router_prefers_the_least_loaded_leg,
+    the_router_avoids_a_leg_that_reports_its_blocks_taken,
     pd_equals_direct_with_every_leg_on_one_thread,
     pd_equals_direct_for_every_tail_combination,
     pd_equals_direct_through_the_local_engine_too,

@@ -1071,7 +1071,8 @@ impl Sim {
             | Body::Output(_)
             | Body::Failed { .. }
             | Body::Ping { .. }
-            | Body::Pong { .. } => {
+            | Body::Pong { .. }
+            | Body::Load(_) => {
                 return;
             }
         }

@@ -292,6 +292,34 @@ pub enum Body {
         /// The ping's nonce.
         nonce: u64,
     },
+    /// Leg → router, now and then (about no request): how loaded the leg is, for the router's
+    /// choice of legs.
+    Load(LegLoad),
+}
+
+/// What a leg reports of its load.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LegLoad {
+    /// Requests holding or waiting for blocks on the leg.
+    pub requests: u64,
+    /// Live grants (prefill legs).
+    pub grants: u64,
+    /// Free blocks per group.
+    pub free_blocks: Vec<u64>,
+    /// Blocks per group.
+    pub capacity: Vec<u64>,
+}
+
+impl LegLoad {
+    /// The free share of the scarcest group, in 0..=1 (1 when the leg reports no groups).
+    pub fn free_share(&self) -> f64 {
+        self.free_blocks
+            .iter()
+            .zip(&self.capacity)
+            .filter(|(_, capacity)| **capacity > 0)
+            .map(|(&free, &capacity)| free as f64 / capacity as f64)
+            .fold(1.0, f64::min)
+    }
 }
 
 impl Body {
@@ -309,6 +337,7 @@ impl Body {
             Body::Failed { .. } => "failed",
             Body::Ping { .. } => "ping",
             Body::Pong { .. } => "pong",
+            Body::Load(_) => "load",
         }
     }
 }

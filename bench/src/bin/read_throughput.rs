@@ -202,12 +202,12 @@ fn main() {
     let shm_destination = Arc::new(Region::shared("bench-decode", (total + BLOCK) as usize).expect("memfd"));
     decode.register(0, shm_destination.clone()).expect("register");
     decode
-        .register_remote(&source.shm_engine, &[source.shm_region.clone()])
+        .register_remote(&source.shm_engine, std::slice::from_ref(&source.shm_region))
         .expect("map");
     let net = NetEngine::new(EngineKey("decode".into()), runtime.handle(), String::new());
     let net_destination = Arc::new(Region::heap((total + BLOCK) as usize));
     net.register(0, net_destination.clone()).expect("register");
-    net.register_remote(&source.net_engine, &[source.net_region.clone()])
+    net.register_remote(&source.net_engine, std::slice::from_ref(&source.net_region))
         .expect("register remote");
     runtime
         .block_on(net.connect(
