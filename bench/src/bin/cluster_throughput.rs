@@ -10,6 +10,11 @@
 //! actor on another arbiter shows what one cross-thread hop costs on this machine, back to back
 //! and to a thread that has been idle (parked) for 300 µs; a P/D request makes two such round
 //! trips (router to prefill leg and back, router to decode leg and back), each to an idle thread.
+//!
+//! Last, the same requests through a multi-process cluster (`pdkv launch`: every leg and the
+//! router a process, QUIC between them, the client on the router's HTTP API), if the `pdkv`
+//! binary sits beside this one (`cargo build --release` first). Its baselines: an HTTP round
+//! trip to the router's `/live` on the same keep-alive connection, and the bare QUIC round trip.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -369,5 +374,98 @@ fn main() {
             quic_overhead.as_secs_f64() / needed.as_secs_f64(),
             quic_shared_overhead.as_secs_f64() / needed.as_secs_f64()
         );
+        processes(&prompts, quic.p50, quic_rtt);
     });
+}
+
+/// Serial requests through `pdkv launch` of the same cluster, over HTTP; prints the overhead
+/// over the in-process QUIC cluster's p50 and against the round trips the path needs.
+fn processes(prompts: &[Vec<u32>], in_process_quic_p50: Duration, quic_rtt: Duration) {
+    let Some(pdkv) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join("pdkv")))
+        .filter(|path| path.exists())
+    else {
+        println!("multi-process cluster: skipped (no pdkv binary beside this one: cargo build --release)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("pdkv-bench-processes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("run dir");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, CONFIG).expect("config");
+    let mut launch = std::process::Command::new(pdkv)
+        .args(["launch", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(dir.join("run"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("pdkv launch");
+    let mut router = None;
+    for line in std::io::BufRead::lines(std::io::BufReader::new(launch.stdout.take().expect("stdout"))) {
+        let line = line.expect("launch output");
+        if let Some(rest) = line.strip_prefix("READY router=") {
+            router = rest.split_whitespace().next().map(str::to_string);
+            break;
+        }
+    }
+    let router = router.expect("the cluster came up");
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into();
+    let complete = |prompt: &Vec<u32>| -> serde_json::Value {
+        let body = serde_json::json!({"prompt": prompt, "max_tokens": MAX_TOKENS});
+        agent
+            .post(format!("{router}/v1/completions"))
+            .send_json(&body)
+            .expect("completion")
+            .body_mut()
+            .read_json()
+            .expect("json")
+    };
+    for prompt in prompts.iter().take(50) {
+        complete(prompt);
+    }
+    let mut latencies = Vec::with_capacity(prompts.len());
+    let (mut prefill_ms, mut decode_ms) = (Vec::new(), Vec::new());
+    for prompt in prompts {
+        let sent = Instant::now();
+        let answer = complete(prompt);
+        latencies.push(sent.elapsed());
+        prefill_ms.push(answer["pdkv"]["prefill_ms"].as_f64().unwrap_or(0.0));
+        decode_ms.push(answer["pdkv"]["decode_ms"].as_f64().unwrap_or(0.0));
+    }
+    let mut http = Vec::with_capacity(prompts.len());
+    for _ in prompts {
+        let sent = Instant::now();
+        agent.get(format!("{router}/live")).call().expect("live");
+        http.push(sent.elapsed());
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(launch.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    );
+    let _ = launch.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    latencies.sort();
+    http.sort();
+    prefill_ms.sort_by(f64::total_cmp);
+    decode_ms.sort_by(f64::total_cmp);
+    let (p50, http_p50) = (percentile(&latencies, 0.5), percentile(&http, 0.5));
+    let needed = http_p50 + quic_rtt * 2;
+    println!(
+        "multi-process cluster over HTTP, a process per leg and the router: p50 {:>6.1} us, p99 {:>6.1} us (router's stages p50: prefill {:.1} us, decode {:.1} us)",
+        micros(p50),
+        micros(percentile(&latencies, 0.99)),
+        prefill_ms[prefill_ms.len() / 2] * 1e3,
+        decode_ms[decode_ms.len() / 2] * 1e3,
+    );
+    println!(
+        "  over the in-process QUIC cluster (a thread per leg): +{:.1} us p50; baseline HTTP round trip to /live p50 {:.1} us; the path's HTTP round trip + 2 QUIC round trips {:.1} us; p50 = {:.2}x that",
+        micros(p50) - micros(in_process_quic_p50),
+        micros(http_p50),
+        micros(needed),
+        p50.as_secs_f64() / needed.as_secs_f64()
+    );
 }
