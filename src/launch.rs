@@ -42,6 +42,8 @@ pub struct Member {
     pub log: PathBuf,
     /// Where its `/ready` and `/metrics` are served.
     pub admin_url: String,
+    /// The program started: `pdkv`, or `ssh` for a node on another host.
+    program: PathBuf,
     args: Vec<String>,
     child: Option<Child>,
     /// Times it was started.
@@ -68,6 +70,10 @@ pub struct LaunchOptions {
     pub ready_timeout: Duration,
     /// The `pdkv` binary the children run.
     pub binary: PathBuf,
+    /// The `pdkv` binary on hosts reached through ssh (on their PATH by default).
+    pub remote_binary: String,
+    /// An ssh config file (`ssh -F`) for nodes with `launch = "ssh"`.
+    pub ssh_config: Option<PathBuf>,
 }
 
 /// A running cluster of local processes.
@@ -83,6 +89,8 @@ pub struct Cluster {
     pub members: Vec<Member>,
     /// How long to wait after SIGTERM before SIGKILL.
     grace: Duration,
+    /// How nodes on other hosts are reached.
+    ssh: Option<Ssh>,
 }
 
 /// Binds `host:0` for TCP or UDP and keeps the socket, so no two picks collide.
@@ -147,6 +155,16 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
                 bail!("{config_name}: nodes must be tables");
             };
             let host = checked.address.bind_host().to_string();
+            if let Launch::Ssh { .. } = checked.launch {
+                for key in ["control_port", "data_port", "admin_port"] {
+                    if table.get(key).and_then(toml::Value::as_integer).unwrap_or(0) == 0 {
+                        bail!(
+                            "{config_name}: node {} has launch = \"ssh\" and needs a fixed {key}: a free port on another host cannot be picked from here",
+                            checked.name
+                        );
+                    }
+                }
+            }
             fill_port(table, "control_port", &host, true, &mut reserved)?;
             fill_port(table, "data_port", &host, false, &mut reserved)?;
             fill_port(table, "admin_port", &host, false, &mut reserved)?;
@@ -212,18 +230,52 @@ impl Cluster {
             LogFormat::Json => "json",
         };
         let config_arg = config_path.display().to_string();
+        let ssh = Ssh {
+            config: options.ssh_config.clone(),
+            control_path: run_dir.join("ssh-%C"),
+        };
         for node in &config.nodes {
+            let log = run_dir.join(format!("{}.log", node.name));
+            let admin_url = format!("http://{}", address(&node.address.host, node.address.admin_port));
             if let Launch::Ssh { target } = &node.launch {
-                bail!(
-                    "node {}: launch = \"ssh\" (to {target}) is not supported by this pdkv yet; start it there with `pdkv node --config cluster.toml --node {}`",
-                    node.name,
+                let remote_dir = format!(
+                    "pdkv-run-{}-{}",
+                    run_dir
+                        .file_name()
+                        .map_or("run".into(), |name| name.to_string_lossy()),
+                    std::process::id()
+                );
+                ssh.install(target, &remote_dir, &config_path, &config, &node.name.0)?;
+                let command = format!(
+                    "RUST_LOG={} exec {} --log-format {format} node --config {remote_dir}/cluster.toml --node {}",
+                    shell_quote(
+                        &std::env::var("RUST_LOG").unwrap_or_else(|_| format!(
+                            "{},pdkv=info,pdkv_actors=info",
+                            config.logging.level
+                        ))
+                    ),
+                    shell_quote(&options.remote_binary),
                     node.name
                 );
+                let mut args = ssh.options();
+                // A terminal, so the remote node gets SIGHUP (and drains) when this ssh ends.
+                args.extend(["-tt".into(), target.clone(), command]);
+                members.push(Member {
+                    name: node.name.0.clone(),
+                    log,
+                    admin_url,
+                    program: PathBuf::from("ssh"),
+                    args,
+                    child: None,
+                    starts: 0,
+                });
+                continue;
             }
             members.push(Member {
                 name: node.name.0.clone(),
-                log: run_dir.join(format!("{}.log", node.name)),
-                admin_url: format!("http://{}", address(&node.address.host, node.address.admin_port)),
+                log,
+                admin_url,
+                program: options.binary.clone(),
                 args: vec![
                     "--log-format".into(),
                     format.into(),
@@ -242,6 +294,7 @@ impl Cluster {
             name: ROUTER_NODE.into(),
             log: run_dir.join(format!("{ROUTER_NODE}.log")),
             admin_url: router_url.clone(),
+            program: options.binary.clone(),
             args: vec![
                 "--log-format".into(),
                 format.into(),
@@ -259,16 +312,17 @@ impl Cluster {
             router_url,
             members,
             grace,
+            ssh: Some(ssh),
         };
         for index in 0..cluster.members.len() {
-            cluster.spawn(index, &options.binary)?;
+            cluster.spawn(index)?;
         }
         cluster.wait_ready(options.ready_timeout)?;
         Ok(cluster)
     }
 
     /// Starts member `index` (again).
-    pub fn spawn(&mut self, index: usize, binary: &Path) -> anyhow::Result<()> {
+    pub fn spawn(&mut self, index: usize) -> anyhow::Result<()> {
         let level = self.config.logging.level.clone();
         let member = &mut self.members[index];
         let log = File::options()
@@ -276,7 +330,7 @@ impl Cluster {
             .append(true)
             .open(&member.log)
             .with_context(|| format!("cannot open {}", member.log.display()))?;
-        let mut command = Command::new(binary);
+        let mut command = Command::new(&member.program);
         command
             .args(&member.args)
             .stdin(Stdio::null())
@@ -288,7 +342,7 @@ impl Cluster {
         }
         let child = command
             .spawn()
-            .with_context(|| format!("cannot start {} ({})", member.name, binary.display()))?;
+            .with_context(|| format!("cannot start {} ({})", member.name, member.program.display()))?;
         tracing::info!(node = %member.name, pid = child.id(), "started");
         member.child = Some(child);
         member.starts += 1;
@@ -387,6 +441,18 @@ impl Cluster {
             member.child = None;
             statuses.push((member.name.clone(), status));
         }
+        if let Some(ssh) = self.ssh.take() {
+            let targets: Vec<String> = self
+                .config
+                .nodes
+                .iter()
+                .filter_map(|node| match &node.launch {
+                    Launch::Ssh { target } => Some(target.clone()),
+                    Launch::Local => None,
+                })
+                .collect();
+            ssh.close(&targets);
+        }
         statuses
     }
 }
@@ -395,6 +461,130 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         if self.members.iter().any(|member| member.child.is_some()) {
             self.stop();
+        }
+    }
+}
+
+/// Quotes `text` for a POSIX shell.
+fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// The system ssh with one shared connection per host (ControlMaster) and no prompts
+/// (BatchMode): what `launch = "ssh"` nodes are installed and started through.
+#[derive(Debug, Clone)]
+struct Ssh {
+    config: Option<PathBuf>,
+    control_path: PathBuf,
+}
+
+/// Bound on one ssh setup command (mkdir, copying a file).
+const SSH_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Ssh {
+    fn options(&self) -> Vec<String> {
+        let mut options = Vec::new();
+        if let Some(config) = &self.config {
+            options.extend(["-F".into(), config.display().to_string()]);
+        }
+        for option in [
+            "BatchMode=yes".to_string(),
+            "ControlMaster=auto".to_string(),
+            format!("ControlPath={}", self.control_path.display()),
+            "ControlPersist=60".to_string(),
+            "ConnectTimeout=10".to_string(),
+            "ServerAliveInterval=5".to_string(),
+        ] {
+            options.extend(["-o".into(), option]);
+        }
+        options
+    }
+
+    /// Runs `command` on `target` with `input` on its standard input, bounded.
+    fn run(&self, target: &str, command: &str, input: &[u8]) -> anyhow::Result<()> {
+        use std::io::Write;
+        let mut child = Command::new("ssh")
+            .args(self.options())
+            .arg(target)
+            .arg(command)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("cannot run ssh")?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(input)
+                .with_context(|| format!("ssh {target}: cannot send input"))?;
+        }
+        let deadline = Instant::now() + SSH_SETUP_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!(
+                    "ssh {target} {command:?}: no answer within {} s",
+                    SSH_SETUP_TIMEOUT.as_secs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if !status.success() {
+            let mut stderr = String::new();
+            if let Some(mut pipe) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut pipe, &mut stderr);
+            }
+            bail!("ssh {target} {command:?} failed ({status}): {}", stderr.trim());
+        }
+        Ok(())
+    }
+
+    /// Copies what node `name` needs to `target:dir`: the cluster.toml (with `[tls] dir`
+    /// pointing at the copy) and the CA certificate, its certificate and its key (0600).
+    fn install(
+        &self,
+        target: &str,
+        dir: &str,
+        config_path: &Path,
+        config: &ClusterConfig,
+        name: &str,
+    ) -> anyhow::Result<()> {
+        let tls = config
+            .tls
+            .as_ref()
+            .context("the resolved cluster.toml has no [tls]")?;
+        self.run(target, &format!("umask 077 && mkdir -p {dir}/certs"), &[])?;
+        let text = std::fs::read_to_string(config_path)?;
+        let mut doc: toml::Table = text.parse()?;
+        let mut remote_tls = toml::Table::new();
+        remote_tls.insert("dir".into(), toml::Value::String(format!("{dir}/certs")));
+        doc.insert("tls".into(), toml::Value::Table(remote_tls));
+        self.run(
+            target,
+            &format!("cat > {dir}/cluster.toml"),
+            toml::to_string(&doc)?.as_bytes(),
+        )?;
+        for file in ["ca.pem".to_string(), format!("{name}.pem"), format!("{name}.key")] {
+            let bytes = std::fs::read(tls.dir.join(&file))
+                .with_context(|| format!("cannot read {}", tls.dir.join(&file).display()))?;
+            self.run(target, &format!("umask 077 && cat > {dir}/certs/{file}"), &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the shared connections (their masters outlive single commands otherwise).
+    fn close(&self, targets: &[String]) {
+        for target in targets {
+            let _ = Command::new("ssh")
+                .args(self.options())
+                .args(["-O", "exit", target])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
         }
     }
 }

@@ -51,6 +51,12 @@ pub struct LaunchArgs {
     /// Where `--render` writes.
     #[arg(long, requires = "render")]
     pub out: Option<PathBuf>,
+    /// The `pdkv` binary on hosts of `launch = "ssh"` nodes.
+    #[arg(long, default_value = "pdkv")]
+    pub remote_bin: String,
+    /// An ssh config file (`ssh -F`) for `launch = "ssh"` nodes.
+    #[arg(long)]
+    pub ssh_config: Option<PathBuf>,
     /// With `--render k8s`: the container image holding `pdkv` on its PATH.
     #[arg(long, default_value = "pdkv:latest", requires = "render")]
     pub image: String,
@@ -81,6 +87,8 @@ pub fn options(
         run_dir,
         ready_timeout: Duration::from_secs_f64(ready_timeout),
         binary: std::env::current_exe().context("cannot find the pdkv binary")?,
+        remote_binary: "pdkv".into(),
+        ssh_config: None,
     })
 }
 
@@ -104,7 +112,9 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             .map_or(0, |elapsed| elapsed.as_secs());
         PathBuf::from(format!("pdkv-run-{now}"))
     });
-    let options = options(args.config.as_ref(), run_dir, args.ready_timeout)?;
+    let mut options = options(args.config.as_ref(), run_dir, args.ready_timeout)?;
+    options.remote_binary = args.remote_bin.clone();
+    options.ssh_config = args.ssh_config.clone();
     let mut cluster = Cluster::launch(&options)?;
     for member in &cluster.members {
         println!(
@@ -124,18 +134,14 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the supervisor's runtime")?;
-    let code = runtime.block_on(supervise(&mut cluster, &options, args.restart))?;
+    let code = runtime.block_on(supervise(&mut cluster, args.restart))?;
     for (name, status) in cluster.stop() {
         tracing::info!(node = %name, ?status, "stopped");
     }
     Ok(code)
 }
 
-async fn supervise(
-    cluster: &mut Cluster,
-    options: &LaunchOptions,
-    restart: RestartArg,
-) -> anyhow::Result<ExitCode> {
+async fn supervise(cluster: &mut Cluster, restart: RestartArg) -> anyhow::Result<ExitCode> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
@@ -159,7 +165,7 @@ async fn supervise(
                 member.log.display()
             );
             if restart == RestartArg::OnFailure && member.starts <= MAX_RESTARTS {
-                cluster.spawn(index, &options.binary)?;
+                cluster.spawn(index)?;
                 eprintln!(
                     "{} restarted (start {})",
                     cluster.members[index].name, cluster.members[index].starts

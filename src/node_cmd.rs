@@ -213,14 +213,17 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Waits for SIGTERM or SIGINT.
+/// Waits for SIGTERM, SIGINT or SIGHUP (the ssh session of a node started by `pdkv launch`
+/// ended).
 pub async fn wait_for_shutdown_signal() -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = signal(SignalKind::terminate()).context("cannot watch SIGTERM")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("cannot watch SIGINT")?;
+    let mut hangup = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
     tokio::select! {
         _ = terminate.recv() => tracing::info!("SIGTERM: draining"),
         _ = interrupt.recv() => tracing::info!("SIGINT: draining"),
+        _ = hangup.recv() => tracing::info!("SIGHUP: draining"),
     }
     Ok(())
 }
