@@ -394,51 +394,105 @@ async fn completions(State(state): State<ApiState>, headers: HeaderMap, body: Bo
             return error_response(&error, &request_id);
         }
     };
+    let (token_tx, token_rx) = if completion.stream {
+        // Room for every token: each message carries at least one.
+        let (tx, rx) = tokio::sync::mpsc::channel(completion.max_tokens as usize + 1);
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
+    };
     let generate = Generate {
         prompt: completion.prompt.clone().into(),
         max_tokens: completion.max_tokens,
+        stream: token_tx,
     };
     // The router bounds the request; this bound only guards against a router that is gone.
     let bound = state.request_timeout + Duration::from_secs(5);
-    let result = match tokio::time::timeout(bound, state.router.send(generate)).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(error)) => Err(RequestError::Mailbox {
-            actor: "router",
-            detail: error.to_string(),
-        }),
-        Err(_) => Err(RequestError::Timeout {
-            stage: "router",
-            after_ms: bound.as_millis() as u64,
-        }),
-    };
-    let output = match result {
-        Ok(output) => output,
-        Err(error) => {
-            tracing::warn!(%error, "completion failed");
-            let api = request_error(&error);
-            metrics::counter!("pdkv_requests_total", "outcome" => outcome_label(&api)).increment(1);
-            return if completion.stream {
-                stream_error(&api, &request_id)
-            } else {
-                error_response(&api, &request_id)
-            };
+    let router = state.router.clone();
+    let mut answer = Box::pin(async move {
+        match tokio::time::timeout(bound, router.send(generate)).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(error)) => Err(RequestError::Mailbox {
+                actor: "router",
+                detail: error.to_string(),
+            }),
+            Err(_) => Err(RequestError::Timeout {
+                stage: "router",
+                after_ms: bound.as_millis() as u64,
+            }),
         }
+    });
+    let reply = Reply {
+        id: format!("cmpl-{request_id}"),
+        created: unix_now(),
+        completion,
+        started,
     };
-    metrics::counter!("pdkv_requests_total", "outcome" => "ok").increment(1);
-    metrics::histogram!("pdkv_request_seconds", "stage" => "prefill")
-        .record(output.prefill_stage.as_secs_f64());
-    metrics::histogram!("pdkv_request_seconds", "stage" => "decode")
-        .record(output.decode_stage.as_secs_f64());
-    metrics::histogram!("pdkv_request_seconds", "stage" => "total").record(started.elapsed().as_secs_f64());
-    let id = format!("cmpl-{request_id}");
-    let created = unix_now();
-    let response = if completion.stream {
-        stream_output(&id, created, &completion, &output)
-    } else {
+    if let Some(mut tokens) = token_rx {
+        // Wait for the first token or the answer: a request that fails before its first token
+        // still gets an error status; once a token is out, the answer streams.
+        let first = tokio::select! {
+            result = &mut answer => Err(result),
+            first = tokens.recv() => Ok(first),
+        };
+        let response = match first {
+            Ok(Some(first)) => stream_live(reply, first, tokens, answer),
+            Ok(None) => reply.whole(answer.await),
+            Err(result) => reply.whole(result),
+        };
+        return with_request_id(response, &request_id);
+    }
+    with_request_id(reply.whole(answer.await), &request_id)
+}
+
+/// What every answer to one completion shares.
+struct Reply {
+    id: String,
+    created: u64,
+    completion: Completion,
+    started: Instant,
+}
+
+impl Reply {
+    /// Counts the outcome; the error in OpenAI's shape if it failed.
+    fn record(&self, result: &Result<Output, RequestError>) -> Option<ApiError> {
+        match result {
+            Ok(output) => {
+                metrics::counter!("pdkv_requests_total", "outcome" => "ok").increment(1);
+                metrics::histogram!("pdkv_request_seconds", "stage" => "prefill")
+                    .record(output.prefill_stage.as_secs_f64());
+                metrics::histogram!("pdkv_request_seconds", "stage" => "decode")
+                    .record(output.decode_stage.as_secs_f64());
+                metrics::histogram!("pdkv_request_seconds", "stage" => "total")
+                    .record(self.started.elapsed().as_secs_f64());
+                None
+            }
+            Err(error) => {
+                tracing::warn!(%error, "completion failed");
+                let api = request_error(error);
+                metrics::counter!("pdkv_requests_total", "outcome" => outcome_label(&api)).increment(1);
+                Some(api)
+            }
+        }
+    }
+
+    /// The whole answer at once: JSON, or (streaming) every chunk in one body.
+    fn whole(&self, result: Result<Output, RequestError>) -> Response {
+        if let Some(error) = self.record(&result) {
+            return (error.status, axum::Json(error.body())).into_response();
+        }
+        let Ok(output) = result else {
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        };
+        if self.completion.stream {
+            let mut events = vec![self.chunk(&output.tokens, 0)];
+            events.push(self.tail(&output));
+            return sse_response(Body::from(sse(&events)));
+        }
         let body = json!({
-            "id": id,
+            "id": self.id,
             "object": "text_completion",
-            "created": created,
+            "created": self.created,
             "model": MODEL_NAME,
             "choices": [{
                 "index": 0,
@@ -447,70 +501,131 @@ async fn completions(State(state): State<ApiState>, headers: HeaderMap, body: Bo
                 "logprobs": null,
                 "finish_reason": "length",
             }],
-            "usage": usage(completion.prompt.len(), output.tokens.len()),
+            "usage": usage(self.completion.prompt.len(), output.tokens.len()),
             "pdkv": pdkv_info(&output),
         });
         axum::Json(body).into_response()
-    };
-    with_request_id(response, &request_id)
-}
-
-fn sse(events: &[Value]) -> String {
-    let mut text = String::new();
-    for event in events {
-        text.push_str("data: ");
-        text.push_str(&event.to_string());
-        text.push_str("\n\n");
     }
-    text.push_str("data: [DONE]\n\n");
-    text
-}
 
-fn sse_response(text: String) -> Response {
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from(text))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-}
-
-/// One chunk per generated token, the last with `finish_reason`; a usage chunk if asked for.
-fn stream_output(id: &str, created: u64, completion: &Completion, output: &Output) -> Response {
-    let mut events = Vec::with_capacity(output.tokens.len() + 1);
-    for (index, &token) in output.tokens.iter().enumerate() {
-        let last = index + 1 == output.tokens.len();
-        events.push(json!({
-            "id": id,
+    /// A chunk of `tokens` after `sent` earlier ones; the one that completes `max_tokens`
+    /// carries the finish reason.
+    fn chunk(&self, tokens: &[u32], sent: usize) -> Value {
+        let last = sent + tokens.len() >= self.completion.max_tokens as usize;
+        json!({
+            "id": self.id,
             "object": "text_completion",
-            "created": created,
+            "created": self.created,
             "model": MODEL_NAME,
             "choices": [{
                 "index": 0,
-                "text": token_text(&[token]),
-                "token_ids": [token],
+                "text": token_text(tokens),
+                "token_ids": tokens,
                 "logprobs": null,
                 "finish_reason": if last { Value::from("length") } else { Value::Null },
             }],
-        }));
+        })
     }
-    let mut tail = json!({
-        "id": id,
-        "object": "text_completion",
-        "created": created,
-        "model": MODEL_NAME,
-        "choices": [],
-        "pdkv": pdkv_info(output),
-    });
-    if completion.include_usage {
-        tail["usage"] = usage(completion.prompt.len(), output.tokens.len());
+
+    /// The last chunk: no choices, pdkv's figures, and `usage` if asked for.
+    fn tail(&self, output: &Output) -> Value {
+        let mut tail = json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": MODEL_NAME,
+            "choices": [],
+            "pdkv": pdkv_info(output),
+        });
+        if self.completion.include_usage {
+            tail["usage"] = usage(self.completion.prompt.len(), output.tokens.len());
+        }
+        tail
     }
-    events.push(tail);
-    sse_response(sse(&events))
 }
 
-/// A failed streamed request: the error as an `error` chunk, then `[DONE]`.
-fn stream_error(error: &ApiError, request_id: &str) -> Response {
-    with_request_id(sse_response(sse(&[error.body()])), request_id)
+/// One server-sent event.
+fn event(value: &Value) -> axum::body::Bytes {
+    axum::body::Bytes::from(format!("data: {value}\n\n"))
+}
+
+const DONE: &str = "data: [DONE]\n\n";
+
+fn sse(events: &[Value]) -> String {
+    let mut text = String::new();
+    for value in events {
+        text.push_str(&format!("data: {value}\n\n"));
+    }
+    text.push_str(DONE);
+    text
+}
+
+fn sse_response(body: Body) -> Response {
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// Events a live stream may hold unsent before its writer waits for the client.
+const STREAM_BUFFER: usize = 64;
+
+/// Streams tokens as the decode leg sends them, then the tail (or an `error` chunk), then
+/// `[DONE]`. Tokens the router could not pass on early are taken from the answer, so the stream
+/// always ends with every token of the answer, in order.
+fn stream_live(
+    reply: Reply,
+    first: Vec<u32>,
+    mut tokens: tokio::sync::mpsc::Receiver<Vec<u32>>,
+    mut answer: std::pin::Pin<Box<dyn std::future::Future<Output = Result<Output, RequestError>> + Send>>,
+) -> Response {
+    let (events, body) =
+        tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::convert::Infallible>>(STREAM_BUFFER);
+    tokio::spawn(async move {
+        let mut sent = first.clone();
+        // A client that went away ends the writing, not the request.
+        let _ = events.send(Ok(event(&reply.chunk(&first, 0)))).await;
+        let result = loop {
+            tokio::select! {
+                result = &mut answer => break result,
+                Some(more) = tokens.recv() => {
+                    let _ = events.send(Ok(event(&reply.chunk(&more, sent.len())))).await;
+                    sent.extend(more);
+                }
+            }
+        };
+        while let Ok(more) = tokens.try_recv() {
+            let _ = events.send(Ok(event(&reply.chunk(&more, sent.len())))).await;
+            sent.extend(more);
+        }
+        let last = match (reply.record(&result), result) {
+            (None, Ok(output)) => match output.tokens.strip_prefix(sent.as_slice()) {
+                Some(missing) => {
+                    if !missing.is_empty() {
+                        let _ = events.send(Ok(event(&reply.chunk(missing, sent.len())))).await;
+                    }
+                    reply.tail(&output)
+                }
+                None => ApiError {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: "streamed tokens differ from the decode leg's answer".into(),
+                    kind: "server_error",
+                    param: None,
+                }
+                .body(),
+            },
+            (Some(error), _) => error.body(),
+            (None, Err(_)) => json!({"error": {"message": "no answer", "type": "server_error"}}),
+        };
+        let _ = events.send(Ok(event(&last))).await;
+        let _ = events
+            .send(Ok(axum::body::Bytes::from_static(DONE.as_bytes())))
+            .await;
+    });
+    let stream = futures_util::stream::unfold(body, |mut body| async move {
+        body.recv().await.map(|item| (item, body))
+    });
+    sse_response(Body::from_stream(stream))
 }
 
 #[cfg(test)]

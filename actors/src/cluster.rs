@@ -316,6 +316,7 @@ impl LocalCluster {
         let message = Generate {
             prompt: prompt.into(),
             max_tokens,
+            stream: None,
         };
         ask(&self.router, message, "router").await?
     }

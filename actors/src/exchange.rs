@@ -233,7 +233,11 @@ impl ExchangeActor {
                 self.hello.role != Role::Prefill
             }
             Body::Decode { .. } | Body::Renewed { .. } => self.hello.role != Role::Decode,
-            Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) => true,
+            Body::KvReady(_)
+            | Body::Output(_)
+            | Body::Failed { .. }
+            | Body::Load(_)
+            | Body::Tokens { .. } => true,
             Body::Abort | Body::Ping { .. } | Body::Pong { .. } => false,
         };
         if wrong_leg {
@@ -342,7 +346,9 @@ fn expected_sender(body: &Body) -> Role {
         Body::Renew { .. } | Body::Release { .. } => Role::Decode,
         Body::Renewed { .. } => Role::Prefill,
         // Answers go to the router, never to a leg: refused as misrouted below.
-        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) => Role::Router,
+        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) | Body::Tokens { .. } => {
+            Role::Router
+        }
         // Answered before any role check.
         Body::Ping { .. } | Body::Pong { .. } => Role::Router,
     }

@@ -38,7 +38,13 @@ struct Pending {
     started: Instant,
     /// When the prefill leg's KV parameters arrived.
     kv_ready: Option<Instant>,
+    /// Where the decode leg's streamed tokens go (a streaming client).
+    stream: Option<TokenStream>,
 }
+
+/// The client's end of a streaming request: tokens as the decode leg generates them. Bounded
+/// by the request's `max_tokens` (each message carries at least one token).
+pub type TokenStream = tokio::sync::mpsc::Sender<Vec<u32>>;
 
 /// A request sent to one leg outside any [`RouterMachine`] (diagnosis and tests): the first
 /// answer about it is handed back as is.
@@ -336,6 +342,21 @@ impl Handler<Inbound> for Router {
                 self.loads.insert(from, load);
                 return Ok(());
             }
+            Body::Tokens { tokens } => {
+                let stream = self
+                    .requests
+                    .get(&request)
+                    .filter(|pending| pending.machine.legs().1 == &from)
+                    .and_then(|pending| pending.stream.as_ref());
+                if let Some(stream) = stream
+                    && stream.try_send(tokens).is_err()
+                {
+                    // The client went away, or sent more than it has room for: the answer
+                    // still carries every token.
+                    tracing::debug!(%request, "streamed tokens dropped");
+                }
+                return Ok(());
+            }
             _ => {}
         }
         if self.probes.get(&request).is_some_and(|probe| probe.leg == from) {
@@ -387,6 +408,9 @@ pub struct Generate {
     pub prompt: Arc<[u32]>,
     /// Tokens to generate.
     pub max_tokens: u32,
+    /// Tokens as they are generated, before the answer (a streaming client): a channel with
+    /// room for `max_tokens` messages.
+    pub stream: Option<TokenStream>,
 }
 
 impl Handler<Generate> for Router {
@@ -412,7 +436,8 @@ impl Handler<Generate> for Router {
             (decode.node, decode.incarnation),
             now.saturating_add(self.request_timeout_ms),
             now,
-        );
+        )
+        .with_streaming(msg.stream.is_some());
         let (reply, answer) = oneshot::channel();
         let pending = Pending {
             machine,
@@ -420,6 +445,7 @@ impl Handler<Generate> for Router {
             timer: None,
             started: Instant::now(),
             kv_ready: None,
+            stream: msg.stream,
         };
         self.requests.insert(request, pending);
         self.drive(request, ctx);
@@ -502,6 +528,7 @@ impl Handler<DecodeOnly> for Router {
             Body::Decode {
                 params: msg.params,
                 max_tokens: msg.max_tokens,
+                stream: false,
             },
         );
         Box::pin(async move {

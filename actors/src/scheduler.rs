@@ -199,6 +199,8 @@ struct Job {
     lists: Vec<Vec<BlockId>>,
     deadline_ms: u64,
     timer: MachineTimer,
+    /// The router to send each generated token to (a streaming decode request).
+    stream_to: Option<NodeId>,
 }
 
 /// The scheduler actor of one leg.
@@ -331,6 +333,23 @@ impl Scheduler {
             }
         }
         self.drive(request, ctx);
+    }
+
+    /// A sink that sends each token to `router` as a `Tokens` message, from any thread. A token
+    /// that finds the exchange's mailbox full is not sent (the final `Output` carries it).
+    fn token_sink(&self, request: RequestId, router: NodeId, deadline_ms: u64) -> TokenSink {
+        let (exchange, clock) = (self.exchange.clone(), self.leg.clock);
+        Arc::new(move |token: u32| {
+            let message = Outbound {
+                to: router.clone(),
+                request,
+                budget_ms: deadline_ms.saturating_sub(clock.now_ms()),
+                body: Body::Tokens { tokens: vec![token] },
+            };
+            if exchange.try_send(message).is_err() {
+                tracing::debug!(%request, "a streamed token was not sent: exchange mailbox full");
+            }
+        })
     }
 
     /// Sends `body` about a running request, with the budget its deadline leaves.
@@ -553,6 +572,10 @@ impl Scheduler {
                     return;
                 };
                 let prompt = job.prompt.clone();
+                let sink = job
+                    .stream_to
+                    .clone()
+                    .map(|router| self.token_sink(request, router, deadline_ms));
                 let run = Generation {
                     request,
                     lists: job.lists.clone(),
@@ -560,6 +583,7 @@ impl Scheduler {
                     max_tokens,
                     windows_released_for: Some(prompt.len() as u64 - 1),
                     deadline_ms,
+                    sink,
                 };
                 let work = generate(self.leg.clone(), prompt, run);
                 ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
@@ -651,8 +675,13 @@ impl Scheduler {
                     detail: format!("kv params are for {}, the message for {request}", params.request),
                 })
             }
-            Body::Decode { params, max_tokens } if !self.jobs.contains_key(&request) => {
+            Body::Decode {
+                params,
+                max_tokens,
+                stream,
+            } if !self.jobs.contains_key(&request) => {
                 let prompt: Arc<[u32]> = params.prompt.clone().into();
+                let stream_to = stream.then(|| from.clone());
                 let machine = DecodeMachine::new(
                     self.leg.config.clone(),
                     from,
@@ -662,6 +691,9 @@ impl Scheduler {
                     now,
                 );
                 self.start(request, Machine::Decode(machine), prompt, deadline_ms, ctx);
+                if let Some(job) = self.jobs.get_mut(&request) {
+                    job.stream_to = stream_to;
+                }
                 Ok(())
             }
             Body::Renewed { grant, lease_ms } => {
@@ -727,6 +759,7 @@ impl Scheduler {
             lists: Vec::new(),
             deadline_ms,
             timer: None,
+            stream_to: None,
         };
         self.jobs.insert(request, job);
         self.drive(request, ctx);
@@ -792,7 +825,12 @@ struct Generation {
     /// The attending token the window groups were last trimmed for (`None`: never).
     windows_released_for: Option<u64>,
     deadline_ms: u64,
+    /// Told each token as it is generated (a streaming request), from the compute thread.
+    sink: Option<TokenSink>,
 }
+
+/// Hands generated tokens to the router as they come.
+type TokenSink = Arc<dyn Fn(u32) + Send + Sync>;
 
 /// Where a run of steps on the compute pool stopped.
 struct StepRun {
@@ -839,12 +877,13 @@ async fn generate(
                 .map_err(mailbox)?
                 .map_err(alloc)?;
         }
-        let (batch_leg, lists, slots, released_for, deadline_ms) = (
+        let (batch_leg, lists, slots, released_for, deadline_ms, sink) = (
             leg.clone(),
             run.lists.clone(),
             run.slots,
             run.windows_released_for,
             run.deadline_ms,
+            run.sink.clone(),
         );
         let steps = end.min(slots).saturating_sub(state.position).max(1);
         state = leg
@@ -863,6 +902,9 @@ async fn generate(
                     state.digest.update(&logits);
                     state.token = argmax(&logits);
                     state.tokens.push(state.token);
+                    if let Some(sink) = &sink {
+                        sink(state.token);
+                    }
                     state.position += 1;
                     let attending_token = state.position;
                     if windows
@@ -948,6 +990,7 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
             max_tokens,
             windows_released_for: None,
             deadline_ms,
+            sink: None,
         };
         generate(leg.clone(), prompt.clone(), run).await
     }

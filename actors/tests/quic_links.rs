@@ -224,6 +224,7 @@ async fn a_decode_request_whose_params_name_another_request_fails_cleanly() {
         Body::Decode {
             params: other,
             max_tokens: 2,
+            stream: false,
         },
     );
     assert_eq!(

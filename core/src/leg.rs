@@ -996,6 +996,8 @@ pub struct RouterMachine {
     prefill: NodeId,
     decode: NodeId,
     max_tokens: u32,
+    /// The client streams: the decode leg sends tokens as it generates them.
+    stream: bool,
     deadline_ms: u64,
     state: RouterState,
     /// Incarnation of each leg when the request started; a message from another is stale.
@@ -1021,6 +1023,7 @@ impl RouterMachine {
             prefill: prefill.0,
             decode: decode.0,
             max_tokens,
+            stream: false,
             deadline_ms,
             state: RouterState::Prefilling,
             incarnations,
@@ -1043,6 +1046,12 @@ impl RouterMachine {
     /// The request.
     pub fn request(&self) -> RequestId {
         self.request
+    }
+
+    /// Asks the decode leg to send each token as it is generated (a streaming client).
+    pub fn with_streaming(mut self, stream: bool) -> Self {
+        self.stream = stream;
+        self
     }
 
     /// The legs the request runs on.
@@ -1082,6 +1091,7 @@ impl RouterMachine {
                     Body::Decode {
                         params,
                         max_tokens: self.max_tokens,
+                        stream: self.stream,
                     },
                 );
             }

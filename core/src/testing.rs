@@ -1006,7 +1006,9 @@ impl Sim {
                     PrefillMachine::new(leg.config.clone(), request, from, prompt, decode, deadline, now);
                 leg.prefills.insert(request, machine);
             }
-            Body::Decode { params, max_tokens } => {
+            Body::Decode {
+                params, max_tokens, ..
+            } => {
                 if !leg.seen.insert(request) {
                     let why = if leg.aborted.contains(&request) {
                         "after_abort"
@@ -1072,7 +1074,8 @@ impl Sim {
             | Body::Failed { .. }
             | Body::Ping { .. }
             | Body::Pong { .. }
-            | Body::Load(_) => {
+            | Body::Load(_)
+            | Body::Tokens { .. } => {
                 return;
             }
         }

@@ -249,6 +249,8 @@ pub enum Body {
         params: KvParams,
         /// Tokens to generate.
         max_tokens: u32,
+        /// Send the router each token as it is generated (`Tokens`), for a streaming client.
+        stream: bool,
     },
     /// Decode leg → prefill leg: still waiting, keep the grant.
     Renew {
@@ -295,6 +297,12 @@ pub enum Body {
     /// Leg → router, now and then (about no request): how loaded the leg is, for the router's
     /// choice of legs.
     Load(LegLoad),
+    /// Decode leg → router, for a streaming request: tokens just generated, in order. The
+    /// `Output` at the end still carries every token; these only let the client see them early.
+    Tokens {
+        /// The tokens.
+        tokens: Vec<u32>,
+    },
 }
 
 /// What a leg reports of its load.
@@ -338,6 +346,7 @@ impl Body {
             Body::Ping { .. } => "ping",
             Body::Pong { .. } => "pong",
             Body::Load(_) => "load",
+            Body::Tokens { .. } => "tokens",
         }
     }
 }

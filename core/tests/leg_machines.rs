@@ -1032,3 +1032,25 @@ fn a_renewal_answer_sets_the_next_renewal_from_the_granted_lease() {
     machine.handle_renewed(9, 4);
     assert_eq!(machine.poll_timeout(), Some(4 + 9 / 3));
 }
+
+/// A streaming request asks the decode leg for its tokens as they come; a plain one does not.
+/// Streamed tokens are no part of the protocol's decisions: the router machine ignores them.
+#[test]
+fn a_streaming_request_asks_the_decode_leg_to_stream() {
+    for stream in [false, true] {
+        let mut machine = router().with_streaming(stream);
+        drain_router(&mut machine);
+        machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::KvReady(params()));
+        let commands = drain_router(&mut machine);
+        assert!(
+            matches!(
+                commands.as_slice(),
+                [RouterCommand::Send { body: Body::Decode { stream: asked, .. }, .. }] if *asked == stream
+            ),
+            "{commands:?}"
+        );
+        machine.handle_message(&node("d"), Incarnation(0xDDDD), Body::Tokens { tokens: vec![7] });
+        assert_eq!(drain_router(&mut machine), vec![]);
+        assert!(!machine.is_done());
+    }
+}

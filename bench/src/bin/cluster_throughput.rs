@@ -150,6 +150,7 @@ async fn run_cluster(
                 cluster.router().send(Generate {
                     prompt: Arc::from(prompt.clone()),
                     max_tokens: MAX_TOKENS,
+                    stream: None,
                 })
             })
             .collect();
