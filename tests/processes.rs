@@ -2,144 +2,15 @@
 //! API, on loopback. (Across network namespaces: `tests/netns.rs`.)
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::path::Path;
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-const SHIPPED: &str = include_str!("../cluster.toml");
+mod support;
 
-fn pdkv() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_pdkv"))
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pdkv-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// The shipped cluster.toml with its nodes replaced by `prefill` prefill and `decode` decode legs.
-fn cluster_toml(prefill: usize, decode: usize) -> String {
-    let mut text = SHIPPED[..SHIPPED.find("[[nodes]]").unwrap()].to_string();
-    for (role, count, lookahead) in [("prefill", prefill, 0), ("decode", decode, 9)] {
-        for index in 0..count {
-            text.push_str(&format!(
-                "[[nodes]]\nname = \"{role}-{index}\"\nrole = \"{role}\"\nlookahead_tokens = {lookahead}\nblocks_per_group = 64\n\n"
-            ));
-        }
-    }
-    text
-}
-
-/// A running `pdkv launch`; interrupted (Ctrl-C) and waited for when dropped.
-struct Launched {
-    child: Child,
-    router: String,
-    /// (name, pid, admin URL) per process.
-    members: Vec<(String, u32, String)>,
-    run_dir: PathBuf,
-}
-
-impl Launched {
-    fn start(config: &Path, run_dir: &Path) -> Launched {
-        let mut child = pdkv()
-            .args(["launch", "--config"])
-            .arg(config)
-            .arg("--run-dir")
-            .arg(run_dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (lines_tx, lines_rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if lines_tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut members = Vec::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = match lines_rx.recv_timeout(left) {
-                Ok(line) => line,
-                Err(_) => {
-                    let _ = child.kill();
-                    let output = child.wait_with_output().unwrap();
-                    panic!(
-                        "launch did not get ready: {}",
-                        String::from_utf8_lossy(&output.stderr)
-                    );
-                }
-            };
-            if let Some(rest) = line.strip_prefix("READY router=") {
-                let router = rest.split_whitespace().next().unwrap().to_string();
-                return Launched {
-                    child,
-                    router,
-                    members,
-                    run_dir: run_dir.to_path_buf(),
-                };
-            }
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            if fields.len() >= 4 && fields[1] == "pid" {
-                members.push((
-                    fields[0].to_string(),
-                    fields[2].parse().unwrap(),
-                    fields[3].to_string(),
-                ));
-            }
-        }
-    }
-
-    fn admin(&self, name: &str) -> &str {
-        &self.members.iter().find(|member| member.0 == name).unwrap().2
-    }
-
-    /// Ctrl-C; returns the launcher's exit code.
-    fn interrupt(mut self) -> i32 {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGINT,
-        )
-        .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status.code().unwrap_or(-1);
-            }
-            assert!(Instant::now() < deadline, "launch did not stop");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Launched {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(self.child.id() as i32),
-                nix::sys::signal::Signal::SIGINT,
-            );
-            let _ = self.child.wait();
-        }
-    }
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(60)))
-        .build()
-        .into()
-}
+use support::{Launched, agent, cluster_toml, get, pdkv, process_alive, sample, temp_dir};
 
 /// POSTs `body` to the completions endpoint: (status, X-Request-Id, body text).
 fn post(base: &str, body: &str, request_id: Option<&str>) -> (u16, Option<String>, String) {
@@ -180,29 +51,6 @@ fn post_raw(base: &str, body: &str) -> (u16, String) {
         .and_then(|code| code.parse().ok())
         .unwrap_or(0);
     (status, text)
-}
-
-fn get(url: &str) -> (u16, String) {
-    let mut response = agent().get(url).call().unwrap();
-    (
-        response.status().as_u16(),
-        response.body_mut().read_to_string().unwrap(),
-    )
-}
-
-/// A Prometheus sample's value.
-fn sample(metrics: &str, key: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
-}
-
-fn process_alive(pid: u32) -> bool {
-    // Signal 0 checks existence; a reaped child is gone (ESRCH).
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None).is_ok()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|stat| stat.split_whitespace().nth(2) == Some("Z"))
-            .unwrap_or(true)
 }
 
 /// The router's HTTP API on a launched 1P1D cluster: streamed and plain answers are equal,

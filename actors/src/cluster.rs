@@ -42,7 +42,7 @@ use crate::config::{ClusterConfig, LegThreads, LinkKind, NodeConfig, ROUTER_NODE
 use crate::engine::Model;
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
-use crate::link::{Admit, DoorService, Inbound, Link, LocalLink, QuicLink, SetLink};
+use crate::link::{Admit, DoorService, Inbound, Link, LinkLost, LocalLink, QuicLink, SetLink};
 use crate::memory::LegMemory;
 use crate::router::{Generate, Router};
 use crate::scheduler::{Direct, LegContext, Output, Scheduler};
@@ -137,6 +137,8 @@ pub struct Door {
     pub inbound: Recipient<Inbound>,
     /// Takes a link to a peer.
     pub set_link: Recipient<SetLink>,
+    /// Told when a link to a peer went down.
+    pub lost: Recipient<LinkLost>,
 }
 
 /// The QUIC side of a cluster on QUIC links: one control server and client per node.
@@ -239,6 +241,7 @@ impl LocalCluster {
             config.router.selection,
             config.limits.mailbox,
         )
+        .with_retries(config.failure.max_retries)
         .start();
         let router_incarnation = router_hello.incarnation;
         doors.push(Door {
@@ -246,6 +249,7 @@ impl LocalCluster {
             admit: router.clone().recipient(),
             inbound: router.clone().recipient(),
             set_link: router.clone().recipient(),
+            lost: router.clone().recipient(),
         });
         let quic = match config.transport.links {
             LinkKind::Local => {
@@ -577,6 +581,7 @@ pub(crate) fn start_leg(
         admit: exchange.clone().recipient(),
         inbound: exchange.clone().recipient(),
         set_link: exchange.clone().recipient(),
+        lost: exchange.clone().recipient(),
     };
     let leg = LegHandle {
         node: node.clone(),

@@ -36,6 +36,8 @@ struct ClusterFile {
     #[serde(default)]
     limits: Limits,
     #[serde(default)]
+    failure: FailureConfig,
+    #[serde(default)]
     router: RouterConfig,
     #[serde(default)]
     tls: Option<TlsConfig>,
@@ -163,6 +165,73 @@ pub struct Limits {
     pub max_leg_bytes: u64,
 }
 
+/// `[failure]`: how a lost peer is detected and what the router retries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FailureConfig {
+    /// Heartbeat period of every link between processes (QUIC keep-alives). Default 1000.
+    pub heartbeat_ms: u64,
+    /// Heartbeats missed before a peer is down and its link closed. Default 3.
+    pub heartbeat_misses: u32,
+    /// Times the router starts a request over on another prefill leg when its prefill leg is
+    /// lost, unreachable or refuses it (draining) before the KV parameters came. Default 1.
+    pub max_retries: u32,
+}
+
+impl Default for FailureConfig {
+    fn default() -> Self {
+        FailureConfig {
+            heartbeat_ms: 1000,
+            heartbeat_misses: 3,
+            max_retries: 1,
+        }
+    }
+}
+
+/// Bounds of `[failure]`.
+const HEARTBEAT_MS: std::ops::RangeInclusive<u64> = 10..=60_000;
+const HEARTBEAT_MISSES: std::ops::RangeInclusive<u32> = 1..=100;
+const MAX_RETRIES: u32 = 8;
+
+impl FailureConfig {
+    /// How long a silent peer stays up: `heartbeat_ms` × `heartbeat_misses`.
+    pub fn peer_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.heartbeat_ms.saturating_mul(u64::from(self.heartbeat_misses)))
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        if !HEARTBEAT_MS.contains(&self.heartbeat_ms) {
+            return Err(ConfigError::invalid(
+                "failure.heartbeat_ms",
+                format!(
+                    "{} is outside {}..={}",
+                    self.heartbeat_ms,
+                    HEARTBEAT_MS.start(),
+                    HEARTBEAT_MS.end()
+                ),
+            ));
+        }
+        if !HEARTBEAT_MISSES.contains(&self.heartbeat_misses) {
+            return Err(ConfigError::invalid(
+                "failure.heartbeat_misses",
+                format!(
+                    "{} is outside {}..={}",
+                    self.heartbeat_misses,
+                    HEARTBEAT_MISSES.start(),
+                    HEARTBEAT_MISSES.end()
+                ),
+            ));
+        }
+        if self.max_retries > MAX_RETRIES {
+            return Err(ConfigError::invalid(
+                "failure.max_retries",
+                format!("{} is more than {MAX_RETRIES}", self.max_retries),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
@@ -242,6 +311,8 @@ pub struct ClusterConfig {
     pub transport: TransportConfig,
     /// Bounds.
     pub limits: Limits,
+    /// How lost peers are detected and what is retried.
+    pub failure: FailureConfig,
     /// The router's front door.
     pub router: RouterConfig,
     /// Certificates made by `pdkv certs init` (`None`: a launcher makes throwaway ones).
@@ -312,6 +383,8 @@ impl ClusterConfig {
             ));
         }
         let limits = file.limits;
+        let failure = file.failure;
+        failure.check()?;
         for (key, value) in [
             ("request_timeout_ms", limits.request_timeout_ms),
             ("lease_ms", limits.lease_ms),
@@ -510,6 +583,7 @@ impl ClusterConfig {
             exchange: file.exchange,
             transport: file.transport,
             limits,
+            failure,
             router: file.router,
             tls: file.tls,
             logging: file.logging,
@@ -940,6 +1014,22 @@ mod tests {
                     "read_engine = \"shm\"\nleg_threads = \"many\"",
                 ),
                 "unknown variant `many`, expected `per_leg` or `shared`",
+            ),
+            (
+                with("[[nodes]]", "[failure]\nheartbeat_ms = 5\n[[nodes]]"),
+                "failure.heartbeat_ms: 5 is outside 10..=60000",
+            ),
+            (
+                with("[[nodes]]", "[failure]\nheartbeat_misses = 0\n[[nodes]]"),
+                "failure.heartbeat_misses: 0 is outside 1..=100",
+            ),
+            (
+                with("[[nodes]]", "[failure]\nmax_retries = 9\n[[nodes]]"),
+                "failure.max_retries: 9 is more than 8",
+            ),
+            (
+                with("[[nodes]]", "[failure]\nheartbeats = 3\n[[nodes]]"),
+                "unknown field `heartbeats`",
             ),
             (
                 with("mailbox = 64", "mailbox = 64\ncompute_workers = 0"),

@@ -17,7 +17,7 @@ use pdkv_core::wire::{Body, Envelope, Incarnation, LegLoad, NodeId, RequestId, R
 use pdkv_transport::control::{Hello, check_compat};
 
 use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest, Stats};
-use crate::link::{Admit, Inbound, Peers, Refusal, SetLink};
+use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink};
 use crate::transfer::{AddPeer, TransferActor};
 
 /// A message for the scheduler from a peer, already checked by the exchange.
@@ -179,6 +179,16 @@ impl Handler<Admit> for ExchangeActor {
                 Ok(())
             }),
         )
+    }
+}
+
+impl Handler<LinkLost> for ExchangeActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: LinkLost, _ctx: &mut Self::Context) -> Self::Result {
+        if self.peers.drop_link(&msg.peer, msg.incarnation) {
+            tracing::warn!(node = %self.node(), peer = %msg.peer, reason = %msg.reason, "link lost");
+        }
     }
 }
 

@@ -43,6 +43,19 @@ pub struct Admit {
     pub dialed_in: bool,
 }
 
+/// A door's link to a peer went down: its connection closed (heartbeats missed, or the peer went
+/// away). Requests that depend on that incarnation of the peer fail now, not at their deadline.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct LinkLost {
+    /// The peer.
+    pub peer: NodeId,
+    /// The incarnation the link led to.
+    pub incarnation: Incarnation,
+    /// Why (the connection's close reason).
+    pub reason: String,
+}
+
 /// Sets a door's link to an admitted peer (after dialling it, or in-process wiring).
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -375,6 +388,17 @@ impl Peers {
                 self.peers.insert(node, peer);
                 None
             }
+        }
+    }
+
+    /// Forgets the link to `node` if it still leads to `incarnation`; whether it did.
+    pub fn drop_link(&mut self, node: &NodeId, incarnation: Incarnation) -> bool {
+        match self.peers.get_mut(node) {
+            Some(peer) if peer.hello.incarnation == incarnation && peer.link.is_some() => {
+                peer.link = None;
+                true
+            }
+            _ => false,
         }
     }
 

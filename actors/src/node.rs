@@ -35,7 +35,7 @@ use crate::cluster::{Door, LegHandle, LegParts, Placement, start_leg};
 use crate::config::{ClusterConfig, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
 use crate::error::RequestError;
-use crate::link::{Admit, DoorService, QuicLink, SetLink};
+use crate::link::{Admit, DoorService, LinkLost, QuicLink, SetLink};
 use crate::memory::LegMemory;
 use crate::router::Router;
 use crate::transfer::choose_engine;
@@ -298,6 +298,11 @@ impl NodeProcess {
             .map(|(peer, _)| (peer.clone(), Arc::new(tokio::sync::Notify::new())))
             .collect();
         let on_admit_wake = wake.clone();
+        // Heartbeats on every connection: a peer silent for `peer_timeout` is down.
+        let limits = ControlLimits::with_heartbeat(
+            Duration::from_millis(config.failure.heartbeat_ms),
+            config.failure.heartbeat_misses,
+        );
         let service = DoorService::new(door.admit.clone(), door.inbound.clone()).with_on_admit(Arc::new(
             move |peer: &NodeId| {
                 if let Some(wake) = on_admit_wake.get(peer) {
@@ -310,12 +315,12 @@ impl NodeProcess {
             hello: door.hello.clone(),
             service: Arc::new(service),
             tickets,
-            limits: ControlLimits::default(),
+            limits,
         };
         let server = ControlServer::start(&handle, bind, &identity, setup)
             .map_err(|error| setup_error(&node_id, format!("control server on {bind}: {error}")))?;
         let client_bind = SocketAddr::new(bind.ip(), 0);
-        let client = ControlClient::new(&handle, client_bind, &identity)
+        let client = ControlClient::with_limits(&handle, client_bind, &identity, &limits)
             .map_err(|error| setup_error(&node_id, error))?;
         let board = Arc::new(PeerBoard::default());
         let engine_kinds: Vec<EngineKind> = match &actors {
@@ -501,12 +506,14 @@ fn start_router(config: &ClusterConfig) -> Result<(Addr<Router>, Door), RequestE
         config.router.selection,
         config.limits.mailbox,
     )
+    .with_retries(config.failure.max_retries)
     .start();
     let door = Door {
         hello,
         admit: router.clone().recipient(),
         inbound: router.clone().recipient(),
         set_link: router.clone().recipient(),
+        lost: router.clone().recipient(),
     };
     Ok((router, door))
 }
@@ -629,6 +636,14 @@ impl Dialer {
                     metrics::gauge!("pdkv_peer_up", "peer" => self.peer.0.clone()).set(1.0);
                     let reason = connection.closed().await;
                     tracing::warn!(peer = %self.peer, %reason, "link lost");
+                    let lost = LinkLost {
+                        peer: self.peer.clone(),
+                        incarnation: connection.peer.incarnation,
+                        reason: reason.clone(),
+                    };
+                    if let Err(error) = self.door.lost.send(lost).await {
+                        tracing::error!(peer = %self.peer, %error, "door unreachable");
+                    }
                     metrics::gauge!("pdkv_peer_up", "peer" => self.peer.0.clone()).set(0.0);
                     self.board.update(&self.peer, |state| {
                         state.linked = false;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use actix::{
     Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
-use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine};
+use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine, may_retry_prefill};
 use pdkv_core::wire::{Body, Envelope, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::{Hello, check_compat};
@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 use crate::config::{PromptLimit, PromptTooLong};
 use crate::deployment::Selection;
 use crate::error::RequestError;
-use crate::link::{Admit, Inbound, Peers, Refusal, SetLink};
+use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink};
 use crate::scheduler::Output;
 use crate::timer::{self, MachineTimer};
 
@@ -40,6 +40,27 @@ struct Pending {
     kv_ready: Option<Instant>,
     /// Where the decode leg's streamed tokens go (a streaming client).
     stream: Option<TokenStream>,
+    /// What a retry needs: the request as the client sent it, its deadline, tries so far and
+    /// the prefill legs it failed on.
+    prompt: Arc<[u32]>,
+    max_tokens: u32,
+    deadline_ms: u64,
+    attempts: u32,
+    avoid: Vec<NodeId>,
+}
+
+/// A client's request about to start on some legs (first time, or again).
+struct Attempt {
+    prompt: Arc<[u32]>,
+    max_tokens: u32,
+    deadline_ms: u64,
+    stream: Option<TokenStream>,
+    reply: Reply,
+    started: Instant,
+    attempts: u32,
+    avoid: Vec<NodeId>,
+    /// The error to give the client if no leg is left to try.
+    last_error: Option<RequestError>,
 }
 
 /// The client's end of a streaming request: tokens as the decode leg generates them. Bounded
@@ -69,6 +90,8 @@ pub struct Router {
     probes: HashMap<RequestId, Probe>,
     /// Each leg's last load report.
     loads: HashMap<NodeId, LegLoad>,
+    /// Times a request may start over on another prefill leg (`[failure] max_retries`).
+    max_retries: u32,
 }
 
 impl Router {
@@ -81,6 +104,7 @@ impl Router {
         mailbox: usize,
     ) -> Self {
         Router {
+            max_retries: 0,
             selection,
             peers: Peers::new(hello.node.clone(), hello.incarnation),
             hello,
@@ -95,6 +119,58 @@ impl Router {
             probes: HashMap::new(),
             loads: HashMap::new(),
         }
+    }
+
+    /// Lets a request start over on another prefill leg up to `max_retries` times.
+    pub fn with_retries(mut self, max_retries: u32) -> Self {
+        self.max_retries = max_retries;
+        self
+    }
+
+    /// Starts a request on legs it has not failed on: a new machine under a new id, with what
+    /// is left of the client's deadline. Answers the client at once if no leg is left.
+    fn start_request(&mut self, attempt: Attempt, ctx: &mut Context<Self>) {
+        let legs = self
+            .pick(Role::Prefill, &attempt.avoid)
+            .and_then(|prefill| Ok((prefill, self.pick(Role::Decode, &[])?)));
+        let (prefill, decode) = match legs {
+            Ok(legs) => legs,
+            Err(error) => {
+                let _ = attempt.reply.send(Err(attempt.last_error.unwrap_or(error)));
+                return;
+            }
+        };
+        let request = self.new_request();
+        let now = self.clock.now_ms();
+        if attempt.attempts > 0 {
+            tracing::info!(%request, prefill = %prefill.node, attempt = attempt.attempts, "retrying on another prefill leg");
+            metrics::counter!("pdkv_retries_total").increment(1);
+        }
+        let machine = RouterMachine::new(
+            request,
+            attempt.prompt.to_vec(),
+            attempt.max_tokens,
+            (prefill.node, prefill.incarnation),
+            (decode.node, decode.incarnation),
+            attempt.deadline_ms,
+            now,
+        )
+        .with_streaming(attempt.stream.is_some());
+        let pending = Pending {
+            machine,
+            reply: Some(attempt.reply),
+            timer: None,
+            started: attempt.started,
+            kv_ready: None,
+            stream: attempt.stream,
+            prompt: attempt.prompt,
+            max_tokens: attempt.max_tokens,
+            deadline_ms: attempt.deadline_ms,
+            attempts: attempt.attempts,
+            avoid: attempt.avoid,
+        };
+        self.requests.insert(request, pending);
+        self.drive(request, ctx);
     }
 
     /// Refuses a prompt no leg can hold before any leg does work for it.
@@ -118,11 +194,11 @@ impl Router {
     /// report (which also counts other routers' requests), whichever is more — then the one
     /// whose scarcest group has the largest free share (from its report); ties go round-robin.
     /// `round_robin`: each in turn.
-    fn pick(&mut self, role: Role) -> Result<Hello, RequestError> {
+    fn pick(&mut self, role: Role, avoid: &[NodeId]) -> Result<Hello, RequestError> {
         let mut legs: Vec<&Hello> = self
             .peers
             .linked_hellos()
-            .filter(|hello| hello.role == role)
+            .filter(|hello| hello.role == role && !avoid.contains(&hello.node))
             .collect();
         if legs.is_empty() {
             return Err(RequestError::UnknownNode(format!("no {role} leg")));
@@ -169,6 +245,7 @@ impl Router {
 
     fn drive(&mut self, request: RequestId, ctx: &mut Context<Self>) {
         let now = self.clock.now_ms();
+        let mut retry = None;
         loop {
             let Some(pending) = self.requests.get_mut(&request) else {
                 return;
@@ -188,6 +265,29 @@ impl Router {
                         tracing::warn!(%request, %to, %error, "message not sent");
                         pending.machine.handle_send_failed(&to, error.to_string());
                     }
+                }
+                RouterCommand::Complete(RequestOutcome::Failed { stage, reason })
+                    if pending.attempts < self.max_retries
+                        && pending.reply.is_some()
+                        && may_retry_prefill(stage, &reason, pending.machine.legs().0) =>
+                {
+                    // Nothing was granted: start over elsewhere, within the same deadline.
+                    let lost = pending.machine.legs().0.clone();
+                    tracing::warn!(%request, prefill = %lost, %reason, "prefill leg failed before it committed");
+                    let mut avoid = std::mem::take(&mut pending.avoid);
+                    avoid.push(lost);
+                    let attempt = Attempt {
+                        prompt: pending.prompt.clone(),
+                        max_tokens: pending.max_tokens,
+                        deadline_ms: pending.deadline_ms,
+                        stream: pending.stream.take(),
+                        reply: pending.reply.take().expect("checked above"),
+                        started: pending.started,
+                        attempts: pending.attempts + 1,
+                        avoid,
+                        last_error: Some(RequestError::from_failure(stage, reason, self.request_timeout_ms)),
+                    };
+                    retry = Some(attempt);
                 }
                 RouterCommand::Complete(outcome) => {
                     let result = match outcome {
@@ -212,6 +312,9 @@ impl Router {
                     }
                 }
             }
+        }
+        if let Some(attempt) = retry {
+            self.start_request(attempt, ctx);
         }
         let Some(pending) = self.requests.get_mut(&request) else {
             return;
@@ -307,6 +410,33 @@ impl Handler<Admit> for Router {
             }
         }
         Ok(())
+    }
+}
+
+impl Handler<LinkLost> for Router {
+    type Result = ();
+
+    fn handle(&mut self, msg: LinkLost, ctx: &mut Self::Context) -> Self::Result {
+        if !self.peers.drop_link(&msg.peer, msg.incarnation) {
+            return;
+        }
+        tracing::warn!(leg = %msg.peer, reason = %msg.reason, "leg lost: failing its requests");
+        self.loads.remove(&msg.peer);
+        let affected: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, pending)| {
+                let (prefill, decode) = pending.machine.legs();
+                *prefill == msg.peer || *decode == msg.peer
+            })
+            .map(|(&request, _)| request)
+            .collect();
+        for request in affected {
+            if let Some(pending) = self.requests.get_mut(&request) {
+                pending.machine.handle_peer_lost(&msg.peer);
+            }
+            self.drive(request, ctx);
+        }
     }
 }
 
@@ -417,38 +547,22 @@ impl Handler<Generate> for Router {
     type Result = ResponseActFuture<Self, Result<Output, RequestError>>;
 
     fn handle(&mut self, msg: Generate, ctx: &mut Self::Context) -> Self::Result {
-        let started = self.check_prompt(&msg.prompt).and_then(|()| {
-            let prefill = self.pick(Role::Prefill)?;
-            let decode = self.pick(Role::Decode)?;
-            Ok((prefill, decode))
-        });
-        let (prefill, decode) = match started {
-            Ok(legs) => legs,
-            Err(error) => return Box::pin(actix::fut::ready(Err(error))),
-        };
-        let request = self.new_request();
-        let now = self.clock.now_ms();
-        let machine = RouterMachine::new(
-            request,
-            msg.prompt.to_vec(),
-            msg.max_tokens,
-            (prefill.node, prefill.incarnation),
-            (decode.node, decode.incarnation),
-            now.saturating_add(self.request_timeout_ms),
-            now,
-        )
-        .with_streaming(msg.stream.is_some());
+        if let Err(error) = self.check_prompt(&msg.prompt) {
+            return Box::pin(actix::fut::ready(Err(error)));
+        }
         let (reply, answer) = oneshot::channel();
-        let pending = Pending {
-            machine,
-            reply: Some(reply),
-            timer: None,
-            started: Instant::now(),
-            kv_ready: None,
+        let attempt = Attempt {
+            prompt: msg.prompt,
+            max_tokens: msg.max_tokens,
+            deadline_ms: self.clock.now_ms().saturating_add(self.request_timeout_ms),
             stream: msg.stream,
+            reply,
+            started: Instant::now(),
+            attempts: 0,
+            avoid: Vec::new(),
+            last_error: None,
         };
-        self.requests.insert(request, pending);
-        self.drive(request, ctx);
+        self.start_request(attempt, ctx);
         Box::pin(
             async move {
                 answer.await.unwrap_or_else(|_| {

@@ -1005,6 +1005,21 @@ pub struct RouterMachine {
     commands: VecDeque<RouterCommand>,
 }
 
+/// Whether a request that failed in `stage` with `reason` may start over on another prefill
+/// leg: only while its prefill had not committed (no KV parameters came back, so nothing was
+/// granted that the decode leg could still read), and only when that prefill leg itself was lost,
+/// unreachable, or refused the request (a draining leg). A request the prefill leg failed on
+/// its own (no blocks, a bad prompt, its deadline) would fail again elsewhere, and is not retried.
+pub fn may_retry_prefill(stage: Stage, reason: &Failure, prefill: &NodeId) -> bool {
+    stage == Stage::Prefill
+        && match reason {
+            Failure::LegLost(leg) => leg == prefill,
+            Failure::Unreachable { to, .. } => to == prefill,
+            Failure::Refused { node, .. } => node == prefill,
+            _ => false,
+        }
+}
+
 impl RouterMachine {
     /// Starts `request`: asks `prefill` to compute `prompt` for `decode`.
     #[allow(clippy::too_many_arguments)]

@@ -1054,3 +1054,41 @@ fn a_streaming_request_asks_the_decode_leg_to_stream() {
         assert!(!machine.is_done());
     }
 }
+
+/// Only a prefill leg that was lost, unreachable or refused the request, before it handed out KV
+/// parameters, is worth another try elsewhere; nothing else is retried.
+#[test]
+fn only_a_lost_or_refusing_prefill_leg_is_retried_and_only_before_it_commits() {
+    use pdkv_core::leg::may_retry_prefill;
+    use pdkv_core::wire::{Failure, Stage};
+    let (p, d) = (node("p"), node("d"));
+    let unreachable = |to: &NodeId| Failure::Unreachable {
+        to: to.clone(),
+        detail: "link gone".into(),
+    };
+    let refused = |by: &NodeId| Failure::Refused {
+        node: by.clone(),
+        reason: "draining".into(),
+    };
+    for reason in [Failure::LegLost(p.clone()), unreachable(&p), refused(&p)] {
+        assert!(may_retry_prefill(Stage::Prefill, &reason, &p), "{reason}");
+        // After the prefill committed, the stage is the decode's: never retried here.
+        assert!(!may_retry_prefill(Stage::Decode, &reason, &p), "{reason}");
+        assert!(!may_retry_prefill(Stage::Read, &reason, &p), "{reason}");
+    }
+    // The decode leg lost while the prefill computes: not the prefill leg's fault.
+    for reason in [Failure::LegLost(d.clone()), unreachable(&d), refused(&d)] {
+        assert!(!may_retry_prefill(Stage::Prefill, &reason, &p), "{reason}");
+    }
+    for reason in [
+        Failure::DeadlinePassed,
+        Failure::EmptyPrompt,
+        Failure::NoFreeBlocks {
+            waited_ms: 5,
+            last: "out of blocks".into(),
+        },
+        Failure::Cancelled,
+    ] {
+        assert!(!may_retry_prefill(Stage::Prefill, &reason, &p), "{reason}");
+    }
+}

@@ -171,8 +171,23 @@ pub struct ControlLimits {
     pub max_frame_streams: u32,
     /// Time a client has to send its hello.
     pub handshake_timeout: Duration,
-    /// A connection with no traffic for this long is closed.
+    /// A connection with no traffic for this long is closed: the peer is taken for down.
     pub idle_timeout: Duration,
+    /// How often an idle connection sends a keep-alive (the heartbeat); several must fit in
+    /// `idle_timeout`.
+    pub keep_alive: Duration,
+}
+
+impl ControlLimits {
+    /// Limits whose heartbeat is `heartbeat` and that take a peer for down after `misses` of
+    /// them go unanswered.
+    pub fn with_heartbeat(heartbeat: Duration, misses: u32) -> Self {
+        ControlLimits {
+            idle_timeout: heartbeat.saturating_mul(misses.max(1)),
+            keep_alive: heartbeat,
+            ..ControlLimits::default()
+        }
+    }
 }
 
 impl Default for ControlLimits {
@@ -183,6 +198,7 @@ impl Default for ControlLimits {
             max_frame_streams: 4,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(10),
         }
     }
 }
@@ -193,7 +209,7 @@ fn transport_config(limits: &ControlLimits) -> Result<quinn::TransportConfig, Co
         .map_err(|error| ControlError::Config(error.to_string()))?;
     transport
         .max_idle_timeout(Some(idle))
-        .keep_alive_interval(Some(limits.idle_timeout / 3))
+        .keep_alive_interval(Some(limits.keep_alive.min(limits.idle_timeout)))
         .max_concurrent_bidi_streams(limits.max_streams.into())
         .max_concurrent_uni_streams(limits.max_frame_streams.into());
     Ok(transport)
@@ -449,16 +465,35 @@ impl ControlClient {
         bind: SocketAddr,
         identity: &NodeIdentity,
     ) -> Result<Self, ControlError> {
-        Self::with_config(runtime, bind, identity.client_config()?)
+        Self::with_limits(runtime, bind, identity, &ControlLimits::default())
+    }
+
+    /// A client whose connections heartbeat and time out as `limits` say.
+    pub fn with_limits(
+        runtime: &tokio::runtime::Handle,
+        bind: SocketAddr,
+        identity: &NodeIdentity,
+        limits: &ControlLimits,
+    ) -> Result<Self, ControlError> {
+        Self::configured(runtime, bind, identity.client_config()?, limits)
     }
 
     /// A client with an explicit QUIC client config (tests use one without a certificate).
     pub fn with_config(
         runtime: &tokio::runtime::Handle,
         bind: SocketAddr,
-        mut config: quinn::ClientConfig,
+        config: quinn::ClientConfig,
     ) -> Result<Self, ControlError> {
-        config.transport_config(Arc::new(transport_config(&ControlLimits::default())?));
+        Self::configured(runtime, bind, config, &ControlLimits::default())
+    }
+
+    fn configured(
+        runtime: &tokio::runtime::Handle,
+        bind: SocketAddr,
+        mut config: quinn::ClientConfig,
+        limits: &ControlLimits,
+    ) -> Result<Self, ControlError> {
+        config.transport_config(Arc::new(transport_config(limits)?));
         let _guard = runtime.enter();
         let mut endpoint =
             quinn::Endpoint::client(bind).map_err(|error| ControlError::Io(error.to_string()))?;

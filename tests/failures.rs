@@ -1,0 +1,182 @@
+//! Leg failures in a cluster of real processes: a frozen prefill leg is detected by missed
+//! heartbeats and its requests start over on the other prefill leg; a killed decode leg is
+//! detected, restarted by the launcher under a new incarnation and linked again; nothing leaks.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+mod support;
+
+use support::{Launched, agent, cluster_toml, get, pdkv, sample, temp_dir};
+
+/// Heartbeats every 100 ms, a peer down after 3 missed; one retry; short leases so anything a
+/// frozen leg pinned lapses quickly.
+const FAILURE: &str = "[failure]\nheartbeat_ms = 100\nheartbeat_misses = 3\nmax_retries = 1\n";
+
+fn with_failure_policy(text: String) -> String {
+    text.replacen("lease_ms = 10000", "lease_ms = 1500", 1).replacen(
+        "[[nodes]]",
+        &format!("{FAILURE}\n[[nodes]]"),
+        1,
+    )
+}
+
+fn ready(url: &str) -> Value {
+    let (_, text) = get(&format!("{url}/ready"));
+    serde_json::from_str(&text).unwrap_or(Value::Null)
+}
+
+/// Waits (bounded) until `check` holds for the router's `/ready`.
+fn wait_for(router: &str, what: &str, check: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let state = ready(router);
+        if check(&state) {
+            return state;
+        }
+        assert!(Instant::now() < deadline, "{what}: {state}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn sweep(config: &std::path::Path, router: &str, legs: &[String], lengths: &str) -> Value {
+    let output = pdkv()
+        .args(["sweep", "--config"])
+        .arg(config)
+        .args([
+            "--router",
+            router,
+            "--json",
+            "--lengths",
+            lengths,
+            "--legs",
+            &legs.join(","),
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+/// prefill-0 frozen (SIGSTOP): requests sent to it fail over to prefill-1 once its heartbeats
+/// stop (≈ 300 ms), every answer still equals direct; after SIGCONT it is linked again, serves
+/// again, and every leg's blocks are back to capacity.
+#[test]
+fn a_frozen_prefill_leg_is_detected_and_its_requests_start_over_elsewhere() {
+    let dir = temp_dir("frozen-prefill");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, with_failure_policy(cluster_toml(2, 1))).unwrap();
+    let launched = Launched::start(&config, &dir.join("run"));
+    let router = launched.router.clone();
+    let legs: Vec<String> = ["prefill-0", "prefill-1", "decode-0"]
+        .iter()
+        .map(|name| format!("{name}={}", launched.admin(name)))
+        .collect();
+    let frozen = launched
+        .members
+        .iter()
+        .find(|member| member.0 == "prefill-0")
+        .unwrap()
+        .1;
+    kill(Pid::from_raw(frozen as i32), Signal::SIGSTOP).unwrap();
+    let started = Instant::now();
+    // Sent at once: the first ones may still be routed to prefill-0 before it is found out.
+    let lengths = "10,200,300,400,500,600";
+    let output = pdkv()
+        .args(["sweep", "--config"])
+        .arg(&config)
+        .args(["--router", &router, "--json", "--lengths", lengths])
+        .output()
+        .unwrap();
+    let elapsed = started.elapsed();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{stdout}");
+    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["summary"]["matched"], 6, "{summary}");
+    assert!(
+        elapsed < Duration::from_secs(15),
+        "failed over in {elapsed:?}, not at the 30 s deadline"
+    );
+    let state = ready(&router);
+    assert_eq!(state["peers"]["prefill-0"]["linked"], false, "{state}");
+    let (_, metrics) = get(&format!("{router}/metrics"));
+    let retries = sample(&metrics, "pdkv_retries_total").unwrap_or(0.0);
+    assert!(
+        retries >= 1.0,
+        "the request routed to the frozen leg was retried: {metrics}"
+    );
+    assert_eq!(
+        sample(&metrics, r#"pdkv_peer_up{peer="prefill-0"}"#),
+        Some(0.0),
+        "{metrics}"
+    );
+
+    kill(Pid::from_raw(frozen as i32), Signal::SIGCONT).unwrap();
+    wait_for(&router, "prefill-0 linked again after SIGCONT", |state| {
+        state["peers"]["prefill-0"]["linked"] == true
+    });
+    let summary = sweep(&config, &router, &legs, "1..=12,700");
+    assert_eq!(summary["summary"]["matched"], 13, "{summary}");
+    assert_eq!(summary["summary"]["legs_idle"], true, "{summary}");
+    assert_eq!(launched.interrupt(), 0);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// decode-0 killed (SIGKILL) under `--restart on-failure`: the launcher starts it again, the
+/// router drops the dead incarnation within a few heartbeats and links the new one, requests
+/// succeed again and nothing leaks.
+#[test]
+fn a_killed_decode_leg_is_restarted_and_linked_under_a_new_incarnation() {
+    let dir = temp_dir("killed-decode");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, with_failure_policy(cluster_toml(1, 1))).unwrap();
+    let launched = Launched::start_with(&config, &dir.join("run"), &["--restart", "on-failure"]);
+    let router = launched.router.clone();
+    let legs: Vec<String> = ["prefill-0", "decode-0"]
+        .iter()
+        .map(|name| format!("{name}={}", launched.admin(name)))
+        .collect();
+    let before = ready(&router)["peers"]["decode-0"]["incarnation"].clone();
+    assert!(before.is_u64(), "{before}");
+    let victim = launched
+        .members
+        .iter()
+        .find(|member| member.0 == "decode-0")
+        .unwrap()
+        .1;
+    let killed = Instant::now();
+    kill(Pid::from_raw(victim as i32), Signal::SIGKILL).unwrap();
+    let state = wait_for(&router, "decode-0 back under a new incarnation", |state| {
+        let peer = &state["peers"]["decode-0"];
+        peer["linked"] == true && peer["incarnation"] != before
+    });
+    let recovered = killed.elapsed();
+    assert!(recovered < Duration::from_secs(20), "recovered in {recovered:?}");
+    assert_ne!(state["peers"]["decode-0"]["incarnation"], before);
+    // A request sent now is served by the new decode leg, with the right output.
+    let (status, text) = {
+        let mut response = agent()
+            .post(format!("{router}/v1/completions"))
+            .send_json(serde_json::json!({"prompt": "after the restart", "max_tokens": 3}))
+            .unwrap();
+        (
+            response.status().as_u16(),
+            response.body_mut().read_to_string().unwrap(),
+        )
+    };
+    assert_eq!(status, 200, "{text}");
+    let summary = sweep(&config, &router, &legs, "1..=10,64,65,129,500");
+    assert_eq!(summary["summary"]["matched"], 14, "{summary}");
+    assert_eq!(summary["summary"]["legs_idle"], true, "{summary}");
+    assert_eq!(launched.interrupt(), 0);
+    std::fs::remove_dir_all(dir).ok();
+}
