@@ -10,7 +10,7 @@ use serde_json::Value;
 
 mod support;
 
-use support::{Launched, agent, cluster_toml, get, pdkv, sample, temp_dir};
+use support::{Launched, agent, cluster_toml, get, sample, sweep_running, temp_dir};
 
 /// Heartbeats every 100 ms, a peer down after 3 missed; one retry; short leases so anything a
 /// frozen leg pinned lapses quickly.
@@ -42,31 +42,6 @@ fn wait_for(router: &str, what: &str, check: impl Fn(&Value) -> bool) -> Value {
     }
 }
 
-fn sweep(config: &std::path::Path, router: &str, legs: &[String], lengths: &str) -> Value {
-    let output = pdkv()
-        .args(["sweep", "--config"])
-        .arg(config)
-        .args([
-            "--router",
-            router,
-            "--json",
-            "--lengths",
-            lengths,
-            "--legs",
-            &legs.join(","),
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
-}
-
 /// prefill-0 frozen (SIGSTOP): requests sent to it fail over to prefill-1 once its heartbeats
 /// stop (≈ 300 ms), every answer still equals direct; after SIGCONT it is linked again, serves
 /// again, and every leg's blocks are back to capacity.
@@ -91,16 +66,8 @@ fn a_frozen_prefill_leg_is_detected_and_its_requests_start_over_elsewhere() {
     let started = Instant::now();
     // Sent at once: the first ones may still be routed to prefill-0 before it is found out.
     let lengths = "10,200,300,400,500,600";
-    let output = pdkv()
-        .args(["sweep", "--config"])
-        .arg(&config)
-        .args(["--router", &router, "--json", "--lengths", lengths])
-        .output()
-        .unwrap();
+    let summary = sweep_running(&config, &router, &[], lengths);
     let elapsed = started.elapsed();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert_eq!(output.status.code(), Some(0), "{stdout}");
-    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(summary["summary"]["matched"], 6, "{summary}");
     assert!(
         elapsed < Duration::from_secs(15),
@@ -124,7 +91,7 @@ fn a_frozen_prefill_leg_is_detected_and_its_requests_start_over_elsewhere() {
     wait_for(&router, "prefill-0 linked again after SIGCONT", |state| {
         state["peers"]["prefill-0"]["linked"] == true
     });
-    let summary = sweep(&config, &router, &legs, "1..=12,700");
+    let summary = sweep_running(&config, &router, &legs, "1..=12,700");
     assert_eq!(summary["summary"]["matched"], 13, "{summary}");
     assert_eq!(summary["summary"]["legs_idle"], true, "{summary}");
     assert_eq!(launched.interrupt(), 0);
@@ -174,7 +141,7 @@ fn a_killed_decode_leg_is_restarted_and_linked_under_a_new_incarnation() {
         )
     };
     assert_eq!(status, 200, "{text}");
-    let summary = sweep(&config, &router, &legs, "1..=10,64,65,129,500");
+    let summary = sweep_running(&config, &router, &legs, "1..=10,64,65,129,500");
     assert_eq!(summary["summary"]["matched"], 14, "{summary}");
     assert_eq!(summary["summary"]["legs_idle"], true, "{summary}");
     assert_eq!(launched.interrupt(), 0);

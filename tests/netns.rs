@@ -11,6 +11,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod support;
+
+use support::sweep_running;
+
 const SHIPPED: &str = include_str!("../cluster.toml");
 
 fn run(program: &str, args: &[&str]) {
@@ -210,28 +214,8 @@ fn legs_in_two_network_namespaces_read_over_the_network_engine() {
         }
     }
 
-    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args(["sweep", "--config"])
-        .arg(&config)
-        .args([
-            "--router",
-            &router,
-            "--json",
-            "--lengths",
-            "1..=20,64,65,128,129,500,1101",
-        ])
-        .arg("--legs")
-        .arg(format!("prefill-0={prefill},decode-0={decode}"))
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let legs = [format!("prefill-0={prefill}"), format!("decode-0={decode}")];
+    let summary = sweep_running(&config, &router, &legs, "1..=20,64,65,128,129,500,1101");
     assert_eq!(summary["summary"]["matched"], 26, "{summary}");
     assert_eq!(summary["summary"]["legs_idle"], true);
     assert!(summary["summary"]["read_bytes"].as_u64().unwrap() > 0);

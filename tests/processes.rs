@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 mod support;
 
-use support::{Launched, agent, cluster_toml, get, pdkv, process_alive, sample, temp_dir};
+use support::{Launched, agent, cluster_toml, get, pdkv, process_alive, sample, sweep_running, temp_dir};
 
 /// POSTs `body` to the completions endpoint: (status, X-Request-Id, body text).
 fn post(base: &str, body: &str, request_id: Option<&str>) -> (u16, Option<String>, String) {
@@ -280,21 +280,12 @@ fn two_prefill_two_decode_spreads_requests_and_leaks_nothing() {
         .iter()
         .map(|name| format!("{name}={}", launched.admin(name)))
         .collect();
-    let output = pdkv()
-        .args(["sweep", "--config"])
-        .arg(&config)
-        .args(["--router", &launched.router, "--legs", &legs.join(","), "--json"])
-        .args(["--lengths", "1..=40,63..=66,127..=130,500,1000"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
+    let summary = sweep_running(
+        &config,
+        &launched.router,
+        &legs,
+        "1..=40,63..=66,127..=130,500,1000",
     );
-    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(summary["summary"]["matched"], 50, "{summary}");
     assert_eq!(summary["summary"]["legs_idle"], true);
     for name in ["prefill-0", "prefill-1", "decode-0", "decode-1"] {

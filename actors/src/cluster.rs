@@ -224,33 +224,9 @@ impl LocalCluster {
             legs.push(leg);
             doors.push(door);
         }
-        let router_hello = Hello {
-            node: NodeId(ROUTER_NODE.into()),
-            role: Role::Router,
-            incarnation: incarnation()?,
-            regions: RegionLayout::default(),
-            protocol_version: PROTOCOL_VERSION,
-            layout_hash: config.layout.compat_hash(),
-            engines: Vec::new(),
-            host: host_id(),
-        };
-        let router = Router::new(
-            router_hello.clone(),
-            config.limits.request_timeout_ms,
-            config.prompt_limit(),
-            config.router.selection,
-            config.limits.mailbox,
-        )
-        .with_retries(config.failure.max_retries)
-        .start();
-        let router_incarnation = router_hello.incarnation;
-        doors.push(Door {
-            hello: router_hello,
-            admit: router.clone().recipient(),
-            inbound: router.clone().recipient(),
-            set_link: router.clone().recipient(),
-            lost: router.clone().recipient(),
-        });
+        let (router, router_door) = start_router(&config)?;
+        let router_incarnation = router_door.hello.incarnation;
+        doors.push(router_door);
         let quic = match config.transport.links {
             LinkKind::Local => {
                 link_locally(&doors).await?;
@@ -398,6 +374,37 @@ impl LocalCluster {
             let _ = arbiter.join();
         }
     }
+}
+
+/// Starts the router actor of `config` on this thread, and its door.
+pub(crate) fn start_router(config: &ClusterConfig) -> Result<(Addr<Router>, Door), RequestError> {
+    let hello = Hello {
+        node: NodeId(ROUTER_NODE.into()),
+        role: Role::Router,
+        incarnation: incarnation()?,
+        regions: RegionLayout::default(),
+        protocol_version: PROTOCOL_VERSION,
+        layout_hash: config.layout.compat_hash(),
+        engines: Vec::new(),
+        host: host_id(),
+    };
+    let router = Router::new(
+        hello.clone(),
+        config.limits.request_timeout_ms,
+        config.prompt_limit(),
+        config.router.selection,
+        config.limits.mailbox,
+    )
+    .with_retries(config.failure.max_retries)
+    .start();
+    let door = Door {
+        hello,
+        admit: router.clone().recipient(),
+        inbound: router.clone().recipient(),
+        set_link: router.clone().recipient(),
+        lost: router.clone().recipient(),
+    };
+    Ok((router, door))
 }
 
 /// Where a leg's actors run.

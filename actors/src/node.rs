@@ -15,23 +15,20 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use actix::{Actor, Addr};
+use actix::Addr;
 use pdkv_core::grant::GrantTable;
-use pdkv_core::plan::RegionLayout;
 use pdkv_core::wire::{NodeId, Role};
 use pdkv_transport::clock::MonotonicClock;
-use pdkv_transport::codec::PROTOCOL_VERSION;
 use pdkv_transport::control::{
-    ControlClient, ControlLimits, ControlServer, Hello, PeerConnection, ServerSetup, TransportRuntime,
+    ControlClient, ControlLimits, ControlServer, PeerConnection, ServerSetup, TransportRuntime,
 };
 use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine};
-use pdkv_transport::host::host_id;
 use pdkv_transport::mapped::MappedEngine;
 use pdkv_transport::net::{GrantAuthorizer, MemoryServer, MemoryServerLimits, NetEngine, TicketBook};
 use pdkv_transport::tls::NodeIdentity;
 use serde::Serialize;
 
-use crate::cluster::{Door, LegHandle, LegParts, Placement, start_leg};
+use crate::cluster::{Door, LegHandle, LegParts, Placement, start_leg, start_router};
 use crate::config::{ClusterConfig, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
 use crate::error::RequestError;
@@ -485,37 +482,6 @@ pub fn readiness(
         draining,
         peers: board.snapshot(),
     }
-}
-
-fn start_router(config: &ClusterConfig) -> Result<(Addr<Router>, Door), RequestError> {
-    let hello = Hello {
-        node: NodeId(ROUTER_NODE.into()),
-        role: Role::Router,
-        incarnation: pdkv_transport::control::new_incarnation()
-            .map_err(|error| RequestError::NoRandomness(error.to_string()))?,
-        regions: RegionLayout::default(),
-        protocol_version: PROTOCOL_VERSION,
-        layout_hash: config.layout.compat_hash(),
-        engines: Vec::new(),
-        host: host_id(),
-    };
-    let router = Router::new(
-        hello.clone(),
-        config.limits.request_timeout_ms,
-        config.prompt_limit(),
-        config.router.selection,
-        config.limits.mailbox,
-    )
-    .with_retries(config.failure.max_retries)
-    .start();
-    let door = Door {
-        hello,
-        admit: router.clone().recipient(),
-        inbound: router.clone().recipient(),
-        set_link: router.clone().recipient(),
-        lost: router.clone().recipient(),
-    };
-    Ok((router, door))
 }
 
 struct ProcessLeg {

@@ -121,6 +121,27 @@ impl Router {
         }
     }
 
+    /// A leg (that incarnation of it) is gone: its load report goes, and every request on it
+    /// fails, or starts over where the policy allows.
+    fn leg_lost(&mut self, leg: &NodeId, ctx: &mut Context<Self>) {
+        self.loads.remove(leg);
+        let affected: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, pending)| {
+                let (prefill, decode) = pending.machine.legs();
+                prefill == leg || decode == leg
+            })
+            .map(|(&request, _)| request)
+            .collect();
+        for request in affected {
+            if let Some(pending) = self.requests.get_mut(&request) {
+                pending.machine.handle_peer_lost(leg);
+            }
+            self.drive(request, ctx);
+        }
+    }
+
     /// Lets a request start over on another prefill leg up to `max_retries` times.
     pub fn with_retries(mut self, max_retries: u32) -> Self {
         self.max_retries = max_retries;
@@ -392,22 +413,7 @@ impl Handler<Admit> for Router {
         let node = msg.hello.node.clone();
         if let Some(old) = self.peers.admit(msg.hello, msg.dialed_in) {
             tracing::warn!(leg = %node, %old, "leg restarted: failing its requests");
-            self.loads.remove(&node);
-            let affected: Vec<RequestId> = self
-                .requests
-                .iter()
-                .filter(|(_, pending)| {
-                    let (prefill, decode) = pending.machine.legs();
-                    *prefill == node || *decode == node
-                })
-                .map(|(&request, _)| request)
-                .collect();
-            for request in affected {
-                if let Some(pending) = self.requests.get_mut(&request) {
-                    pending.machine.handle_peer_lost(&node);
-                }
-                self.drive(request, ctx);
-            }
+            self.leg_lost(&node, ctx);
         }
         Ok(())
     }
@@ -421,22 +427,7 @@ impl Handler<LinkLost> for Router {
             return;
         }
         tracing::warn!(leg = %msg.peer, reason = %msg.reason, "leg lost: failing its requests");
-        self.loads.remove(&msg.peer);
-        let affected: Vec<RequestId> = self
-            .requests
-            .iter()
-            .filter(|(_, pending)| {
-                let (prefill, decode) = pending.machine.legs();
-                *prefill == msg.peer || *decode == msg.peer
-            })
-            .map(|(&request, _)| request)
-            .collect();
-        for request in affected {
-            if let Some(pending) = self.requests.get_mut(&request) {
-                pending.machine.handle_peer_lost(&msg.peer);
-            }
-            self.drive(request, ctx);
-        }
+        self.leg_lost(&msg.peer, ctx);
     }
 }
 

@@ -167,3 +167,28 @@ pub fn process_alive(pid: u32) -> bool {
             .map(|stat| stat.split_whitespace().nth(2) == Some("Z"))
             .unwrap_or(true)
 }
+
+/// `pdkv sweep` against a running router (`--legs` checked for leaks): asserts it exits 0 and
+/// returns its summary line.
+pub fn sweep_running(config: &Path, router: &str, legs: &[String], lengths: &str) -> serde_json::Value {
+    let mut command = pdkv();
+    command.args(["sweep", "--config"]).arg(config).args([
+        "--router",
+        router,
+        "--json",
+        "--lengths",
+        lengths,
+    ]);
+    if !legs.is_empty() {
+        command.args(["--legs", &legs.join(",")]);
+    }
+    let output = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
