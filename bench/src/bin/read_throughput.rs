@@ -45,7 +45,10 @@ fn gbps(bytes: u64, elapsed: Duration) -> f64 {
 
 /// The best of [`PASSES`] passes of `baseline` and of `engine`, taken in turn after a warm-up
 /// of each.
-fn best_pair(mut baseline: impl FnMut() -> Duration, mut engine: impl FnMut() -> Duration) -> (Duration, Duration) {
+fn best_pair(
+    mut baseline: impl FnMut() -> Duration,
+    mut engine: impl FnMut() -> Duration,
+) -> (Duration, Duration) {
     baseline();
     engine();
     let (mut best_baseline, mut best_engine) = (Duration::MAX, Duration::MAX);
