@@ -197,6 +197,7 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
             max_body_bytes: MAX_BODY_BYTES,
             request_timeout,
             next_id: Arc::new(AtomicU64::new(1)),
+            next_client: Arc::new(AtomicU64::new(1)),
         };
         let app = openai::routes(api).merge(admin::routes(admin_state));
         let http = HttpServer::start(http_bind, app, 2, "router")?;

@@ -18,7 +18,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use pdkv_actors::error::RequestError;
-use pdkv_actors::router::{Generate, Router as RouterActor};
+use pdkv_actors::router::{Cancel, Generate, Router as RouterActor};
 use pdkv_actors::scheduler::Output;
 use pdkv_core::wire::Failure;
 use serde::{Deserialize, Serialize};
@@ -52,6 +52,33 @@ pub struct ApiState {
     pub request_timeout: Duration,
     /// Ids of requests that came without `X-Request-Id`.
     pub next_id: Arc<AtomicU64>,
+    /// Names the router knows requests by for cancelling them ([`Cancel`]).
+    pub next_client: Arc<AtomicU64>,
+}
+
+/// Cancels a request at the router when dropped still armed: the client went away (the
+/// handler was dropped with its connection, or a stream's reader closed) before the answer.
+struct CancelOnDrop {
+    router: Addr<RouterActor>,
+    client: u64,
+    armed: bool,
+}
+
+impl CancelOnDrop {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            // One message per abandoned request, so `do_send` cannot pile up past the request
+            // rate; it must not be lost, or the legs would hold the request's blocks until its
+            // deadline.
+            self.router.do_send(Cancel { client: self.client });
+        }
+    }
 }
 
 /// The API routes.
@@ -401,10 +428,17 @@ async fn completions(State(state): State<ApiState>, headers: HeaderMap, body: Bo
     } else {
         (None, None)
     };
+    let client = state.next_client.fetch_add(1, Ordering::Relaxed);
     let generate = Generate {
         prompt: completion.prompt.clone().into(),
         max_tokens: completion.max_tokens,
         stream: token_tx,
+        client: Some(client),
+    };
+    let guard = CancelOnDrop {
+        router: state.router.clone(),
+        client,
+        armed: true,
     };
     // The router bounds the request; this bound only guards against a router that is gone.
     let bound = state.request_timeout + Duration::from_secs(5);
@@ -436,13 +470,22 @@ async fn completions(State(state): State<ApiState>, headers: HeaderMap, body: Bo
             first = tokens.recv() => Ok(first),
         };
         let response = match first {
-            Ok(Some(first)) => stream_live(reply, first, tokens, answer),
-            Ok(None) => reply.whole(answer.await),
-            Err(result) => reply.whole(result),
+            Ok(Some(first)) => stream_live(reply, first, tokens, answer, guard),
+            Ok(None) => {
+                let result = answer.await;
+                guard.disarm();
+                reply.whole(result)
+            }
+            Err(result) => {
+                guard.disarm();
+                reply.whole(result)
+            }
         };
         return with_request_id(response, &request_id);
     }
-    with_request_id(reply.whole(answer.await), &request_id)
+    let result = answer.await;
+    guard.disarm();
+    with_request_id(reply.whole(result), &request_id)
 }
 
 /// What every answer to one completion shares.
@@ -578,6 +621,7 @@ fn stream_live(
     first: Vec<u32>,
     mut tokens: tokio::sync::mpsc::Receiver<Vec<u32>>,
     mut answer: std::pin::Pin<Box<dyn std::future::Future<Output = Result<Output, RequestError>> + Send>>,
+    guard: CancelOnDrop,
 ) -> Response {
     let (events, body) =
         tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::convert::Infallible>>(STREAM_BUFFER);
@@ -592,8 +636,11 @@ fn stream_live(
                     let _ = events.send(Ok(event(&reply.chunk(&more, sent.len())))).await;
                     sent.extend(more);
                 }
+                // The reader went away: the guard, dropped armed, cancels the request.
+                () = events.closed() => return,
             }
         };
+        guard.disarm();
         while let Ok(more) = tokens.try_recv() {
             let _ = events.send(Ok(event(&reply.chunk(&more, sent.len())))).await;
             sent.extend(more);

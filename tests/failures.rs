@@ -147,3 +147,60 @@ fn a_killed_decode_leg_is_restarted_and_linked_under_a_new_incarnation() {
     assert_eq!(launched.interrupt(), 0);
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A streaming client that goes away after its first token cancels its request: the router
+/// aborts both legs (counted as `cancelled`) instead of decoding to the end for nobody, and every
+/// block is back afterwards.
+#[test]
+fn a_client_that_goes_away_mid_stream_cancels_its_request() {
+    use std::io::{BufRead, BufReader, Write};
+    let dir = temp_dir("client-gone");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, with_failure_policy(cluster_toml(1, 1))).unwrap();
+    let launched = Launched::start(&config, &dir.join("run"));
+    let router = launched.router.clone();
+    let address = router.trim_start_matches("http://").to_string();
+    let body = r#"{"prompt": "long story", "max_tokens": 4000, "stream": true}"#;
+    let mut stream = std::net::TcpStream::connect(&address).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.1\r\nHost: {address}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "the stream ended before a token"
+        );
+        if line.starts_with("data: ") {
+            break;
+        }
+    }
+    drop(reader);
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, metrics) = get(&format!("{router}/metrics"));
+        if sample(&metrics, r#"pdkv_requests_total{outcome="cancelled"}"#) == Some(1.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the request was not cancelled: {metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let legs: Vec<String> = ["prefill-0", "decode-0"]
+        .iter()
+        .map(|name| format!("{name}={}", launched.admin(name)))
+        .collect();
+    let summary = sweep_running(&config, &router, &legs, "5,50");
+    assert_eq!(summary["summary"]["legs_idle"], true, "{summary}");
+    assert_eq!(launched.interrupt(), 0);
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -297,6 +297,7 @@ impl LocalCluster {
             prompt: prompt.into(),
             max_tokens,
             stream: None,
+            client: None,
         };
         ask(&self.router, message, "router").await?
     }

@@ -47,6 +47,7 @@ struct Pending {
     deadline_ms: u64,
     attempts: u32,
     avoid: Vec<NodeId>,
+    client: Option<u64>,
 }
 
 /// A client's request about to start on some legs (first time, or again).
@@ -61,6 +62,8 @@ struct Attempt {
     avoid: Vec<NodeId>,
     /// The error to give the client if no leg is left to try.
     last_error: Option<RequestError>,
+    /// The client's name for the request ([`Generate::client`]).
+    client: Option<u64>,
 }
 
 /// The client's end of a streaming request: tokens as the decode leg generates them. Bounded
@@ -92,6 +95,8 @@ pub struct Router {
     loads: HashMap<NodeId, LegLoad>,
     /// Times a request may start over on another prefill leg (`[failure] max_retries`).
     max_retries: u32,
+    /// The request each cancellable client request currently runs as (a retry moves it).
+    clients: HashMap<u64, RequestId>,
 }
 
 impl Router {
@@ -105,6 +110,7 @@ impl Router {
     ) -> Self {
         Router {
             max_retries: 0,
+            clients: HashMap::new(),
             selection,
             peers: Peers::new(hello.node.clone(), hello.incarnation),
             hello,
@@ -189,7 +195,11 @@ impl Router {
             deadline_ms: attempt.deadline_ms,
             attempts: attempt.attempts,
             avoid: attempt.avoid,
+            client: attempt.client,
         };
+        if let Some(client) = attempt.client {
+            self.clients.insert(client, request);
+        }
         self.requests.insert(request, pending);
         self.drive(request, ctx);
     }
@@ -307,6 +317,7 @@ impl Router {
                         attempts: pending.attempts + 1,
                         avoid,
                         last_error: Some(RequestError::from_failure(stage, reason, self.request_timeout_ms)),
+                        client: pending.client,
                     };
                     retry = Some(attempt);
                 }
@@ -343,6 +354,11 @@ impl Router {
         if pending.machine.is_done() {
             if let Some(mut pending) = self.requests.remove(&request) {
                 timer::cancel(&mut pending.timer, ctx);
+                if let Some(client) = pending.client
+                    && self.clients.get(&client) == Some(&request)
+                {
+                    self.clients.remove(&client);
+                }
             }
             return;
         }
@@ -532,6 +548,33 @@ pub struct Generate {
     /// Tokens as they are generated, before the answer (a streaming client): a channel with
     /// room for `max_tokens` messages.
     pub stream: Option<TokenStream>,
+    /// A name the client may later cancel the request by ([`Cancel`]), unique among its
+    /// requests in flight.
+    pub client: Option<u64>,
+}
+
+/// The client of a request went away: both legs are told to free what it holds, now.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Cancel {
+    /// The name the client gave the request in [`Generate::client`].
+    pub client: u64,
+}
+
+impl Handler<Cancel> for Router {
+    type Result = ();
+
+    fn handle(&mut self, msg: Cancel, ctx: &mut Self::Context) -> Self::Result {
+        let Some(request) = self.clients.remove(&msg.client) else {
+            return;
+        };
+        if let Some(pending) = self.requests.get_mut(&request) {
+            tracing::info!(%request, "client gone: aborting both legs");
+            metrics::counter!("pdkv_requests_total", "outcome" => "cancelled").increment(1);
+            pending.machine.handle_cancel();
+        }
+        self.drive(request, ctx);
+    }
 }
 
 impl Handler<Generate> for Router {
@@ -552,6 +595,7 @@ impl Handler<Generate> for Router {
             attempts: 0,
             avoid: Vec::new(),
             last_error: None,
+            client: msg.client,
         };
         self.start_request(attempt, ctx);
         Box::pin(

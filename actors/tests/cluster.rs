@@ -239,6 +239,7 @@ async fn requests_wait_for_blocks_and_all_complete(links: LinkKind) {
                 prompt: prompt.clone().into(),
                 max_tokens: 3,
                 stream: None,
+                client: None,
             })
         })
         .collect();
@@ -269,6 +270,7 @@ async fn the_router_prefers_the_least_loaded_leg(links: LinkKind) {
         prompt: waiting_prompt.clone().into(),
         max_tokens: 2,
         stream: None,
+        client: None,
     });
     for seed in 41..44 {
         let prompt = prompt_tokens(seed, 100, 256);
@@ -344,6 +346,7 @@ async fn a_long_prefill_computes_off_the_arbiter(links: LinkKind) {
         prompt: long_prompt.clone().into(),
         max_tokens: 1,
         stream: None,
+        client: None,
     });
     // Give the long prompt time to reach the prefill leg and start computing.
     let started = std::time::Instant::now();
@@ -387,6 +390,7 @@ async fn waits_for_blocks_are_bounded_in_count_and_time(links: LinkKind) {
                 prompt: prompt_tokens(i, 100, 256).into(),
                 max_tokens: 2,
                 stream: None,
+                client: None,
             })
         })
         .collect();
@@ -513,6 +517,7 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant(links: LinkK
         prompt: prompt.clone().into(),
         max_tokens: 3,
         stream: None,
+        client: None,
     });
     // The scenario is the passing of time: five leases while the decode leg waits for blocks.
     tokio::time::sleep(Duration::from_millis(5 * lease_ms)).await;

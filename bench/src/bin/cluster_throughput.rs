@@ -151,6 +151,7 @@ async fn run_cluster(
                     prompt: Arc::from(prompt.clone()),
                     max_tokens: MAX_TOKENS,
                     stream: None,
+                    client: None,
                 })
             })
             .collect();
