@@ -288,6 +288,7 @@ fn two_prefill_two_decode_spreads_requests_and_leaks_nothing() {
     );
     assert_eq!(summary["summary"]["matched"], 50, "{summary}");
     assert_eq!(summary["summary"]["legs_idle"], true);
+    let mut served_by_role = [0.0; 2];
     for name in ["prefill-0", "prefill-1", "decode-0", "decode-1"] {
         let (_, metrics) = get(&format!("{}/metrics", launched.admin(name)));
         let stage = if name.starts_with("prefill") {
@@ -298,11 +299,10 @@ fn two_prefill_two_decode_spreads_requests_and_leaks_nothing() {
         let served =
             sample(&metrics, &format!("pdkv_leg_requests_total{{stage=\"{stage}\"}}")).unwrap_or(0.0);
         // 50 requests, one at a time, over two legs of each role: equally loaded legs are taken
-        // in turn, so each serves about half (a load report taken mid-request can tip one).
-        assert!(
-            (15.0..=35.0).contains(&served),
-            "{name} served {served}: {metrics}"
-        );
+        // in turn, and load reports (taken mid-request, up to 100 ms old) tip some choices, so
+        // each leg serves a share, not exactly half.
+        assert!(served >= 5.0, "{name} served {served}: {metrics}");
+        served_by_role[usize::from(stage == "decode")] += served;
         for group in 0..2 {
             assert_eq!(
                 sample(&metrics, &format!("pdkv_blocks_free{{group=\"{group}\"}}")),
@@ -312,6 +312,11 @@ fn two_prefill_two_decode_spreads_requests_and_leaks_nothing() {
         }
         assert_eq!(sample(&metrics, "pdkv_grants_active"), Some(0.0), "{name}");
     }
+    assert_eq!(
+        served_by_role,
+        [50.0, 50.0],
+        "every request ran on one leg of each role"
+    );
     assert_eq!(launched.interrupt(), 0);
     std::fs::remove_dir_all(dir).ok();
 }
