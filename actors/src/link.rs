@@ -266,9 +266,9 @@ impl Link for QuicLink {
     }
 }
 
-/// Told the name of every peer a control server admits (a node's dialer uses it to dial back
-/// at once).
-pub type OnAdmit = Arc<dyn Fn(&NodeId) + Send + Sync>;
+/// Told the hello of every peer a control server admits (a node's dialer uses it to dial back
+/// at once, and its readiness to know the peer has dialled in).
+pub type OnAdmit = Arc<dyn Fn(&Hello) + Send + Sync>;
 
 /// The control-plane service of a node: admits peers and hands their envelopes to its door,
 /// awaiting the door's answer.
@@ -307,7 +307,7 @@ impl ControlService for DoorService {
         match self.admit.send(message).await {
             Ok(Ok(())) => {
                 if let Some(on_admit) = &self.on_admit {
-                    on_admit(&hello.node);
+                    on_admit(hello);
                 }
                 Ok(())
             }

@@ -67,10 +67,15 @@ fn setup_error(node: &NodeId, detail: impl std::fmt::Display) -> RequestError {
 pub struct PeerState {
     /// The peer's role.
     pub role: Role,
-    /// Whether this node has a link to it (handshake done both ways, stream open).
+    /// Linked both ways: this node's link to it is up, and that incarnation of it dialled this
+    /// node (so it can answer).
     pub linked: bool,
+    /// This node's link to it is up.
+    pub dialed_out: bool,
     /// Its incarnation, once it said hello.
     pub incarnation: Option<u64>,
+    /// The incarnation that last dialled this node.
+    pub dialed_in: Option<u64>,
     /// Why the last dial failed or the link dropped.
     pub last_error: Option<String>,
     /// Dials so far.
@@ -98,7 +103,9 @@ impl PeerBoard {
         let state = PeerState {
             role,
             linked: false,
+            dialed_out: false,
             incarnation: None,
+            dialed_in: None,
             last_error: None,
             dials: 0,
             links: 0,
@@ -118,7 +125,14 @@ impl PeerBoard {
             .get_mut(&node.0)
         {
             change(state);
+            state.linked =
+                state.dialed_out && state.incarnation.is_some() && state.dialed_in == state.incarnation;
         }
+    }
+
+    /// `node` (of `incarnation`) dialled this node and was admitted.
+    fn dialed_in(&self, node: &NodeId, incarnation: u64) {
+        self.update(node, |state| state.dialed_in = Some(incarnation));
     }
 
     /// A snapshot of every peer.
@@ -294,15 +308,21 @@ impl NodeProcess {
             .iter()
             .map(|(peer, _)| (peer.clone(), Arc::new(tokio::sync::Notify::new())))
             .collect();
-        let on_admit_wake = wake.clone();
+        // Every peer is on the board before the server can admit one.
+        let board = Arc::new(PeerBoard::default());
+        for (peer, peer_role) in &peers {
+            board.add(peer, *peer_role);
+        }
+        let (on_admit_wake, on_admit_board) = (wake.clone(), board.clone());
         // Heartbeats on every connection: a peer silent for `peer_timeout` is down.
         let limits = ControlLimits::with_heartbeat(
             Duration::from_millis(config.failure.heartbeat_ms),
             config.failure.heartbeat_misses,
         );
         let service = DoorService::new(door.admit.clone(), door.inbound.clone()).with_on_admit(Arc::new(
-            move |peer: &NodeId| {
-                if let Some(wake) = on_admit_wake.get(peer) {
+            move |hello: &pdkv_transport::control::Hello| {
+                on_admit_board.dialed_in(&hello.node, hello.incarnation.0);
+                if let Some(wake) = on_admit_wake.get(&hello.node) {
                     wake.notify_one();
                 }
             },
@@ -319,7 +339,6 @@ impl NodeProcess {
         let client_bind = SocketAddr::new(bind.ip(), 0);
         let client = ControlClient::with_limits(&handle, client_bind, &identity, &limits)
             .map_err(|error| setup_error(&node_id, error))?;
-        let board = Arc::new(PeerBoard::default());
         let engine_kinds: Vec<EngineKind> = match &actors {
             Actors::Leg(leg) => leg
                 .engines
@@ -330,7 +349,6 @@ impl NodeProcess {
         };
         let mut dialers = Vec::new();
         for (peer, peer_role) in peers {
-            board.add(&peer, peer_role);
             let address = control_address(&config, &peer.0)?;
             let dialer = Dialer {
                 wake: wake[&peer].clone(),
@@ -592,7 +610,7 @@ impl Dialer {
                     pause = FIRST_REDIAL;
                     let incarnation = connection.peer.incarnation.0;
                     self.board.update(&self.peer, |state| {
-                        state.linked = true;
+                        state.dialed_out = true;
                         state.links += 1;
                         state.incarnation = Some(incarnation);
                         state.last_error = None;
@@ -612,7 +630,7 @@ impl Dialer {
                     }
                     metrics::gauge!("pdkv_peer_up", "peer" => self.peer.0.clone()).set(0.0);
                     self.board.update(&self.peer, |state| {
-                        state.linked = false;
+                        state.dialed_out = false;
                         state.last_error = Some(format!("link lost: {reason}"));
                         state.since_unix_s = unix_now();
                     });
@@ -625,7 +643,7 @@ impl Dialer {
                         tracing::warn!(peer = %self.peer, address = %self.address, %error, failures, "dial failed");
                     }
                     self.board.update(&self.peer, |state| {
-                        state.linked = false;
+                        state.dialed_out = false;
                         state.last_error = Some(error.to_string());
                         state.since_unix_s = unix_now();
                     });
@@ -703,5 +721,36 @@ impl Dialer {
         )
         .await
         .map_err(|error| setup_error(&self.peer, format!("data connection: {error}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `/ready` counts a peer linked only when both directions reach the same incarnation: this
+    /// node's link to it, and its own dial here.
+    #[test]
+    fn a_peer_is_linked_when_both_directions_reach_one_incarnation() {
+        let board = PeerBoard::default();
+        let leg = NodeId("decode-0".into());
+        board.add(&leg, Role::Decode);
+        let linked = || board.snapshot()["decode-0"].linked;
+        board.update(&leg, |state| {
+            state.dialed_out = true;
+            state.incarnation = Some(7);
+        });
+        assert!(!linked(), "it has not dialled in: it could not answer");
+        assert!(!board.any_linked(Role::Decode));
+        board.dialed_in(&leg, 7);
+        assert!(linked());
+        assert!(board.any_linked(Role::Decode) && board.all_linked());
+        // It restarted and dialled in as 8; this node's link still leads to 7.
+        board.dialed_in(&leg, 8);
+        assert!(!linked());
+        board.update(&leg, |state| state.incarnation = Some(8));
+        assert!(linked());
+        board.update(&leg, |state| state.dialed_out = false);
+        assert!(!linked() && !board.all_linked());
     }
 }
