@@ -42,29 +42,34 @@ fn wait_for(router: &str, what: &str, check: impl Fn(&Value) -> bool) -> Value {
     }
 }
 
-/// prefill-0 frozen (SIGSTOP): requests sent to it fail over to prefill-1 once its heartbeats
-/// stop (≈ 300 ms), every answer still equals direct; after SIGCONT it is linked again, serves
-/// again, and every leg's blocks are back to capacity.
-#[test]
-fn a_frozen_prefill_leg_is_detected_and_its_requests_start_over_elsewhere() {
-    let dir = temp_dir("frozen-prefill");
+/// One leg frozen (SIGSTOP) in a cluster of `prefill` + `decode` legs: requests on it start
+/// over on the others once its heartbeats stop (≈ 300 ms), every answer still equals direct;
+/// after SIGCONT it is linked again, serves again, and every leg's blocks are back to capacity.
+fn a_frozen_leg_is_detected_and_its_requests_start_over_elsewhere(
+    prefill: usize,
+    decode: usize,
+    frozen: &str,
+) {
+    let dir = temp_dir(&format!("frozen-{frozen}"));
     let config = dir.join("cluster.toml");
-    std::fs::write(&config, with_failure_policy(cluster_toml(2, 1))).unwrap();
+    std::fs::write(&config, with_failure_policy(cluster_toml(prefill, decode))).unwrap();
     let launched = Launched::start(&config, &dir.join("run"));
     let router = launched.router.clone();
-    let legs: Vec<String> = ["prefill-0", "prefill-1", "decode-0"]
-        .iter()
-        .map(|name| format!("{name}={}", launched.admin(name)))
-        .collect();
-    let frozen = launched
+    let legs: Vec<String> = launched
         .members
         .iter()
-        .find(|member| member.0 == "prefill-0")
+        .filter(|member| member.0 != "router")
+        .map(|member| format!("{}={}", member.0, member.2))
+        .collect();
+    let pid = launched
+        .members
+        .iter()
+        .find(|member| member.0 == frozen)
         .unwrap()
         .1;
-    kill(Pid::from_raw(frozen as i32), Signal::SIGSTOP).unwrap();
+    kill(Pid::from_raw(pid as i32), Signal::SIGSTOP).unwrap();
     let started = Instant::now();
-    // Sent at once: the first ones may still be routed to prefill-0 before it is found out.
+    // Sent at once: the first ones may still be routed to the frozen leg before it is found out.
     let lengths = "10,200,300,400,500,600";
     let summary = sweep_running(&config, &router, &[], lengths);
     let elapsed = started.elapsed();
@@ -74,7 +79,7 @@ fn a_frozen_prefill_leg_is_detected_and_its_requests_start_over_elsewhere() {
         "failed over in {elapsed:?}, not at the 30 s deadline"
     );
     let state = ready(&router);
-    assert_eq!(state["peers"]["prefill-0"]["linked"], false, "{state}");
+    assert_eq!(state["peers"][frozen]["linked"], false, "{state}");
     let (_, metrics) = get(&format!("{router}/metrics"));
     let retries = sample(&metrics, "pdkv_retries_total").unwrap_or(0.0);
     assert!(
@@ -82,20 +87,33 @@ fn a_frozen_prefill_leg_is_detected_and_its_requests_start_over_elsewhere() {
         "the request routed to the frozen leg was retried: {metrics}"
     );
     assert_eq!(
-        sample(&metrics, r#"pdkv_peer_up{peer="prefill-0"}"#),
+        sample(&metrics, &format!("pdkv_peer_up{{peer=\"{frozen}\"}}")),
         Some(0.0),
         "{metrics}"
     );
 
-    kill(Pid::from_raw(frozen as i32), Signal::SIGCONT).unwrap();
-    wait_for(&router, "prefill-0 linked again after SIGCONT", |state| {
-        state["peers"]["prefill-0"]["linked"] == true
+    kill(Pid::from_raw(pid as i32), Signal::SIGCONT).unwrap();
+    wait_for(&router, "the frozen leg linked again after SIGCONT", |state| {
+        state["peers"][frozen]["linked"] == true
     });
     let summary = sweep_running(&config, &router, &legs, "1..=12,700");
     assert_eq!(summary["summary"]["matched"], 13, "{summary}");
     assert_eq!(summary["summary"]["legs_idle"], true, "{summary}");
     assert_eq!(launched.interrupt(), 0);
     std::fs::remove_dir_all(dir).ok();
+}
+
+/// A frozen prefill leg: its requests start over on the other prefill leg.
+#[test]
+fn a_frozen_prefill_leg_is_detected_and_its_requests_start_over_elsewhere() {
+    a_frozen_leg_is_detected_and_its_requests_start_over_elsewhere(2, 1, "prefill-0");
+}
+
+/// A frozen decode leg: its requests are computed again on the prefill leg and read by the other
+/// decode leg (a grant is made out to one decode leg, so the other cannot read it).
+#[test]
+fn a_frozen_decode_leg_is_detected_and_its_requests_start_over_elsewhere() {
+    a_frozen_leg_is_detected_and_its_requests_start_over_elsewhere(1, 2, "decode-0");
 }
 
 /// decode-0 killed (SIGKILL) under `--restart on-failure`: the launcher starts it again, the

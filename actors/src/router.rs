@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use actix::{
     Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
-use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine, may_retry_prefill};
+use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine, leg_to_retry_without};
 use pdkv_core::wire::{Body, Envelope, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::{Hello, check_compat};
@@ -159,7 +159,7 @@ impl Router {
     fn start_request(&mut self, attempt: Attempt, ctx: &mut Context<Self>) {
         let legs = self
             .pick(Role::Prefill, &attempt.avoid)
-            .and_then(|prefill| Ok((prefill, self.pick(Role::Decode, &[])?)));
+            .and_then(|prefill| Ok((prefill, self.pick(Role::Decode, &attempt.avoid)?)));
         let (prefill, decode) = match legs {
             Ok(legs) => legs,
             Err(error) => {
@@ -170,7 +170,7 @@ impl Router {
         let request = self.new_request();
         let now = self.clock.now_ms();
         if attempt.attempts > 0 {
-            tracing::info!(%request, prefill = %prefill.node, attempt = attempt.attempts, "retrying on another prefill leg");
+            tracing::info!(%request, prefill = %prefill.node, attempt = attempt.attempts, "retrying on other legs");
             metrics::counter!("pdkv_retries_total").increment(1);
         }
         let machine = RouterMachine::new(
@@ -300,11 +300,20 @@ impl Router {
                 RouterCommand::Complete(RequestOutcome::Failed { stage, reason })
                     if pending.attempts < self.max_retries
                         && pending.reply.is_some()
-                        && may_retry_prefill(stage, &reason, pending.machine.legs().0) =>
+                        && leg_to_retry_without(
+                            stage,
+                            &reason,
+                            pending.machine.legs().0,
+                            pending.machine.legs().1,
+                        )
+                        .is_some() =>
                 {
-                    // Nothing was granted: start over elsewhere, within the same deadline.
-                    let lost = pending.machine.legs().0.clone();
-                    tracing::warn!(%request, prefill = %lost, %reason, "prefill leg failed before it committed");
+                    // Start over on other legs, from the prompt, within the same deadline.
+                    let (prefill, decode) = pending.machine.legs();
+                    let lost = leg_to_retry_without(stage, &reason, prefill, decode)
+                        .expect("checked above")
+                        .clone();
+                    tracing::warn!(%request, leg = %lost, %reason, "starting over without a failed leg");
                     let mut avoid = std::mem::take(&mut pending.avoid);
                     avoid.push(lost);
                     let attempt = Attempt {

@@ -1020,6 +1020,29 @@ pub fn may_retry_prefill(stage: Stage, reason: &Failure, prefill: &NodeId) -> bo
         }
 }
 
+/// The leg a failed request may start over without, if any: the prefill leg as
+/// [`may_retry_prefill`] allows; or the decode leg, at any stage, when it was lost, unreachable or
+/// refused the request. A request started over is computed again from its prompt on other legs
+/// (a grant is issued to one decode leg, so another cannot read it): never decoded from KV a
+/// failed leg may have half read.
+pub fn leg_to_retry_without<'a>(
+    stage: Stage,
+    reason: &Failure,
+    prefill: &'a NodeId,
+    decode: &'a NodeId,
+) -> Option<&'a NodeId> {
+    if may_retry_prefill(stage, reason, prefill) {
+        return Some(prefill);
+    }
+    let names_decode = match reason {
+        Failure::LegLost(leg) => leg == decode,
+        Failure::Unreachable { to, .. } => to == decode,
+        Failure::Refused { node, .. } => node == decode,
+        _ => false,
+    };
+    names_decode.then_some(decode)
+}
+
 impl RouterMachine {
     /// Starts `request`: asks `prefill` to compute `prompt` for `decode`.
     #[allow(clippy::too_many_arguments)]

@@ -1092,3 +1092,51 @@ fn only_a_lost_or_refusing_prefill_leg_is_retried_and_only_before_it_commits() {
         assert!(!may_retry_prefill(Stage::Prefill, &reason, &p), "{reason}");
     }
 }
+
+/// A request starts over without its decode leg when that leg was lost, unreachable or refused
+/// it, at any stage; without its prefill leg only as `may_retry_prefill` allows; else not at all.
+#[test]
+fn a_request_starts_over_without_the_leg_that_failed_it() {
+    use pdkv_core::leg::leg_to_retry_without;
+    use pdkv_core::wire::{Failure, Stage};
+    let (p, d) = (node("p"), node("d"));
+    for stage in [Stage::Prefill, Stage::Read, Stage::Decode] {
+        for reason in [
+            Failure::LegLost(d.clone()),
+            Failure::Unreachable {
+                to: d.clone(),
+                detail: "gone".into(),
+            },
+            Failure::Refused {
+                node: d.clone(),
+                reason: "draining".into(),
+            },
+        ] {
+            assert_eq!(
+                leg_to_retry_without(stage, &reason, &p, &d),
+                Some(&d),
+                "{stage:?} {reason}"
+            );
+        }
+    }
+    assert_eq!(
+        leg_to_retry_without(Stage::Prefill, &Failure::LegLost(p.clone()), &p, &d),
+        Some(&p)
+    );
+    // After the prefill committed, its loss is the decode's READ failing: not retried here.
+    assert_eq!(
+        leg_to_retry_without(Stage::Decode, &Failure::LegLost(p.clone()), &p, &d),
+        None
+    );
+    for reason in [
+        Failure::DeadlinePassed,
+        Failure::Cancelled,
+        Failure::Read("short".into()),
+    ] {
+        assert_eq!(
+            leg_to_retry_without(Stage::Decode, &reason, &p, &d),
+            None,
+            "{reason}"
+        );
+    }
+}
