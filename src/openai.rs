@@ -532,58 +532,50 @@ impl Reply {
             events.push(self.tail(&output));
             return sse_response(Body::from(sse(&events)));
         }
-        let body = json!({
+        let mut body = self.object(json!([choice(&output.tokens, true)]));
+        body["usage"] = usage(self.completion.prompt.len(), output.tokens.len());
+        body["pdkv"] = json!(pdkv_info(&output));
+        axum::Json(body).into_response()
+    }
+
+    /// What every answer and chunk of this completion says, around its `choices`.
+    fn object(&self, choices: Value) -> Value {
+        json!({
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": MODEL_NAME,
-            "choices": [{
-                "index": 0,
-                "text": token_text(&output.tokens),
-                "token_ids": output.tokens,
-                "logprobs": null,
-                "finish_reason": "length",
-            }],
-            "usage": usage(self.completion.prompt.len(), output.tokens.len()),
-            "pdkv": pdkv_info(&output),
-        });
-        axum::Json(body).into_response()
+            "choices": choices,
+        })
     }
 
     /// A chunk of `tokens` after `sent` earlier ones; the one that completes `max_tokens`
     /// carries the finish reason.
     fn chunk(&self, tokens: &[u32], sent: usize) -> Value {
         let last = sent + tokens.len() >= self.completion.max_tokens as usize;
-        json!({
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": MODEL_NAME,
-            "choices": [{
-                "index": 0,
-                "text": token_text(tokens),
-                "token_ids": tokens,
-                "logprobs": null,
-                "finish_reason": if last { Value::from("length") } else { Value::Null },
-            }],
-        })
+        self.object(json!([choice(tokens, last)]))
     }
 
     /// The last chunk: no choices, pdkv's figures, and `usage` if asked for.
     fn tail(&self, output: &Output) -> Value {
-        let mut tail = json!({
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": MODEL_NAME,
-            "choices": [],
-            "pdkv": pdkv_info(output),
-        });
+        let mut tail = self.object(json!([]));
+        tail["pdkv"] = json!(pdkv_info(output));
         if self.completion.include_usage {
             tail["usage"] = usage(self.completion.prompt.len(), output.tokens.len());
         }
         tail
     }
+}
+
+/// The one choice of an answer or chunk: `tokens`, and the finish reason if they end it.
+fn choice(tokens: &[u32], finishes: bool) -> Value {
+    json!({
+        "index": 0,
+        "text": token_text(tokens),
+        "token_ids": tokens,
+        "logprobs": null,
+        "finish_reason": if finishes { Value::from("length") } else { Value::Null },
+    })
 }
 
 /// One server-sent event.
