@@ -13,7 +13,7 @@ use serde_json::Value;
 
 mod support;
 
-use support::sweep_running;
+use support::{certs_init, sweep_running};
 
 const SHIPPED: &str = include_str!("../cluster.toml");
 
@@ -170,15 +170,7 @@ fn legs_in_two_network_namespaces_read_over_the_network_engine() {
     ));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, text).unwrap();
-    let status = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args(["certs", "init", "--config"])
-        .arg(&config)
-        .arg("--out")
-        .arg(dir.join("certs"))
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    certs_init(&config, &dir.join("certs"));
 
     let children = Children(vec![
         spawn(

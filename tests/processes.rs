@@ -3,14 +3,16 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 mod support;
 
-use support::{Launched, agent, cluster_toml, get, pdkv, process_alive, sample, sweep_running, temp_dir};
+use support::{
+    Launched, agent, certs_init, cluster_toml, get, pdkv, process_alive, sample, sweep_running, temp_dir,
+};
 
 /// POSTs `body` to the completions endpoint: (status, X-Request-Id, body text).
 fn post(base: &str, body: &str, request_id: Option<&str>) -> (u16, Option<String>, String) {
@@ -335,15 +337,7 @@ fn a_node_from_another_ca_is_refused_and_the_gate_names_it() {
     )
     .unwrap();
     for out in [&certs, &other] {
-        let status = pdkv()
-            .args(["certs", "init", "--config"])
-            .arg(&config)
-            .arg("--out")
-            .arg(out)
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        certs_init(&config, out);
     }
     for file in ["decode-0.pem", "decode-0.key"] {
         std::fs::copy(other.join(file), certs.join(file)).unwrap();
@@ -416,15 +410,7 @@ fn a_leg_with_another_layout_shows_in_the_routers_ready() {
     // Same nodes and ports, another window: another layout.
     let bad = dir.join("other-layout.toml");
     std::fs::write(&bad, text.replace("window = 128", "window = 192")).unwrap();
-    let status = pdkv()
-        .args(["certs", "init", "--config"])
-        .arg(&good)
-        .arg("--out")
-        .arg(dir.join("certs"))
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    certs_init(&good, &dir.join("certs"));
     let spawn = |args: &[&str], config: &Path, log: &str| -> Child {
         let log = std::fs::File::create(dir.join(log)).unwrap();
         pdkv()

@@ -11,6 +11,10 @@ use pdkv_actors::config::ClusterConfig;
 use serde::Deserialize;
 use serde_json::Value;
 
+mod support;
+
+use support::sweep_running;
+
 const SHIPPED: &str = include_str!("../cluster.toml");
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -249,18 +253,7 @@ fn the_sbatch_script_starts_a_working_cluster() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args(["sweep", "--config"])
-        .arg(out.join("run-42/cluster.toml"))
-        .args(["--router", &router, "--lengths", "1,100,500", "--json"])
-        .output()
-        .unwrap();
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&output.stdout)
-    );
+    sweep_running(&out.join("run-42/cluster.toml"), &router, &[], "1,100,500");
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(job.id() as i32),
         nix::sys::signal::Signal::SIGTERM,

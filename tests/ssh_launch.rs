@@ -10,7 +10,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+mod support;
+
+use support::sweep_running;
 
 const SHIPPED: &str = include_str!("../cluster.toml");
 const SSHD: &str = "/usr/sbin/sshd";
@@ -168,15 +170,7 @@ fn a_node_on_another_host_is_installed_started_and_stopped_through_ssh() {
         "the node started over ssh runs from {remote_marker}"
     );
 
-    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
-        .args(["sweep", "--config"])
-        .arg(&config)
-        .args(["--router", &router, "--lengths", "1,64,65,300,1101", "--json"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert_eq!(output.status.code(), Some(0), "{stdout}");
-    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let summary = sweep_running(&config, &router, &[], "1,64,65,300,1101");
     assert_eq!(summary["summary"]["matched"], 5);
 
     // Ctrl-C: the ssh session ends, the remote node drains on SIGHUP and exits; nothing of the

@@ -192,3 +192,16 @@ pub fn sweep_running(config: &Path, router: &str, legs: &[String], lengths: &str
     );
     serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
 }
+
+/// `pdkv certs init --config config --out out`, asserting it succeeds.
+pub fn certs_init(config: &Path, out: &Path) {
+    let status = pdkv()
+        .args(["certs", "init", "--config"])
+        .arg(config)
+        .arg("--out")
+        .arg(out)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
