@@ -23,6 +23,7 @@ use pdkv_actors::scheduler::Output;
 use pdkv_core::wire::Failure;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use tracing::Instrument;
 
 /// The one model the reference engine serves.
 pub const MODEL_NAME: &str = "pdkv-reference";
@@ -153,7 +154,7 @@ fn request_error(error: &RequestError) -> ApiError {
             (StatusCode::BAD_REQUEST, "invalid_request_error")
         }
         RequestError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "timeout_error"),
-        RequestError::UnknownNode(_) | RequestError::Mailbox { .. } => {
+        RequestError::UnknownNode(_) | RequestError::NoLeg { .. } | RequestError::Mailbox { .. } => {
             (StatusCode::SERVICE_UNAVAILABLE, "unavailable_error")
         }
         RequestError::Failed {
@@ -399,8 +400,16 @@ async fn completions(State(state): State<ApiState>, headers: HeaderMap, body: Bo
             return error_response(&error, &fresh);
         }
     };
+    // The span goes with the future (`instrument`), never entered across an await: a guard held
+    // over an await leaks into whatever the thread polls next, nesting other requests' spans.
     let span = tracing::info_span!("completion", request_id = %request_id);
-    let _entered = span.enter();
+    serve_completion(state, body, request_id, started)
+        .instrument(span)
+        .await
+}
+
+/// The rest of `POST /v1/completions`, inside the request's span.
+async fn serve_completion(state: ApiState, body: Body, request_id: String, started: Instant) -> Response {
     let bytes = match axum::body::to_bytes(body, state.max_body_bytes).await {
         Ok(bytes) => bytes,
         Err(_) => {

@@ -53,6 +53,15 @@ pub enum RequestError {
     /// The request names a node the cluster does not know.
     #[error("unknown node {0}")]
     UnknownNode(String),
+    /// No leg of a role is linked (both ways) to the router, besides those this request
+    /// already failed on.
+    #[error("no {role} leg is linked{}", besides(.avoided))]
+    NoLeg {
+        /// The role wanted.
+        role: pdkv_core::wire::Role,
+        /// Legs this request failed on and did not try again.
+        avoided: Vec<pdkv_core::wire::NodeId>,
+    },
     /// An in-process cluster on shared memory would map more regions than the kernel allows.
     #[error(
         "read_engine = \"shm\" in one process needs {needed} memory mappings ({decode} decode legs x {prefill} prefill legs x {regions} regions, plus each leg's own {regions}), more than the {usable} that vm.max_map_count = {limit} leaves after {reserved} for the rest of the process: use fewer nodes, read_engine = \"local\", or raise vm.max_map_count"
@@ -148,4 +157,13 @@ where
         actor,
         detail: error.to_string(),
     })
+}
+
+/// `" besides a, b (this request failed there)"`, or nothing.
+fn besides(avoided: &[pdkv_core::wire::NodeId]) -> String {
+    if avoided.is_empty() {
+        return String::new();
+    }
+    let names: Vec<&str> = avoided.iter().map(|node| node.0.as_str()).collect();
+    format!(" besides {} (this request failed there)", names.join(", "))
 }

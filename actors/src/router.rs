@@ -232,7 +232,10 @@ impl Router {
             .filter(|hello| hello.role == role && !avoid.contains(&hello.node))
             .collect();
         if legs.is_empty() {
-            return Err(RequestError::UnknownNode(format!("no {role} leg")));
+            return Err(RequestError::NoLeg {
+                role,
+                avoided: avoid.to_vec(),
+            });
         }
         legs.sort_by(|a, b| a.node.cmp(&b.node));
         let next = match role {

@@ -1021,7 +1021,9 @@ pub fn may_retry_prefill(stage: Stage, reason: &Failure, prefill: &NodeId) -> bo
 }
 
 /// The leg a failed request may start over without, if any: the prefill leg as
-/// [`may_retry_prefill`] allows; or the decode leg, at any stage, when it was lost, unreachable or
+/// [`may_retry_prefill`] allows, or when the decode leg's READ of it failed (the prefill leg
+/// died, froze past its lease or could not be reached for data; not when the deadline passed or
+/// the client cancelled); or the decode leg, at any stage, when it was lost, unreachable or
 /// refused the request. A request started over is computed again from its prompt on other legs
 /// (a grant is issued to one decode leg, so another cannot read it): never decoded from KV a
 /// failed leg may have half read.
@@ -1040,7 +1042,11 @@ pub fn leg_to_retry_without<'a>(
         Failure::Refused { node, .. } => node == decode,
         _ => false,
     };
-    names_decode.then_some(decode)
+    if names_decode {
+        return Some(decode);
+    }
+    let read_failed = stage == Stage::Read && !matches!(reason, Failure::DeadlinePassed | Failure::Cancelled);
+    read_failed.then_some(prefill)
 }
 
 impl RouterMachine {
@@ -1233,5 +1239,90 @@ impl RouterMachine {
         self.state = RouterState::Done;
         self.commands
             .push_back(RouterCommand::Complete(RequestOutcome::Failed { stage, reason }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str) -> NodeId {
+        NodeId(name.into())
+    }
+
+    /// Which leg a failure lets a request start over without, from the policy's definition.
+    #[test]
+    fn a_request_starts_over_without_the_leg_that_failed_it_and_only_then() {
+        let (p, d) = (node("prefill-0"), node("decode-0"));
+        let other = node("prefill-1");
+        let retry = |stage, reason: Failure| leg_to_retry_without(stage, &reason, &p, &d).cloned();
+        // The prefill leg lost before it committed: start over elsewhere.
+        assert_eq!(
+            retry(Stage::Prefill, Failure::LegLost(p.clone())),
+            Some(p.clone())
+        );
+        assert_eq!(
+            retry(
+                Stage::Prefill,
+                Failure::Refused {
+                    node: p.clone(),
+                    reason: "draining".into()
+                }
+            ),
+            Some(p.clone())
+        );
+        // Another node's loss is not this prefill's fault.
+        assert_eq!(retry(Stage::Prefill, Failure::LegLost(other.clone())), None);
+        // A prefill failing on its own would fail again elsewhere.
+        assert_eq!(
+            retry(
+                Stage::Prefill,
+                Failure::NoFreeBlocks {
+                    waited_ms: 5,
+                    last: "full".into()
+                }
+            ),
+            None
+        );
+        // The READ of the prefill's KV failed: recompute on another prefill leg.
+        assert_eq!(
+            retry(Stage::Read, Failure::Read("connection reset".into())),
+            Some(p.clone())
+        );
+        assert_eq!(
+            retry(Stage::Read, Failure::Grant("lease expired".into())),
+            Some(p.clone())
+        );
+        assert_eq!(
+            retry(
+                Stage::Read,
+                Failure::StaleBlock {
+                    group: 0,
+                    block: 3,
+                    expected: 1,
+                    found: 2
+                }
+            ),
+            Some(p.clone())
+        );
+        // ... but not when time ran out or the client left.
+        assert_eq!(retry(Stage::Read, Failure::DeadlinePassed), None);
+        assert_eq!(retry(Stage::Read, Failure::Cancelled), None);
+        // The decode leg lost at any stage: start over without it.
+        assert_eq!(retry(Stage::Read, Failure::LegLost(d.clone())), Some(d.clone()));
+        assert_eq!(retry(Stage::Decode, Failure::LegLost(d.clone())), Some(d.clone()));
+        assert_eq!(
+            retry(
+                Stage::Decode,
+                Failure::Unreachable {
+                    to: d.clone(),
+                    detail: "x".into()
+                }
+            ),
+            Some(d.clone())
+        );
+        // A decode failing on its own (after its READ) is not retried.
+        assert_eq!(retry(Stage::Decode, Failure::Engine("nan".into())), None);
+        assert_eq!(retry(Stage::Decode, Failure::Read("late".into())), None);
     }
 }
