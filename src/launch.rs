@@ -94,18 +94,64 @@ pub struct Cluster {
 }
 
 /// Binds `host:0` for TCP or UDP and keeps the socket, so no two picks collide.
-#[allow(
-    dead_code,
-    reason = "the sockets are only held open until the ports are written"
-)]
 enum Reserved {
     Tcp(TcpListener),
     Udp(UdpSocket),
 }
 
+/// The lowest port a picked one may have.
+const LOWEST_PICKED_PORT: u16 = 10_000;
+
+/// Ports picked so far by this process, to vary the random starting point of each pick.
+static PICKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Where free ports are looked for: from [`LOWEST_PICKED_PORT`] up to the kernel's ephemeral
+/// range, so no socket bound to port 0 elsewhere (an outgoing connection, another test) takes
+/// a picked port between the launcher releasing it and the node binding it.
+fn pick_range() -> std::ops::Range<u16> {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    LOWEST_PICKED_PORT..ephemeral_low.max(LOWEST_PICKED_PORT)
+}
+
 impl Reserved {
+    /// The port it holds.
+    fn port(&self) -> Option<u16> {
+        match self {
+            Reserved::Tcp(socket) => socket.local_addr().ok().map(|address| address.port()),
+            Reserved::Udp(socket) => socket.local_addr().ok().map(|address| address.port()),
+        }
+    }
+
+    /// Binds a free port on `host` below the ephemeral range (any free port if that range is
+    /// small or full) and keeps it bound.
     fn pick(host: &str, udp: bool) -> anyhow::Result<(u16, Reserved)> {
         let address: SocketAddr = resolve(host, 0).map_err(anyhow::Error::msg)?;
+        let range = pick_range();
+        if range.len() >= 1000 {
+            use rand_core::{RngCore, SeedableRng};
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.as_nanos() as u64);
+            let pick = PICKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
+                nanos ^ u64::from(std::process::id()) << 32 ^ pick.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            );
+            for _ in 0..200 {
+                let port = range.start + (rng.next_u32() % range.len() as u32) as u16;
+                let candidate = SocketAddr::new(address.ip(), port);
+                let reserved = if udp {
+                    UdpSocket::bind(candidate).map(Reserved::Udp)
+                } else {
+                    TcpListener::bind(candidate).map(Reserved::Tcp)
+                };
+                if let Ok(reserved) = reserved {
+                    return Ok((port, reserved));
+                }
+            }
+        }
         if udp {
             let socket =
                 UdpSocket::bind(address).with_context(|| format!("cannot bind a UDP port on {host}"))?;
@@ -131,8 +177,20 @@ fn fill_port(
     {
         return Ok(port as u16);
     }
-    let (port, socket) = Reserved::pick(host, udp)?;
-    reserved.push(socket);
+    // A port number is one key's only, TCP or UDP (cluster.toml refuses two keys on one port).
+    let mut port = 0;
+    for _ in 0..20 {
+        let (picked, socket) = Reserved::pick(host, udp)?;
+        let clash = reserved.iter().any(|held| held.port() == Some(picked));
+        reserved.push(socket);
+        if !clash {
+            port = picked;
+            break;
+        }
+    }
+    if port == 0 {
+        bail!("cannot find a free port for {key} on {host} that no other key holds");
+    }
     table.insert(key.into(), toml::Value::Integer(i64::from(port)));
     Ok(port)
 }
@@ -222,6 +280,17 @@ impl Cluster {
     /// Prepares the run directory, starts every process and waits until all are linked.
     pub fn launch(options: &LaunchOptions) -> anyhow::Result<Cluster> {
         let config_path = prepare_run_dir(&options.config_text, &options.config_name, &options.run_dir)?;
+        Cluster::start(options, config_path, &BTreeMap::new())
+    }
+
+    /// Starts every process of the prepared `config_path` and waits until all are linked. A
+    /// member named in `views` runs that file instead: the same cluster seen through other
+    /// addresses (`pdkv chaos` puts a relay on every link this way).
+    pub fn start(
+        options: &LaunchOptions,
+        config_path: PathBuf,
+        views: &BTreeMap<String, PathBuf>,
+    ) -> anyhow::Result<Cluster> {
         let config = ClusterConfig::from_file(&config_path)?;
         let run_dir = config_path.parent().context("run directory")?.to_path_buf();
         let mut members = Vec::new();
@@ -229,7 +298,7 @@ impl Cluster {
             LogFormat::Text => "text",
             LogFormat::Json => "json",
         };
-        let config_arg = config_path.display().to_string();
+        let config_arg = |name: &str| views.get(name).unwrap_or(&config_path).display().to_string();
         let ssh = Ssh {
             config: options.ssh_config.clone(),
             control_path: run_dir.join("ssh-%C"),
@@ -281,7 +350,7 @@ impl Cluster {
                     format.into(),
                     "node".into(),
                     "--config".into(),
-                    config_arg.clone(),
+                    config_arg(&node.name.0),
                     "--node".into(),
                     node.name.0.clone(),
                 ],
@@ -300,7 +369,7 @@ impl Cluster {
                 format.into(),
                 "router".into(),
                 "--config".into(),
-                config_arg,
+                config_arg(ROUTER_NODE),
             ],
             child: None,
             starts: 0,
@@ -636,4 +705,52 @@ fn probe_ready(agent: &ureq::Agent, base: &str) -> Result<(), String> {
         })
         .unwrap_or_default();
     Err(format!("/ready {status}, waiting for {}", waiting.join("; ")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Picked ports sit below the kernel's ephemeral range (where nothing binding port 0 can
+    /// take them) and are distinct across keys, TCP or UDP.
+    #[test]
+    fn picked_ports_are_below_the_ephemeral_range_and_distinct() {
+        let text = "[model]\nseed = 1\nd_model = 8\nvocab = 16\nlayer_groups = [0]\n\n[[model.groups]]\nkind = \"full\"\nblock_size = 16\n\n[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nblocks_per_group = 8\n\n[[nodes]]\nname = \"d\"\nrole = \"decode\"\nblocks_per_group = 8\n";
+        let dir = std::env::temp_dir().join(format!("pdkv-pick-{}", std::process::id()));
+        let path = prepare_run_dir(text, "test", &dir).expect("prepared");
+        let config = ClusterConfig::from_file(&path).expect("valid");
+        let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .expect("linux")
+            .split_whitespace()
+            .next()
+            .expect("low end")
+            .parse()
+            .expect("a port");
+        let mut ports: Vec<u16> = config
+            .nodes
+            .iter()
+            .flat_map(|node| {
+                [
+                    node.address.control_port,
+                    node.address.data_port,
+                    node.address.admin_port,
+                ]
+            })
+            .chain([config.router.control_port, config.router.http_port])
+            .collect();
+        for &port in &ports {
+            assert!(
+                (LOWEST_PICKED_PORT..ephemeral_low).contains(&port),
+                "{port} outside {LOWEST_PICKED_PORT}..{ephemeral_low}"
+            );
+        }
+        ports.sort_unstable();
+        ports.dedup();
+        assert_eq!(
+            ports.len(),
+            8,
+            "two nodes x 3 ports + the router's 2, all distinct"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

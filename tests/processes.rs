@@ -466,3 +466,53 @@ fn a_leg_with_another_layout_shows_in_the_routers_ready() {
     assert!(log.contains("prefill-0") && log.contains("layout"), "{log}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A node that cannot bind its control port says so and exits 1: no panic (dropping its
+/// transport runtime inside the actor system used to panic and hide the cause).
+#[test]
+fn a_node_whose_port_is_taken_exits_with_the_reason() {
+    let dir = temp_dir("port-taken");
+    let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let ports = free_ports(7);
+    let mut text = cluster_toml(1, 1);
+    text = text.replacen(
+        "blocks_per_group = 64\n",
+        &format!(
+            "blocks_per_group = 64\ncontrol_port = {port}\ndata_port = {}\nadmin_port = {}\n",
+            ports[0], ports[1]
+        ),
+        1,
+    );
+    let second = text.rfind("blocks_per_group = 64\n").unwrap();
+    text.replace_range(
+        second..second + "blocks_per_group = 64\n".len(),
+        &format!(
+            "blocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {}\n",
+            ports[4], ports[5], ports[6]
+        ),
+    );
+    text.push_str(&format!(
+        "\n[router]\ncontrol_port = {}\nhttp_port = {}\n\n[tls]\ndir = \"{}\"\n",
+        ports[2],
+        ports[3],
+        dir.join("certs").display()
+    ));
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, &text).unwrap();
+    certs_init(&config, &dir.join("certs"));
+    let output = pdkv()
+        .args(["node", "--node", "prefill-0", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("control server") && stderr.contains(&port.to_string()),
+        "the error names the control server and its port: {stderr}"
+    );
+    drop(taken);
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -203,6 +203,23 @@ fn control_address(config: &ClusterConfig, node: &str) -> Result<SocketAddr, Req
     resolve(host, port).map_err(|detail| setup_error(&NodeId(node.into()), detail))
 }
 
+/// Where `config` says leg `node`'s memory server is dialled (`host:data_port`), when its
+/// data port is fixed; the router and unknown names have none.
+fn data_address(config: &ClusterConfig, node: &NodeId) -> Option<String> {
+    let address = &config
+        .nodes
+        .iter()
+        .find(|candidate| candidate.name == *node)?
+        .address;
+    (address.data_port != 0).then(|| {
+        if address.host.contains(':') {
+            format!("[{}]:{}", address.host, address.data_port)
+        } else {
+            format!("{}:{}", address.host, address.data_port)
+        }
+    })
+}
+
 /// Resolves `host:port` to its first address.
 pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, String> {
     (host, port)
@@ -214,7 +231,7 @@ pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, String> {
 
 /// The peers a node talks to: the router talks to every leg; a leg to the router and to every
 /// leg of the other role.
-fn peers_of(config: &ClusterConfig, role: Role) -> Vec<(NodeId, Role)> {
+pub fn peers_of(config: &ClusterConfig, role: Role) -> Vec<(NodeId, Role)> {
     let mut peers = Vec::new();
     if role != Role::Router {
         peers.push((NodeId(ROUTER_NODE.into()), Role::Router));
@@ -259,6 +276,25 @@ pub struct NodeProcess {
     runtime: Option<TransportRuntime>,
 }
 
+/// The transport runtime of a node still starting: if the start fails, it is shut down in the
+/// background (dropping a runtime inside the actix system's async context would panic and hide
+/// the error).
+struct StartingRuntime(Option<TransportRuntime>);
+
+impl StartingRuntime {
+    fn handle(&self) -> tokio::runtime::Handle {
+        self.0.as_ref().expect("taken only on success").handle()
+    }
+}
+
+impl Drop for StartingRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
 impl NodeProcess {
     /// Starts node `name` of `config` (a leg, or the router when `name` is `router`) with
     /// `identity` as its certificate.
@@ -268,8 +304,9 @@ impl NodeProcess {
         identity: NodeIdentity,
     ) -> Result<Self, RequestError> {
         let node_id = NodeId(name.into());
-        let runtime =
-            TransportRuntime::new(TRANSPORT_THREADS).map_err(|error| setup_error(&node_id, error))?;
+        let mut runtime = StartingRuntime(Some(
+            TransportRuntime::new(TRANSPORT_THREADS).map_err(|error| setup_error(&node_id, error))?,
+        ));
         let handle = runtime.handle();
         let (role, bind, actors, door, memory_server, tickets, net) = if name == ROUTER_NODE {
             let bind = resolve(config.router.bind_host(), config.router.control_port)
@@ -334,11 +371,28 @@ impl NodeProcess {
             tickets,
             limits,
         };
-        let server = ControlServer::start(&handle, bind, &identity, setup)
-            .map_err(|error| setup_error(&node_id, format!("control server on {bind}: {error}")))?;
-        let client_bind = SocketAddr::new(bind.ip(), 0);
-        let client = ControlClient::with_limits(&handle, client_bind, &identity, &limits)
-            .map_err(|error| setup_error(&node_id, error))?;
+        let started = peers
+            .iter()
+            .map(|(peer, _)| control_address(&config, &peer.0))
+            .collect::<Result<Vec<SocketAddr>, _>>()
+            .and_then(|addresses| {
+                let server = ControlServer::start(&handle, bind, &identity, setup)
+                    .map_err(|error| setup_error(&node_id, format!("control server on {bind}: {error}")))?;
+                let client_bind = SocketAddr::new(bind.ip(), 0);
+                let client = ControlClient::with_limits(&handle, client_bind, &identity, &limits)
+                    .map_err(|error| setup_error(&node_id, error))?;
+                Ok((server, client, addresses))
+            });
+        let (server, client, addresses) = match started {
+            Ok(started) => started,
+            Err(error) => {
+                // Stop the actors while the system runs: an actor never polled would start
+                // (and panic) when the system drops it.
+                actors.stop();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                return Err(error);
+            }
+        };
         let engine_kinds: Vec<EngineKind> = match &actors {
             Actors::Leg(leg) => leg
                 .engines
@@ -348,8 +402,8 @@ impl NodeProcess {
             Actors::Router(_) => Vec::new(),
         };
         let mut dialers = Vec::new();
-        for (peer, peer_role) in peers {
-            let address = control_address(&config, &peer.0)?;
+        for ((peer, peer_role), address) in peers.into_iter().zip(addresses) {
+            let data_address = data_address(&config, &peer);
             let dialer = Dialer {
                 wake: wake[&peer].clone(),
                 door: door.clone(),
@@ -360,6 +414,7 @@ impl NodeProcess {
                 net: net.clone(),
                 engine_kinds: engine_kinds.clone(),
                 reads: role == Role::Decode && peer_role == Role::Prefill,
+                data_address,
                 link_in_flight: config.limits.link_in_flight,
                 message_timeout: Duration::from_millis(config.limits.request_timeout_ms),
             };
@@ -376,7 +431,7 @@ impl NodeProcess {
             client,
             memory_server,
             dialers,
-            runtime: Some(runtime),
+            runtime: runtime.0.take(),
         })
     }
 
@@ -448,19 +503,7 @@ impl NodeProcess {
         self.server.close();
         self.client.close();
         drop(self.memory_server.take());
-        match &self.actors {
-            Actors::Router(router) => {
-                let _ = router.try_send(crate::Stop);
-            }
-            Actors::Leg(leg) => {
-                let _ = leg.scheduler.try_send(crate::Stop);
-                let _ = leg.exchange.try_send(crate::Stop);
-                let _ = leg.allocator.try_send(crate::Stop);
-                if let Some(transfer) = &leg.transfer {
-                    let _ = transfer.try_send(crate::Stop);
-                }
-            }
-        }
+        self.actors.stop();
         if let Some(runtime) = self.runtime.take() {
             // Let peers see the close (bounded) before the runtime goes.
             let (server, client) = (self.server.wait_idle(), self.client.wait_idle());
@@ -499,6 +542,25 @@ pub fn readiness(
         all_peers_linked: board.all_linked(),
         draining,
         peers: board.snapshot(),
+    }
+}
+
+impl Actors {
+    /// Asks every actor to stop.
+    fn stop(&self) {
+        match self {
+            Actors::Router(router) => {
+                let _ = router.try_send(crate::Stop);
+            }
+            Actors::Leg(leg) => {
+                let _ = leg.scheduler.try_send(crate::Stop);
+                let _ = leg.exchange.try_send(crate::Stop);
+                let _ = leg.allocator.try_send(crate::Stop);
+                if let Some(transfer) = &leg.transfer {
+                    let _ = transfer.try_send(crate::Stop);
+                }
+            }
+        }
     }
 }
 
@@ -594,6 +656,9 @@ struct Dialer {
     /// This leg's engines in its transfer actor's order of preference.
     engine_kinds: Vec<EngineKind>,
     reads: bool,
+    /// Where this node's configuration says the peer's memory server is (`host:data_port`);
+    /// dialled instead of the address the peer advertises, so relays and NAT work.
+    data_address: Option<String>,
     link_in_flight: usize,
     message_timeout: Duration,
 }
@@ -713,8 +778,9 @@ impl Dialer {
             .ticket(DIAL_TIMEOUT)
             .await
             .map_err(|error| setup_error(&self.peer, format!("network ticket: {error}")))?;
-        net.connect(
+        net.connect_via(
             &EngineKey(self.peer.0.clone()),
+            self.data_address.clone(),
             &self.door.hello.node,
             ticket,
             DIAL_TIMEOUT,

@@ -66,10 +66,22 @@ async fn read_payload<R: AsyncRead + Unpin>(
             max: max.min(MAX_FRAME_BYTES),
         });
     }
-    let mut payload = vec![0u8; len];
-    read_exact(reader, &mut payload).await?;
+    // Grow with the bytes that really arrive: a header alone cannot make a node allocate the
+    // length it claims.
+    let mut payload = Vec::with_capacity(len.min(INITIAL_PAYLOAD_CAPACITY));
+    let read = (&mut *reader)
+        .take(len as u64)
+        .read_to_end(&mut payload)
+        .await
+        .map_err(io)?;
+    if read < len {
+        return Err(CodecError::Truncated);
+    }
     Ok(payload)
 }
+
+/// Bytes reserved for a payload before any of it arrives.
+const INITIAL_PAYLOAD_CAPACITY: usize = 64 * 1024;
 
 /// Reads the next frame's payload of a stream of frames, or `None` if the stream ended cleanly
 /// between frames.

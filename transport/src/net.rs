@@ -265,14 +265,14 @@ impl ReadAuthorizer for GrantAuthorizer {
 
 /// First frame of a data connection.
 #[derive(Debug, Serialize, Deserialize)]
-struct DataHello {
-    node: NodeId,
-    protocol_version: u32,
-    ticket: Ticket,
+pub(crate) struct DataHello {
+    pub(crate) node: NodeId,
+    pub(crate) protocol_version: u32,
+    pub(crate) ticket: Ticket,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-enum DataRequest {
+pub(crate) enum DataRequest {
     /// Read `runs` (remote offset, length) of `region`, concatenated.
     Read {
         grant: GrantId,
@@ -304,7 +304,7 @@ pub enum DataReply {
 }
 
 /// Largest request frame a memory server accepts (64 Ki runs).
-const MAX_REQUEST_BYTES: usize = 1 << 20;
+pub(crate) const MAX_REQUEST_BYTES: usize = 1 << 20;
 
 /// Largest data hello (protocol version, node name, ticket) a memory server reads.
 pub const MAX_HELLO_BYTES: usize = 4096;
@@ -442,11 +442,11 @@ impl Unauthenticated {
     }
 }
 
-struct ServerState {
-    regions: HashMap<u32, Arc<Region>>,
-    authorizer: Arc<dyn ReadAuthorizer>,
-    tickets: Arc<TicketBook>,
-    limits: MemoryServerLimits,
+pub(crate) struct ServerState {
+    pub(crate) regions: HashMap<u32, Arc<Region>>,
+    pub(crate) authorizer: Arc<dyn ReadAuthorizer>,
+    pub(crate) tickets: Arc<TicketBook>,
+    pub(crate) limits: MemoryServerLimits,
 }
 
 async fn serve_data(
@@ -512,54 +512,69 @@ async fn serve_data(
             Ok(Err(error)) => return Err(error.into()),
             Ok(Ok(request)) => request,
         };
-        match request {
-            DataRequest::Read { grant, region, runs } => {
-                match authorize_runs(&state, &peer, grant, region, &runs) {
-                    Err(reason) => {
-                        codec::write_message(&mut stream, &DataReply::Refused(reason.to_string())).await?
-                    }
-                    Ok(memory) => {
-                        let total: u64 = runs.iter().map(|(_, len)| len).sum();
-                        codec::write_message(&mut stream, &DataReply::Data { len: total }).await?;
-                        for (offset, len) in runs {
-                            // SAFETY: the grant pins these blocks; their owner does not write them
-                            // while the grant lives (a lapse is caught by the reader's generation
-                            // check).
-                            let bytes = unsafe { memory.bytes(offset, len as usize) }
-                                .map_err(|error| NetError::Io(error.to_string()))?;
-                            stream
-                                .write_all(bytes)
-                                .await
-                                .map_err(|error| NetError::Io(error.to_string()))?;
-                        }
-                    }
+        match answer(&state, &peer, request) {
+            Answer::Refused(reason) => codec::write_message(&mut stream, &DataReply::Refused(reason)).await?,
+            Answer::Words(words) => codec::write_message(&mut stream, &DataReply::Words(words)).await?,
+            Answer::Data { memory, runs } => {
+                let total: u64 = runs.iter().map(|(_, len)| len).sum();
+                codec::write_message(&mut stream, &DataReply::Data { len: total }).await?;
+                for (offset, len) in runs {
+                    // SAFETY: the grant pins these blocks; their owner does not write them while
+                    // the grant lives (a lapse is caught by the reader's generation check).
+                    let bytes = unsafe { memory.bytes(offset, len as usize) }
+                        .map_err(|error| NetError::Io(error.to_string()))?;
+                    stream
+                        .write_all(bytes)
+                        .await
+                        .map_err(|error| NetError::Io(error.to_string()))?;
                 }
             }
-            DataRequest::Words {
-                grant,
-                region,
-                indices,
-            } => {
-                let reply = match (
-                    state.regions.get(&region),
-                    state.authorizer.authorize_words(&peer, grant, region, &indices),
-                ) {
-                    (None, _) => DataReply::Refused(format!("no region {region}")),
-                    (_, Err(denied)) => DataReply::Refused(denied.to_string()),
-                    (Some(memory), Ok(())) => {
-                        match indices
-                            .iter()
-                            .map(|&i| memory.load_u32(i as usize))
-                            .collect::<Result<Vec<_>, _>>()
-                        {
-                            Ok(words) => DataReply::Words(words),
-                            Err(error) => DataReply::Refused(error.to_string()),
-                        }
-                    }
-                };
-                codec::write_message(&mut stream, &reply).await?;
+        }
+    }
+}
+
+/// What a memory server does with one decoded request from `peer`.
+pub(crate) enum Answer {
+    /// Refuse it, saying why.
+    Refused(String),
+    /// Send these runs of `memory`, which the authorizer allowed.
+    Data {
+        memory: Arc<Region>,
+        runs: Vec<(u64, u64)>,
+    },
+    /// Send these generation words.
+    Words(Vec<u32>),
+}
+
+/// Decides a request: every run inside its region and allowed by the authorizer, every word
+/// index inside its table; anything else is refused with the reason.
+pub(crate) fn answer(state: &ServerState, peer: &NodeId, request: DataRequest) -> Answer {
+    match request {
+        DataRequest::Read { grant, region, runs } => {
+            match authorize_runs(state, peer, grant, region, &runs) {
+                Err(reason) => Answer::Refused(reason.to_string()),
+                Ok(memory) => Answer::Data { memory, runs },
             }
         }
+        DataRequest::Words {
+            grant,
+            region,
+            indices,
+        } => match (
+            state.regions.get(&region),
+            state.authorizer.authorize_words(peer, grant, region, &indices),
+        ) {
+            (None, _) => Answer::Refused(format!("no region {region}")),
+            (_, Err(denied)) => Answer::Refused(denied.to_string()),
+            (Some(memory), Ok(())) => match indices
+                .iter()
+                .map(|&i| memory.load_u32(i as usize))
+                .collect::<Result<Vec<_>, _>>()
+            {
+                Ok(words) => Answer::Words(words),
+                Err(error) => Answer::Refused(error.to_string()),
+            },
+        },
     }
 }
 
@@ -624,8 +639,8 @@ impl NetEngine {
         }
     }
 
-    /// Opens the data connection to `engine` with a ticket it issued to this node (`node`),
-    /// within `timeout`.
+    /// Opens the data connection to `engine`, at the address its descriptor advertises, with a
+    /// ticket it issued to this node (`node`), within `timeout`.
     pub async fn connect(
         &self,
         engine: &EngineKey,
@@ -633,13 +648,28 @@ impl NetEngine {
         ticket: Ticket,
         timeout: Duration,
     ) -> Result<(), EngineError> {
-        let address = self
+        self.connect_via(engine, None, node, ticket, timeout).await
+    }
+
+    /// As [`NetEngine::connect`], but dials `address` when given instead of the advertised one:
+    /// the address this node's configuration says the peer is reached at (through a relay, a
+    /// NAT or a proxy, which the peer itself cannot know).
+    pub async fn connect_via(
+        &self,
+        engine: &EngineKey,
+        address: Option<String>,
+        node: &NodeId,
+        ticket: Ticket,
+        timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let advertised = self
             .remotes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(engine)
             .map(|remote| remote.address.clone())
             .ok_or_else(|| EngineError::Refused(format!("engine {engine} is not registered")))?;
+        let address = address.unwrap_or(advertised);
         let hello = DataHello {
             node: node.clone(),
             protocol_version: PROTOCOL_VERSION,
