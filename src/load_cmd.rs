@@ -69,23 +69,36 @@ pub struct LoadArgs {
 
 /// One request's outcome.
 #[derive(Debug, Clone)]
-struct Sample {
+pub(crate) struct Sample {
     /// Seconds from the start of the run to the request's send.
-    start_s: f64,
+    pub(crate) start_s: f64,
     /// Seconds to the last byte, or to the error.
-    latency_s: f64,
+    pub(crate) latency_s: f64,
     /// Seconds to the first token chunk.
-    ttft_s: Option<f64>,
+    pub(crate) ttft_s: Option<f64>,
     /// Gaps between token chunks.
-    gaps_s: Vec<f64>,
-    prompt_tokens: usize,
-    tokens: usize,
-    read_bytes: u64,
-    error: Option<String>,
+    pub(crate) gaps_s: Vec<f64>,
+    pub(crate) prompt_tokens: usize,
+    pub(crate) tokens: usize,
+    /// The generated token ids, in order.
+    pub(crate) token_ids: Vec<u32>,
+    /// The digest of every step's logits, from the stream's last chunk.
+    pub(crate) logits_digest: Option<u64>,
+    pub(crate) read_bytes: u64,
+    pub(crate) error: Option<String>,
+    /// The error came from the router (an error status or an error chunk), not from the
+    /// connection (refused, reset, timed out).
+    pub(crate) answered: bool,
 }
 
 /// Sends one streamed completion and times it.
-fn complete(agent: &ureq::Agent, base: &str, prompt: &[u32], max_tokens: u32, run_start: Instant) -> Sample {
+pub(crate) fn complete(
+    agent: &ureq::Agent,
+    base: &str,
+    prompt: &[u32],
+    max_tokens: u32,
+    run_start: Instant,
+) -> Sample {
     let started = Instant::now();
     let mut sample = Sample {
         start_s: started.duration_since(run_start).as_secs_f64(),
@@ -94,9 +107,13 @@ fn complete(agent: &ureq::Agent, base: &str, prompt: &[u32], max_tokens: u32, ru
         gaps_s: Vec::new(),
         prompt_tokens: prompt.len(),
         tokens: 0,
+        token_ids: Vec::new(),
+        logits_digest: None,
         read_bytes: 0,
         error: None,
+        answered: false,
     };
+    let mut answered = false;
     let body = json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true});
     let result = (|| -> Result<(), String> {
         let response = agent
@@ -105,30 +122,42 @@ fn complete(agent: &ureq::Agent, base: &str, prompt: &[u32], max_tokens: u32, ru
             .map_err(|error| error.to_string())?;
         let status = response.status().as_u16();
         if status != 200 {
+            answered = true;
             let mut response = response;
             let text = response.body_mut().read_to_string().unwrap_or_default();
-            return Err(format!("{status}: {text}"));
+            let message = serde_json::from_str::<Value>(&text)
+                .ok()
+                .and_then(|body| body["error"]["message"].as_str().map(String::from))
+                .unwrap_or(text);
+            return Err(format!("{status}: {message}"));
         }
         let mut last_token: Option<Instant> = None;
+        let mut done = false;
         for line in BufReader::new(response.into_body().into_reader()).lines() {
             let line = line.map_err(|error| error.to_string())?;
             let Some(data) = line.strip_prefix("data: ") else {
                 continue;
             };
             if data == "[DONE]" {
+                done = true;
                 break;
             }
             let chunk: Value = serde_json::from_str(data).map_err(|error| error.to_string())?;
             if let Some(error) = chunk.get("error") {
+                answered = true;
                 return Err(error["message"].as_str().unwrap_or("error chunk").to_string());
             }
             let now = Instant::now();
-            let tokens = chunk["choices"].as_array().map_or(0, |choices| {
-                choices
-                    .iter()
-                    .map(|c| c["token_ids"].as_array().map_or(0, Vec::len))
-                    .sum()
-            });
+            let ids: Vec<u32> = chunk["choices"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|choice| choice["token_ids"].as_array().into_iter().flatten())
+                .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect::<Option<_>>()
+                .ok_or("a token id is not a u32")?;
+            let tokens = ids.len();
+            sample.token_ids.extend(ids);
             if tokens > 0 {
                 match last_token {
                     None => sample.ttft_s = Some(now.duration_since(started).as_secs_f64()),
@@ -140,16 +169,26 @@ fn complete(agent: &ureq::Agent, base: &str, prompt: &[u32], max_tokens: u32, ru
             if let Some(bytes) = chunk["pdkv"]["read_bytes"].as_u64() {
                 sample.read_bytes = bytes;
             }
+            if let Some(digest) = chunk["pdkv"]["logits_digest"].as_str() {
+                sample.logits_digest = Some(
+                    u64::from_str_radix(digest, 16)
+                        .map_err(|error| format!("logits digest {digest:?}: {error}"))?,
+                );
+            }
+        }
+        if !done {
+            return Err("the stream ended without [DONE]".into());
         }
         Ok(())
     })();
     sample.latency_s = started.elapsed().as_secs_f64();
     sample.error = result.err();
+    sample.answered = answered && sample.error.is_some();
     sample
 }
 
 /// The `q`-quantile (0..=1) of `values` (nearest rank), or 0 when empty.
-fn quantile(values: &mut [f64], q: f64) -> f64 {
+pub(crate) fn quantile(values: &mut [f64], q: f64) -> f64 {
     if values.is_empty() {
         return 0.0;
     }

@@ -7,26 +7,15 @@
 //! - `gpus`: list AMD GPUs and their telemetry (amdgpu sysfs).
 //! - `plan`: pair two legs' block lists from a JSON scenario and print the READ pairs.
 //! - `sim`: the leg protocol's deterministic simulation over many seeds.
+//! - `node`, `router`, `launch`: run a cluster as processes; `load`: drive load through it.
+//! - `chaos`: launch a cluster behind fault-injecting relays and check every answer.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-
-mod admin;
-mod certs_cmd;
-mod client;
-mod errors;
-mod gpus_cmd;
-mod launch;
-mod launch_cmd;
-mod lengths;
-mod load_cmd;
-mod node_cmd;
-mod openai;
-mod plan_cmd;
-mod render;
-mod sim_cmd;
-mod sweep_cmd;
+use pdkv::{
+    certs_cmd, chaos, errors, gpus_cmd, launch_cmd, load_cmd, node_cmd, plan_cmd, sim_cmd, sweep_cmd,
+};
 
 /// pdkv: a runtime for prefill/decode disaggregated LLM serving.
 #[derive(Debug, Parser)]
@@ -73,6 +62,9 @@ enum Command {
     Launch(launch_cmd::LaunchArgs),
     /// Drive load through a router's HTTP API and report throughput and latency.
     Load(load_cmd::LoadArgs),
+    /// Launch a cluster with a fault-injecting relay on every link, drive load, inject seeded
+    /// faults and check every answer against the direct output.
+    Chaos(chaos::ChaosArgs),
 }
 
 fn main() -> ExitCode {
@@ -89,6 +81,7 @@ fn main() -> ExitCode {
         Command::Router(args) => node_cmd::run_router(args),
         Command::Launch(args) => launch_cmd::run(args),
         Command::Load(args) => load_cmd::run(args),
+        Command::Chaos(args) => chaos::run(args),
     };
     match result {
         Ok(code) => code,

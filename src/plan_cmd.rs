@@ -77,7 +77,17 @@ fn load(args: &PlanArgs) -> anyhow::Result<Scenario> {
             (path.display().to_string(), text)
         }
     };
-    let mut deserializer = serde_json::Deserializer::from_str(&text);
+    let mut scenario = parse_scenario(&name, &text)?;
+    if let Some(PairingModeArg(mode)) = args.pairing {
+        scenario.pairing = mode;
+    }
+    Ok(scenario)
+}
+
+/// Parses and checks one scenario from `text` (named `name` in errors, which give the JSON path
+/// of what is wrong).
+pub fn parse_scenario(name: &str, text: &str) -> anyhow::Result<Scenario> {
+    let mut deserializer = serde_json::Deserializer::from_str(text);
     let at = |error: serde_path_to_error::Error<serde_json::Error>| {
         let path = error.path().to_string();
         let inner = error.into_inner();
@@ -92,13 +102,8 @@ fn load(args: &PlanArgs) -> anyhow::Result<Scenario> {
     deserializer
         .end()
         .map_err(|error| anyhow::anyhow!("{name}: after the scenario: {error}"))?;
-    let mut scenario = file
-        .validate()
-        .with_context(|| format!("{name}: invalid scenario"))?;
-    if let Some(PairingModeArg(mode)) = args.pairing {
-        scenario.pairing = mode;
-    }
-    Ok(scenario)
+    file.validate()
+        .with_context(|| format!("{name}: invalid scenario"))
 }
 
 /// Reads all of `source` as UTF-8, refusing more than [`MAX_SCENARIO_BYTES`].

@@ -50,6 +50,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             requests: args.requests,
             faults: !args.no_faults,
             script: Vec::new(),
+            capture_messages: false,
         });
         scenarios += 1;
         requests += u64::from(report.requests);

@@ -244,7 +244,7 @@ async fn sweep_processes(
 }
 
 /// Polls every leg's `/metrics` until all are idle or `timeout` passes; returns the last reading.
-fn wait_legs_idle(
+pub(crate) fn wait_legs_idle(
     legs: &[(String, String)],
     groups: usize,
     timeout: std::time::Duration,

@@ -46,7 +46,13 @@ pub struct SimConfig {
     pub faults: bool,
     /// Faults injected at named messages, for targeted scenarios.
     pub script: Vec<Scripted>,
+    /// Keep the encoded bytes of the first [`MAX_CAPTURED`] messages sent, in
+    /// [`SimReport::messages`] (real messages of every kind, e.g. to seed a fuzzer).
+    pub capture_messages: bool,
 }
+
+/// Most encoded messages one scenario keeps when asked to.
+pub const MAX_CAPTURED: usize = 10_000;
 
 /// A fault injected at one named message: the `nth` (from 0) message of `kind` (as
 /// [`Body::kind`] names it) that any node sends.
@@ -163,6 +169,8 @@ pub struct SimReport {
     /// Messages a leg refused or ignored, by why: `stale_incarnation`, `renew_refused`,
     /// `release_refused`, `after_abort`, `duplicate`.
     pub refused: BTreeMap<&'static str, u32>,
+    /// The encoded messages sent, in order (with [`SimConfig::capture_messages`]).
+    pub messages: Vec<Vec<u8>>,
 }
 
 /// How the simulated READ engine treats the prefill leg's memory.
@@ -435,6 +443,7 @@ struct Sim {
     script: Vec<Scripted>,
     /// Messages sent so far, by kind.
     sent: HashMap<&'static str, u32>,
+    capture: bool,
     report: SimReport,
 }
 
@@ -497,6 +506,7 @@ pub fn simulate(config: SimConfig) -> SimReport {
         faults_on: config.faults,
         script: config.script,
         sent: HashMap::new(),
+        capture: config.capture_messages,
         report: SimReport {
             seed: config.seed,
             requests: config.requests,
@@ -618,6 +628,9 @@ impl Sim {
             Ok(bytes) => bytes,
             Err(error) => return self.violation(format!("cannot encode a message: {error}")),
         };
+        if self.capture && self.report.messages.len() < MAX_CAPTURED {
+            self.report.messages.push(bytes.clone());
+        }
         let mut at = self.now_ms + 1 + self.rng.below(2);
         let kind = envelope.body.kind();
         let nth = self.sent.entry(kind).or_default();

@@ -12,6 +12,7 @@ fn run(seeds: std::ops::Range<u64>, faults: bool) -> (u32, u32, Vec<String>) {
             requests: 8,
             faults,
             script: Vec::new(),
+            capture_messages: false,
         });
         ok += report.ok;
         failed += report.failed;
@@ -65,6 +66,7 @@ mod targeted {
             requests: 1,
             faults: false,
             script: script.to_vec(),
+            capture_messages: false,
         });
         assert!(report.violations.is_empty(), "{:?}", report.violations);
         report

@@ -121,8 +121,9 @@ pub fn check_compat(ours: &Hello, theirs: &Hello) -> Result<(), HandshakeError> 
     Ok(())
 }
 
+/// A frame of a control stream: what a peer may send.
 #[derive(Debug, Serialize, Deserialize)]
-enum Frame<R> {
+pub(crate) enum Frame<R> {
     Hello(Hello),
     Ticket,
     Request(R),

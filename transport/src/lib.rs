@@ -18,6 +18,7 @@ pub mod codec;
 pub mod control;
 pub mod copy;
 pub mod engine;
+pub mod fuzzing;
 pub mod host;
 pub mod mapped;
 pub mod net;
