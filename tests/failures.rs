@@ -222,3 +222,81 @@ fn a_client_that_goes_away_mid_stream_cancels_its_request() {
     assert_eq!(launched.interrupt(), 0);
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A streamed request whose decode leg freezes after its first tokens starts over on the other
+/// decode leg and streams on from where the client is: the client gets every token once, equal
+/// to the answer the same prompt gets without faults, and no error (before, the retry streamed
+/// its tokens from the start again and the API had to fail the request).
+#[test]
+fn a_stream_whose_decode_leg_freezes_resumes_on_another_leg() {
+    use std::io::{BufRead, BufReader};
+    let dir = temp_dir("stream-resumes");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, with_failure_policy(cluster_toml(1, 2))).unwrap();
+    let launched = Launched::start(&config, &dir.join("run"));
+    let router = launched.router.clone();
+    let body =
+        |stream: bool| serde_json::json!({"prompt": "resume me", "max_tokens": 3000, "stream": stream});
+    let reference: Value = agent()
+        .post(format!("{router}/v1/completions"))
+        .send_json(body(false))
+        .unwrap()
+        .body_mut()
+        .read_json()
+        .unwrap();
+    let expected: Vec<u64> = reference["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_u64().unwrap())
+        .collect();
+    assert_eq!(expected.len(), 3000, "{reference}");
+    let response = agent()
+        .post(format!("{router}/v1/completions"))
+        .send_json(body(true))
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let mut received: Vec<u64> = Vec::new();
+    let mut frozen: Option<u32> = None;
+    let mut done = false;
+    for line in BufReader::new(response.into_body().into_reader()).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        assert!(chunk.get("error").is_none(), "an error chunk: {chunk}");
+        if let Some(ids) = chunk["choices"][0]["token_ids"].as_array() {
+            received.extend(ids.iter().map(|id| id.as_u64().unwrap()));
+        }
+        if frozen.is_none() && !received.is_empty() {
+            // Freeze the decode leg that is streaming this request.
+            let busy = ["decode-0", "decode-1"]
+                .into_iter()
+                .find(|name| {
+                    let (_, metrics) = get(&format!("{}/metrics", launched.admin(name)));
+                    sample(&metrics, "pdkv_requests_active").unwrap_or(0.0) > 0.0
+                })
+                .expect("a decode leg is streaming");
+            let pid = launched.members.iter().find(|member| member.0 == busy).unwrap().1;
+            kill(Pid::from_raw(pid as i32), Signal::SIGSTOP).unwrap();
+            frozen = Some(pid);
+        }
+    }
+    assert!(done, "the stream ended without [DONE]");
+    let frozen = frozen.expect("tokens arrived");
+    assert_eq!(received.len(), expected.len(), "every token once");
+    assert_eq!(received, expected);
+    let (_, metrics) = get(&format!("{router}/metrics"));
+    assert!(
+        sample(&metrics, "pdkv_retries_total").unwrap_or(0.0) >= 1.0,
+        "the request was started over: {metrics}"
+    );
+    kill(Pid::from_raw(frozen as i32), Signal::SIGCONT).unwrap();
+    assert_eq!(launched.interrupt(), 0);
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -376,35 +376,37 @@ fn free_ports(count: usize) -> Vec<u16> {
         .collect()
 }
 
+/// The shipped 1P1D cluster.toml with fixed ports — prefill-0 and decode-0 at (control, data,
+/// admin), the router at (control, http) — and its certificates in `dir/certs`.
+fn fixed_ports_toml(dir: &Path, prefill: [u16; 3], decode: [u16; 3], router: [u16; 2]) -> String {
+    let placed = |[control, data, admin]: [u16; 3]| {
+        format!("blocks_per_group = 64\ncontrol_port = {control}\ndata_port = {data}\nadmin_port = {admin}\n")
+    };
+    let mut text = cluster_toml(1, 1);
+    text = text.replacen("blocks_per_group = 64\n", &placed(prefill), 1);
+    let second = text.rfind("blocks_per_group = 64\n").unwrap();
+    text.replace_range(second..second + "blocks_per_group = 64\n".len(), &placed(decode));
+    text.push_str(&format!(
+        "\n[router]\ncontrol_port = {}\nhttp_port = {}\n\n[tls]\ndir = \"{}\"\n",
+        router[0],
+        router[1],
+        dir.join("certs").display()
+    ));
+    text
+}
+
 /// A prefill leg started with another KV layout is refused at handshake: the router's `/ready`
 /// stays 503 and names the leg and the reason.
 #[test]
 fn a_leg_with_another_layout_shows_in_the_routers_ready() {
     let dir = temp_dir("wrong-layout");
-    let ports = free_ports(9);
-    let mut text = cluster_toml(1, 1);
-    text = text.replacen(
-        "blocks_per_group = 64\n",
-        &format!(
-            "blocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {}\n",
-            ports[0], ports[1], ports[2]
-        ),
-        1,
+    let ports = free_ports(8);
+    let text = fixed_ports_toml(
+        &dir,
+        [ports[0], ports[1], ports[2]],
+        [ports[3], ports[4], ports[5]],
+        [ports[6], ports[7]],
     );
-    let second = text.rfind("blocks_per_group = 64\n").unwrap();
-    text.replace_range(
-        second..second + "blocks_per_group = 64\n".len(),
-        &format!(
-            "blocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {}\n",
-            ports[3], ports[4], ports[5]
-        ),
-    );
-    text.push_str(&format!(
-        "\n[router]\ncontrol_port = {}\nhttp_port = {}\n\n[tls]\ndir = \"{}\"\n",
-        ports[6],
-        ports[7],
-        dir.join("certs").display()
-    ));
     let good = dir.join("cluster.toml");
     std::fs::write(&good, &text).unwrap();
     // Same nodes and ports, another window: another layout.
@@ -475,29 +477,12 @@ fn a_node_whose_port_is_taken_exits_with_the_reason() {
     let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port();
     let ports = free_ports(7);
-    let mut text = cluster_toml(1, 1);
-    text = text.replacen(
-        "blocks_per_group = 64\n",
-        &format!(
-            "blocks_per_group = 64\ncontrol_port = {port}\ndata_port = {}\nadmin_port = {}\n",
-            ports[0], ports[1]
-        ),
-        1,
+    let text = fixed_ports_toml(
+        &dir,
+        [port, ports[0], ports[1]],
+        [ports[4], ports[5], ports[6]],
+        [ports[2], ports[3]],
     );
-    let second = text.rfind("blocks_per_group = 64\n").unwrap();
-    text.replace_range(
-        second..second + "blocks_per_group = 64\n".len(),
-        &format!(
-            "blocks_per_group = 64\ncontrol_port = {}\ndata_port = {}\nadmin_port = {}\n",
-            ports[4], ports[5], ports[6]
-        ),
-    );
-    text.push_str(&format!(
-        "\n[router]\ncontrol_port = {}\nhttp_port = {}\n\n[tls]\ndir = \"{}\"\n",
-        ports[2],
-        ports[3],
-        dir.join("certs").display()
-    ));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, &text).unwrap();
     certs_init(&config, &dir.join("certs"));

@@ -48,6 +48,11 @@ struct Pending {
     attempts: u32,
     avoid: Vec<NodeId>,
     client: Option<u64>,
+    /// Tokens already streamed to the client, by this attempt and those before it.
+    streamed: usize,
+    /// Tokens of this attempt not to stream: an earlier attempt streamed them already (the
+    /// output is deterministic; the API checks the answer starts with what it streamed).
+    skip: usize,
 }
 
 /// A client's request about to start on some legs (first time, or again).
@@ -64,6 +69,8 @@ struct Attempt {
     last_error: Option<RequestError>,
     /// The client's name for the request ([`Generate::client`]).
     client: Option<u64>,
+    /// Tokens earlier attempts streamed to the client.
+    streamed: usize,
 }
 
 /// The client's end of a streaming request: tokens as the decode leg generates them. Bounded
@@ -196,6 +203,8 @@ impl Router {
             attempts: attempt.attempts,
             avoid: attempt.avoid,
             client: attempt.client,
+            streamed: attempt.streamed,
+            skip: attempt.streamed,
         };
         if let Some(client) = attempt.client {
             self.clients.insert(client, request);
@@ -330,6 +339,7 @@ impl Router {
                         avoid,
                         last_error: Some(RequestError::from_failure(stage, reason, self.request_timeout_ms)),
                         client: pending.client,
+                        streamed: pending.streamed,
                     };
                     retry = Some(attempt);
                 }
@@ -492,13 +502,23 @@ impl Handler<Inbound> for Router {
                 return Ok(());
             }
             Body::Tokens { tokens } => {
-                let stream = self
+                let Some(pending) = self
                     .requests
-                    .get(&request)
+                    .get_mut(&request)
                     .filter(|pending| pending.machine.legs().1 == &from)
-                    .and_then(|pending| pending.stream.as_ref());
-                if let Some(stream) = stream
-                    && stream.try_send(tokens).is_err()
+                else {
+                    return Ok(());
+                };
+                // A retried request streams on from where the client is.
+                let skipped = pending.skip.min(tokens.len());
+                pending.skip -= skipped;
+                let fresh = &tokens[skipped..];
+                if fresh.is_empty() {
+                    return Ok(());
+                }
+                pending.streamed += fresh.len();
+                if let Some(stream) = &pending.stream
+                    && stream.try_send(fresh.to_vec()).is_err()
                 {
                     // The client went away, or sent more than it has room for: the answer
                     // still carries every token.
@@ -608,6 +628,7 @@ impl Handler<Generate> for Router {
             avoid: Vec::new(),
             last_error: None,
             client: msg.client,
+            streamed: 0,
         };
         self.start_request(attempt, ctx);
         Box::pin(

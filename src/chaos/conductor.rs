@@ -236,7 +236,9 @@ impl Conductor<'_> {
         let mut still = Vec::new();
         for index in std::mem::take(&mut self.active) {
             let record = &mut self.records[index];
-            if !all && now < record.started + record.fault.hold {
+            // A kill-at-read is over once it fired (the restart is the reaper's).
+            let fired = record.fault.kind == FaultKind::KillAtRead && record.origin().is_some();
+            if !all && !fired && now < record.started + record.fault.hold {
                 still.push(index);
                 continue;
             }
