@@ -14,8 +14,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Version of the pdkv wire protocol; peers with another version are refused at handshake.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version of the pdkv wire protocol; peers with another version are refused at handshake. 2: a
+/// data reply says how many padding bytes come before its data.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// QUIC ALPN of the pdkv control plane.
 pub const ALPN: &[u8] = b"pdkv/1";

@@ -1,6 +1,6 @@
 //! Registered memory: byte regions that READ engines copy between.
 //!
-//! A [`Region`] is a fixed-size, 8-byte-aligned span of memory that several parties touch at once
+//! A [`Region`] is a fixed-size, page-aligned span of memory that several parties touch at once
 //! without locks, as registered GPU memory is: the leg's engine writes the blocks it owns while a
 //! remote reader copies blocks it was granted. Exclusivity is per block and enforced above this
 //! module (the allocator hands a block to one owner; a grant pins it; generations catch a block
@@ -24,8 +24,8 @@ pub struct Region {
 
 /// What owns a region's memory.
 pub enum Backing {
-    /// Process-private heap memory (u64 words for alignment).
-    Heap(Box<[u64]>),
+    /// Process-private heap memory, page-aligned.
+    Heap(PageAligned),
     /// This process's shared memory: a memfd mapped read-write.
     Shared {
         /// The mapping.
@@ -35,6 +35,36 @@ pub enum Backing {
     },
     /// A peer's shared memory mapped read-only.
     PeerMapping(memmap2::Mmap),
+}
+
+/// Zeroed heap memory starting on a page boundary, as shared memory and registered GPU memory do:
+/// copies between regions then see the same alignment on both sides (the kernel's and libc's
+/// copy loops run at half speed or worse when source and destination are misaligned to each
+/// other).
+pub struct PageAligned {
+    ptr: NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+/// The alignment of heap regions.
+const PAGE: usize = 4096;
+
+impl PageAligned {
+    fn zeroed(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), PAGE)
+            .unwrap_or_else(|_| panic!("a region of {len} bytes overflows the address space"));
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        PageAligned { ptr, layout }
+    }
+}
+
+impl Drop for PageAligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
 }
 
 // SAFETY: a Region is a raw span of memory. All access goes through bounds-checked copies;
@@ -53,13 +83,12 @@ impl std::fmt::Debug for Region {
 impl Region {
     /// A zeroed heap region of `len` bytes.
     pub fn heap(len: usize) -> Self {
-        let mut words = vec![0u64; len.div_ceil(8)].into_boxed_slice();
-        let ptr = NonNull::new(words.as_mut_ptr().cast::<u8>()).unwrap_or(NonNull::dangling());
+        let memory = PageAligned::zeroed(len);
         Region {
-            ptr,
+            ptr: memory.ptr,
             len,
             read_only: false,
-            backing: Backing::Heap(words),
+            backing: Backing::Heap(memory),
         }
     }
 

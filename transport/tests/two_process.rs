@@ -403,7 +403,10 @@ fn strangers_and_incompatible_peers_are_refused() {
     let error = dial(&peer.identity("decode-0"), other_version).unwrap_err();
     assert_eq!(
         error,
-        ControlError::Refused("protocol version differs: ours 1, theirs 99".into())
+        ControlError::Refused(format!(
+            "protocol version differs: ours {}, theirs 99",
+            pdkv_transport::codec::PROTOCOL_VERSION
+        ))
     );
 
     // And the rightful node still gets in.
