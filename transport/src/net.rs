@@ -1051,25 +1051,21 @@ mod tests {
         assert_eq!(third.try_recv(), Err(TryRecvError::Empty));
     }
 
+    /// Allows every read: for tests of what the server checks besides grants.
+    struct Everything;
+
+    impl ReadAuthorizer for Everything {
+        fn authorize_read(&self, _: &NodeId, _: GrantId, _: u32, _: u64, _: u64) -> Result<(), ReadDenied> {
+            Ok(())
+        }
+        fn authorize_words(&self, _: &NodeId, _: GrantId, _: u32, _: &[u32]) -> Result<(), ReadDenied> {
+            Ok(())
+        }
+    }
+
     /// A read may end exactly at the end of its region, not one byte past it.
     #[test]
     fn runs_are_bounded_by_their_region() {
-        struct Everything;
-        impl ReadAuthorizer for Everything {
-            fn authorize_read(
-                &self,
-                _: &NodeId,
-                _: GrantId,
-                _: u32,
-                _: u64,
-                _: u64,
-            ) -> Result<(), ReadDenied> {
-                Ok(())
-            }
-            fn authorize_words(&self, _: &NodeId, _: GrantId, _: u32, _: &[u32]) -> Result<(), ReadDenied> {
-                Ok(())
-            }
-        }
         let state = ServerState {
             regions: HashMap::from([(0, Arc::new(Region::heap(256)))]),
             authorizer: Arc::new(Everything),
@@ -1104,22 +1100,6 @@ mod tests {
     /// stream, whatever replies of other sizes came before it, and is the region's bytes.
     #[test]
     fn read_data_starts_aligned_in_the_stream() {
-        struct Everything;
-        impl ReadAuthorizer for Everything {
-            fn authorize_read(
-                &self,
-                _: &NodeId,
-                _: GrantId,
-                _: u32,
-                _: u64,
-                _: u64,
-            ) -> Result<(), ReadDenied> {
-                Ok(())
-            }
-            fn authorize_words(&self, _: &NodeId, _: GrantId, _: u32, _: &[u32]) -> Result<(), ReadDenied> {
-                Ok(())
-            }
-        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
