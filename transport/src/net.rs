@@ -642,10 +642,16 @@ pub struct NetEngine {
     key: EngineKey,
     runtime: tokio::runtime::Handle,
     local: LocalRegions,
-    remotes: Mutex<HashMap<EngineKey, RemoteEngine>>,
+    remotes: Arc<Mutex<HashMap<EngineKey, RemoteEngine>>>,
     /// The memory server address this engine advertises (prefill legs), empty otherwise.
     address: String,
+    /// How long a READ waits for the data connection to a peer that has none yet.
+    connect_wait: Duration,
 }
+
+/// How long a READ waits for a data connection being opened (a prefill leg that just restarted
+/// is linked to the router a moment before its reader's data connection to it is up).
+pub const DEFAULT_CONNECT_WAIT: Duration = Duration::from_millis(1000);
 
 impl std::fmt::Debug for NetEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -663,9 +669,16 @@ impl NetEngine {
             key,
             runtime,
             local: LocalRegions::default(),
-            remotes: Mutex::new(HashMap::new()),
+            remotes: Arc::default(),
             address,
+            connect_wait: DEFAULT_CONNECT_WAIT,
         }
+    }
+
+    /// The same engine, whose READs wait at most `wait` for a data connection being opened.
+    pub fn with_connect_wait(mut self, wait: Duration) -> Self {
+        self.connect_wait = wait;
+        self
     }
 
     /// Opens the data connection to `engine`, at the address its descriptor advertises, with a
@@ -741,6 +754,32 @@ impl NetEngine {
             .get(engine)
             .and_then(|remote| remote.connection.clone())
             .ok_or_else(|| EngineError::Refused(format!("no data connection to {engine}")))
+    }
+}
+
+/// The data connection to `engine` once it is up, waiting at most `wait` (checked every 5 ms).
+async fn connection_within(
+    remotes: &Mutex<HashMap<EngineKey, RemoteEngine>>,
+    engine: &EngineKey,
+    wait: Duration,
+) -> Result<Arc<tokio::sync::Mutex<TcpStream>>, EngineError> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let connection = remotes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(engine)
+            .and_then(|remote| remote.connection.clone());
+        if let Some(connection) = connection {
+            return Ok(connection);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(EngineError::Refused(format!(
+                "no data connection to {engine} within {} ms",
+                wait.as_millis()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -835,13 +874,24 @@ impl ReadEngine for NetEngine {
                     region: op.remote_region,
                 })?;
             check_runs(&op, local.len() as u64, remote_len)?;
-            let connection = self.connection(&op.remote_engine)?;
+            let connection = self.connection(&op.remote_engine).ok();
             prepared.push((op, local, connection));
         }
         let (completer, handle) = ReadHandle::pending();
+        let (remotes, wait) = (self.remotes.clone(), self.connect_wait);
         self.runtime.spawn(async move {
             let mut report = ReadReport::default();
             for (op, local, connection) in prepared {
+                let connection = match connection {
+                    Some(connection) => connection,
+                    None => match connection_within(&remotes, &op.remote_engine, wait).await {
+                        Ok(connection) => connection,
+                        Err(error) => {
+                            completer.complete(Err(error));
+                            return;
+                        }
+                    },
+                };
                 let mut connection = connection.lock().await;
                 match read_op(&mut connection, &op, &local).await {
                     Ok(bytes) => {

@@ -641,3 +641,58 @@ fn idle_unauthenticated_connections_cannot_fill_the_data_port() {
         started.elapsed()
     );
 }
+
+/// A READ posted while the data connection to its peer is still being opened (a prefill leg
+/// that just restarted) waits for it, bounded: it completes once the connection is up, and
+/// fails naming the peer and the bound when none comes.
+#[test]
+fn a_read_waits_for_a_data_connection_being_opened_bounded() {
+    let peer = Peer::spawn("connect-wait");
+    let decode = connect(&peer);
+    let (grant, _) = decode.grant(vec![1, 2], 10_000);
+    let advert = decode.advert(EngineKind::Net);
+    let unconnected = |wait: Duration| {
+        let engine = NetEngine::new(
+            EngineKey("decode-0".into()),
+            decode.runtime.handle(),
+            String::new(),
+        )
+        .with_connect_wait(wait);
+        let destination = Arc::new(Region::heap(((BLOCKS + 1) as u64 * BLOCK_BYTES) as usize));
+        engine.register(0, destination.clone()).unwrap();
+        engine.register_remote(&advert.engine, &advert.regions).unwrap();
+        (Arc::new(engine), destination)
+    };
+    // Never connected: refused after the bound, naming it.
+    let (lonely, _) = unconnected(Duration::from_millis(100));
+    let started = std::time::Instant::now();
+    assert_eq!(
+        read_blocks(&*lonely, grant, 1, 1, 2).unwrap_err(),
+        EngineError::Refused("no data connection to prefill-0 within 100 ms".into())
+    );
+    assert!(started.elapsed() >= Duration::from_millis(100));
+    // Connected while the READ waits: the READ completes with the right bytes.
+    let (engine, destination) = unconnected(Duration::from_secs(10));
+    let op = ReadOp {
+        grant,
+        local_region: 0,
+        remote_engine: EngineKey("prefill-0".into()),
+        remote_region: 1,
+        runs: vec![ReadRun {
+            local_offset: BLOCK_BYTES,
+            remote_offset: BLOCK_BYTES,
+            len_bytes: 2 * BLOCK_BYTES,
+        }],
+    };
+    let handle = engine.batch_read(vec![op]).unwrap();
+    let ticket = decode
+        .runtime
+        .block_on(decode.connection.ticket(TIMEOUT))
+        .unwrap();
+    decode
+        .runtime
+        .block_on(engine.connect(&advert.engine.key, &NodeId("decode-0".into()), ticket, TIMEOUT))
+        .unwrap();
+    assert_eq!(handle.wait_blocking(TIMEOUT).unwrap().bytes, 2 * BLOCK_BYTES);
+    assert_holds_pattern(&destination, 1, 1, 2);
+}
