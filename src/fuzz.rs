@@ -212,7 +212,12 @@ impl Harness {
             Target::Frames => {
                 let mut seeds: Vec<Vec<u8>> = Vec::new();
                 for chunk in messages.chunks(3).take(64) {
-                    seeds.push(chunk.iter().flat_map(|message| codec_frame(message)).collect());
+                    seeds.push(
+                        chunk
+                            .iter()
+                            .flat_map(|message| pdkv_transport::codec::frame(message))
+                            .collect(),
+                    );
                 }
                 (Harness::Frames, seeds, false)
             }
@@ -298,12 +303,6 @@ impl Harness {
             Harness::HttpBody { vocab } => Ok(crate::openai::parse_completion(input, *vocab).is_ok()),
         }
     }
-}
-
-fn codec_frame(payload: &[u8]) -> Vec<u8> {
-    let mut frame = (payload.len() as u32).to_le_bytes().to_vec();
-    frame.extend_from_slice(payload);
-    frame
 }
 
 /// Real wire messages of every kind, from the leg protocol's simulation with faults on.

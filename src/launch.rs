@@ -20,7 +20,7 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
 use pdkv_actors::deployment::{Launch, LogFormat};
-use pdkv_actors::node::resolve;
+use pdkv_actors::node::{host_port, resolve};
 use pdkv_transport::tls::{Existing, write_cluster_certs};
 use std::os::unix::process::CommandExt;
 
@@ -305,7 +305,10 @@ impl Cluster {
         };
         for node in &config.nodes {
             let log = run_dir.join(format!("{}.log", node.name));
-            let admin_url = format!("http://{}", address(&node.address.host, node.address.admin_port));
+            let admin_url = format!(
+                "http://{}",
+                host_port(&node.address.host, node.address.admin_port)
+            );
             if let Launch::Ssh { target } = &node.launch {
                 let remote_dir = format!(
                     "pdkv-run-{}-{}",
@@ -358,7 +361,10 @@ impl Cluster {
                 starts: 0,
             });
         }
-        let router_url = format!("http://{}", address(&config.router.host, config.router.http_port));
+        let router_url = format!(
+            "http://{}",
+            host_port(&config.router.host, config.router.http_port)
+        );
         members.push(Member {
             name: ROUTER_NODE.into(),
             log: run_dir.join(format!("{ROUTER_NODE}.log")),
@@ -655,14 +661,6 @@ impl Ssh {
                 .stderr(Stdio::null())
                 .status();
         }
-    }
-}
-
-fn address(host: &str, port: u16) -> String {
-    if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
     }
 }
 

@@ -172,7 +172,7 @@ pub struct Readiness {
 }
 
 /// Where a node of `config` is dialled: its host and control port, which must be fixed.
-fn control_address(config: &ClusterConfig, node: &str) -> Result<SocketAddr, RequestError> {
+pub fn control_address(config: &ClusterConfig, node: &str) -> Result<SocketAddr, RequestError> {
     let (key, host, port) = if node == ROUTER_NODE {
         (
             "router.control_port".to_string(),
@@ -211,13 +211,16 @@ fn data_address(config: &ClusterConfig, node: &NodeId) -> Option<String> {
         .iter()
         .find(|candidate| candidate.name == *node)?
         .address;
-    (address.data_port != 0).then(|| {
-        if address.host.contains(':') {
-            format!("[{}]:{}", address.host, address.data_port)
-        } else {
-            format!("{}:{}", address.host, address.data_port)
-        }
-    })
+    (address.data_port != 0).then(|| host_port(&address.host, address.data_port))
+}
+
+/// `host:port`, with an IPv6 host in brackets.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 /// Resolves `host:port` to its first address.

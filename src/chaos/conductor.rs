@@ -33,7 +33,6 @@ pub(super) struct Conductor<'a> {
     pub(super) expected: Arc<Mutex<HashMap<String, Option<Instant>>>>,
     /// Nodes down and waiting for their restart time.
     pub(super) down: HashMap<String, Instant>,
-    pub(super) paused: Vec<String>,
     pub(super) records: Vec<Record>,
     pub(super) active: Vec<usize>,
     pub(super) unexpected: Vec<String>,
@@ -163,9 +162,7 @@ impl Conductor<'_> {
                 }
             }
             FaultKind::Pause => {
-                if signal_member(self.cluster, &fault.node, Signal::SIGSTOP).is_some() {
-                    self.paused.push(fault.node.clone());
-                }
+                let _ = signal_member(self.cluster, &fault.node, Signal::SIGSTOP);
             }
             FaultKind::Partition => {
                 for relay in self.relays.between(&fault.node, &peer) {
@@ -248,7 +245,6 @@ impl Conductor<'_> {
             match fault.kind {
                 FaultKind::Pause => {
                     let _ = signal_member(self.cluster, &fault.node, Signal::SIGCONT);
-                    self.paused.retain(|name| *name != fault.node);
                 }
                 FaultKind::Partition | FaultKind::Delay | FaultKind::Loss => {
                     for relay in self.relays.between(&fault.node, &peer) {

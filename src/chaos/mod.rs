@@ -358,7 +358,6 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         pids: Arc::default(),
         expected: Arc::default(),
         down: HashMap::new(),
-        paused: Vec::new(),
         records: Vec::new(),
         active: Vec::new(),
         unexpected: Vec::new(),

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use pdkv_actors::config::{ClusterConfig, ROUTER_NODE, ReadEngineKind, Role};
-use pdkv_actors::node::{peers_of, resolve};
+use pdkv_actors::node::{control_address, peers_of, resolve};
 
 use super::relay::Relay;
 use super::schedule::Topology;
@@ -40,14 +40,13 @@ impl Relays {
 
 /// Every node's name, role and real control address (the router included).
 pub(super) fn members(config: &ClusterConfig) -> anyhow::Result<Vec<(String, Role, SocketAddr)>> {
-    let mut members = Vec::new();
-    for node in &config.nodes {
-        let address = resolve(&node.address.host, node.address.control_port).map_err(anyhow::Error::msg)?;
-        members.push((node.name.0.clone(), node.role, address));
-    }
-    let router = resolve(&config.router.host, config.router.control_port).map_err(anyhow::Error::msg)?;
-    members.push((ROUTER_NODE.to_string(), Role::Router, router));
-    Ok(members)
+    config
+        .nodes
+        .iter()
+        .map(|node| (node.name.0.as_str(), node.role))
+        .chain([(ROUTER_NODE, Role::Router)])
+        .map(|(name, role)| Ok((name.to_string(), role, control_address(config, name)?)))
+        .collect()
 }
 
 /// Starts a relay for every directed link of `config` on `runtime`, each listening on its

@@ -164,16 +164,30 @@ impl Decode {
     }
 
     fn net_engine(&self) -> (NetEngine, Arc<Region>) {
-        let engine = NetEngine::new(EngineKey(self.name.into()), self.runtime.handle(), String::new());
+        let (engine, destination) = self.unconnected_net_engine(pdkv_transport::net::DEFAULT_CONNECT_WAIT);
+        self.connect_data(&engine);
+        (engine, destination)
+    }
+
+    /// A net engine that knows the peer's regions but has no data connection yet; its READs
+    /// wait at most `wait` for one.
+    fn unconnected_net_engine(&self, wait: Duration) -> (NetEngine, Arc<Region>) {
+        let engine = NetEngine::new(EngineKey(self.name.into()), self.runtime.handle(), String::new())
+            .with_connect_wait(wait);
         let destination = Arc::new(Region::heap(((BLOCKS + 1) as u64 * BLOCK_BYTES) as usize));
         engine.register(0, destination.clone()).unwrap();
         let advert = self.advert(EngineKind::Net);
         engine.register_remote(&advert.engine, &advert.regions).unwrap();
+        (engine, destination)
+    }
+
+    /// Opens `engine`'s data connection to the peer with a fresh ticket.
+    fn connect_data(&self, engine: &NetEngine) {
+        let advert = self.advert(EngineKind::Net);
         let ticket = self.runtime.block_on(self.connection.ticket(TIMEOUT)).unwrap();
         self.runtime
             .block_on(engine.connect(&advert.engine.key, &NodeId(self.name.into()), ticket, TIMEOUT))
             .unwrap();
-        (engine, destination)
     }
 }
 
@@ -650,29 +664,16 @@ fn a_read_waits_for_a_data_connection_being_opened_bounded() {
     let peer = Peer::spawn("connect-wait");
     let decode = connect(&peer);
     let (grant, _) = decode.grant(vec![1, 2], 10_000);
-    let advert = decode.advert(EngineKind::Net);
-    let unconnected = |wait: Duration| {
-        let engine = NetEngine::new(
-            EngineKey("decode-0".into()),
-            decode.runtime.handle(),
-            String::new(),
-        )
-        .with_connect_wait(wait);
-        let destination = Arc::new(Region::heap(((BLOCKS + 1) as u64 * BLOCK_BYTES) as usize));
-        engine.register(0, destination.clone()).unwrap();
-        engine.register_remote(&advert.engine, &advert.regions).unwrap();
-        (Arc::new(engine), destination)
-    };
     // Never connected: refused after the bound, naming it.
-    let (lonely, _) = unconnected(Duration::from_millis(100));
+    let (lonely, _) = decode.unconnected_net_engine(Duration::from_millis(100));
     let started = std::time::Instant::now();
     assert_eq!(
-        read_blocks(&*lonely, grant, 1, 1, 2).unwrap_err(),
+        read_blocks(&lonely, grant, 1, 1, 2).unwrap_err(),
         EngineError::Refused("no data connection to prefill-0 within 100 ms".into())
     );
     assert!(started.elapsed() >= Duration::from_millis(100));
     // Connected while the READ waits: the READ completes with the right bytes.
-    let (engine, destination) = unconnected(Duration::from_secs(10));
+    let (engine, destination) = decode.unconnected_net_engine(Duration::from_secs(10));
     let op = ReadOp {
         grant,
         local_region: 0,
@@ -685,14 +686,7 @@ fn a_read_waits_for_a_data_connection_being_opened_bounded() {
         }],
     };
     let handle = engine.batch_read(vec![op]).unwrap();
-    let ticket = decode
-        .runtime
-        .block_on(decode.connection.ticket(TIMEOUT))
-        .unwrap();
-    decode
-        .runtime
-        .block_on(engine.connect(&advert.engine.key, &NodeId("decode-0".into()), ticket, TIMEOUT))
-        .unwrap();
+    decode.connect_data(&engine);
     assert_eq!(handle.wait_blocking(TIMEOUT).unwrap().bytes, 2 * BLOCK_BYTES);
     assert_holds_pattern(&destination, 1, 1, 2);
 }
