@@ -15,8 +15,9 @@ use serde::de::DeserializeOwned;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Version of the pdkv wire protocol; peers with another version are refused at handshake. 2: a
-/// data reply says how many padding bytes come before its data.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// data reply says how many padding bytes come before its data. 3: engine descriptors carry
+/// engine-specific packed bytes (mori's descriptors).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// QUIC ALPN of the pdkv control plane.
 pub const ALPN: &[u8] = b"pdkv/1";

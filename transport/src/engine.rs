@@ -59,6 +59,9 @@ pub struct EngineDescriptor {
     pub pid: u32,
     /// Engine-specific address (memory server address for `net`), empty otherwise.
     pub address: String,
+    /// Engine-specific descriptor bytes, opaque to pdkv: mori's packed `EngineDesc` for `mori`,
+    /// empty otherwise.
+    pub packed: Vec<u8>,
 }
 
 /// Engine-specific part of a memory descriptor.
@@ -75,6 +78,12 @@ pub enum RegionHandle {
     },
     /// Served by the owner's memory server.
     Net,
+    /// Registered with the owner's mori engine: mori's packed `MemoryDesc` (its address, size,
+    /// device and location; the rkey is fetched by mori from the owner on first use).
+    Mori {
+        /// The msgpack bytes mori produced.
+        packed: Vec<u8>,
+    },
 }
 
 /// A registered region, as a peer sees it.
@@ -351,6 +360,9 @@ pub enum EngineError {
     /// An OS or network error.
     #[error("{0}")]
     Io(String),
+    /// mori could not start, reach the peer or complete the READ.
+    #[error(transparent)]
+    Mori(#[from] crate::mori::MoriError),
 }
 
 impl From<RegionError> for EngineError {

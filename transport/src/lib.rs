@@ -9,6 +9,7 @@
 //! - [`mapped`]: in-process and shared-memory READ engines (one-sided copies).
 //! - [`net`]: the network READ engine (memory server, tickets, grant checks).
 //! - [`copy`]: a bounded worker thread for large copies.
+//! - [`mori`]: mori's RDMA READ engine (the engine itself behind the `mori` feature).
 //!
 //! Never imports the actors crate: the wire types and the READ engine trait are the boundary.
 #![warn(missing_docs)]
@@ -21,6 +22,9 @@ pub mod engine;
 pub mod fuzzing;
 pub mod host;
 pub mod mapped;
+pub mod mori;
+#[cfg(any(feature = "mori", feature = "hip"))]
+mod native;
 pub mod net;
 pub mod region;
 pub mod tls;

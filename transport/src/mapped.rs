@@ -158,6 +158,7 @@ impl ReadEngine for MappedEngine {
             kind: self.kind,
             pid: std::process::id(),
             address: String::new(),
+            packed: Vec::new(),
         }
     }
 

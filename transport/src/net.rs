@@ -802,6 +802,7 @@ impl ReadEngine for NetEngine {
             kind: EngineKind::Net,
             pid: std::process::id(),
             address: self.address.clone(),
+            packed: Vec::new(),
         }
     }
 

@@ -198,6 +198,12 @@ impl Region {
         self.ptr.as_ptr()
     }
 
+    /// The AMD GPU the region's memory is on, or `None` for host memory (engines that register
+    /// memory with hardware say where it is).
+    pub fn gpu_device(&self) -> Option<i32> {
+        None
+    }
+
     fn check(&self, offset: u64, len: usize) -> Result<usize, RegionError> {
         let start = usize::try_from(offset).map_err(|_| RegionError::OutOfBounds {
             offset,
