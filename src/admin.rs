@@ -62,6 +62,66 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
     Ok(handle)
 }
 
+/// The GPU telemetry a node exports at each scrape (`pdkv_gpu_*` gauges, labelled by device).
+///
+/// The backend is chosen at the first scrape, as `pdkv gpus` chooses it (rocm_smi_lib when built
+/// with it and it finds a GPU, else sysfs) and kept, so a host without GPUs asks rocm_smi once.
+/// The sysfs root is `$PDKV_SYSFS_ROOT`, default `/sys` (a container may mount it elsewhere).
+pub struct GpuTelemetry {
+    sysfs: pdkv_rocm::Sysfs,
+    backend: std::sync::OnceLock<pdkv_rocm::BackendChoice>,
+}
+
+/// The longest a scrape waits for GPU readings.
+const GPU_READ_BOUND: Duration = Duration::from_secs(1);
+
+impl GpuTelemetry {
+    /// Telemetry from this host's GPUs.
+    pub fn from_environment() -> Arc<Self> {
+        let root = std::env::var_os("PDKV_SYSFS_ROOT").unwrap_or_else(|| "/sys".into());
+        Arc::new(GpuTelemetry {
+            sysfs: pdkv_rocm::Sysfs::new(std::path::PathBuf::from(root)),
+            backend: std::sync::OnceLock::new(),
+        })
+    }
+
+    fn read(&self) -> Result<Vec<pdkv_rocm::Reading>, pdkv_rocm::RocmError> {
+        let choice = *self.backend.get_or_init(|| {
+            match pdkv_rocm::read_gpus(pdkv_rocm::BackendChoice::Auto, &self.sysfs) {
+                Ok((pdkv_rocm::Backend::Smi, _)) => pdkv_rocm::BackendChoice::Smi,
+                _ => pdkv_rocm::BackendChoice::Sysfs,
+            }
+        });
+        pdkv_rocm::read_gpus(choice, &self.sysfs).map(|(_, readings)| readings)
+    }
+
+    /// Reads every GPU (at most [`GPU_READ_BOUND`]) and sets its gauges; a failed read is
+    /// logged and leaves the last values.
+    pub async fn export(self: &Arc<Self>) {
+        let this = self.clone();
+        let read =
+            tokio::time::timeout(GPU_READ_BOUND, tokio::task::spawn_blocking(move || this.read())).await;
+        match read {
+            Ok(Ok(Ok(readings))) => {
+                for gauge in pdkv_rocm::gauges(&readings) {
+                    let labels: Vec<metrics::Label> = gauge
+                        .labels
+                        .into_iter()
+                        .map(|(key, value)| metrics::Label::new(key, value))
+                        .collect();
+                    metrics::gauge!(gauge.name, labels).set(gauge.value);
+                }
+            }
+            Ok(Ok(Err(error))) => tracing::warn!(%error, "GPU telemetry"),
+            Ok(Err(error)) => tracing::warn!(%error, "GPU telemetry reader failed"),
+            Err(_) => tracing::warn!(
+                bound_ms = GPU_READ_BOUND.as_millis() as u64,
+                "GPU telemetry took too long"
+            ),
+        }
+    }
+}
+
 /// Updates gauges that are read at scrape time (a leg's block accounting).
 pub type Refresh = Arc<dyn Fn() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 

@@ -107,15 +107,17 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         );
         let readiness = Arc::new(move || pdkv_actors::node::readiness(&name, role, &board, &draining));
         let gauges = allocator.clone();
+        let gpus = admin::GpuTelemetry::from_environment();
         let state = AdminState {
             readiness,
             metrics,
             refresh: Some(Arc::new(move || {
-                let allocator = gauges.clone();
+                let (allocator, gpus) = (gauges.clone(), gpus.clone());
                 Box::pin(async move {
                     if let Ok(stats) = allocator.send(Stats).await {
                         export_stats(&stats);
                     }
+                    gpus.export().await;
                 })
             })),
         };

@@ -149,4 +149,30 @@ fn build_hip(out: &Path) {
         "building the HIP shim (needs HIP's headers and libamdhip64: ROCm, or Debian's libamdhip64-dev)",
     );
     println!("cargo:rustc-env=PDKV_HIP_SHIM_BUILT={}", shim.display());
+
+    // For the tests: the same shim linked against a HIP whose one GPU is host memory.
+    let standin = out.join("hip-standin");
+    std::fs::create_dir_all(&standin).expect("create the HIP stand-in folder");
+    let mut command = compiler(false);
+    command
+        .args(["-O1", "-shared", "hip/standin/hip_host_memory.c", "-o"])
+        .arg(standin.join("libpdkv_hip_host_memory.so"));
+    run(command, "building the host-memory HIP stand-in for the tests");
+    let emulated = standin.join("libpdkv_hip_shim.so");
+    let mut command = compiler(false);
+    command.args(["-std=c11", "-O2", "-shared", "-D__HIP_PLATFORM_AMD__"]);
+    for (flag, dir) in &dirs {
+        if flag == "-I" {
+            command.arg(format!("{flag}{}", dir.display()));
+        }
+    }
+    command
+        .arg("hip/pdkv_hip_shim.c")
+        .arg("-o")
+        .arg(&emulated)
+        .arg(format!("-L{}", standin.display()))
+        .arg(format!("-Wl,-rpath,{}", standin.display()))
+        .arg("-lpdkv_hip_host_memory");
+    run(command, "building the HIP shim over the host-memory stand-in");
+    println!("cargo:rustc-env=PDKV_HIP_SHIM_HOST_MEMORY={}", emulated.display());
 }

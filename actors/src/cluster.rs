@@ -42,6 +42,7 @@ use crate::config::{ClusterConfig, LegThreads, LinkKind, NodeConfig, ROUTER_NODE
 use crate::engine::Model;
 use crate::error::{RequestError, ask};
 use crate::exchange::ExchangeActor;
+use crate::hardware;
 use crate::link::{Admit, DoorService, Inbound, Link, LinkLost, LocalLink, QuicLink, SetLink};
 use crate::memory::LegMemory;
 use crate::router::{Generate, Router};
@@ -440,6 +441,7 @@ fn in_process_parts(
 ) -> Result<LegParts, RequestError> {
     let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
     let key = EngineKey(node.name.0.clone());
+    let mut more_engines = Vec::new();
     let (memory, engine) = match config.transport.read_engine {
         ReadEngineKind::Local => (
             LegMemory::heap(model, &capacity),
@@ -450,11 +452,18 @@ fn in_process_parts(
                 .map_err(|error| RequestError::Read(error.into()))?,
             MappedEngine::shm(key)?,
         ),
+        ReadEngineKind::Mori => {
+            more_engines.push(hardware::mori_engine(config, node)?);
+            (
+                hardware::leg_memory(config, node, model)?,
+                MappedEngine::shm(key)?,
+            )
+        }
     };
     Ok(LegParts {
         memory: Arc::new(memory),
         mapped: Arc::new(engine),
-        more_engines: Vec::new(),
+        more_engines,
         grants: Arc::new(Mutex::new(GrantTable::new(config.limits.max_grants))),
         clock: MonotonicClock::new(),
     })
@@ -483,13 +492,19 @@ pub(crate) fn start_leg(
         clock,
     } = parts;
     // Readers choose the first engine that reaches a peer: the mapped one unless the network
-    // engine is asked for (`read_engine = "net"`).
-    let mut engines: Vec<Arc<dyn ReadEngine>> = vec![mapped.clone()];
-    if config.transport.read_engine == ReadEngineKind::Net {
-        engines.splice(0..0, more_engines);
-    } else {
-        engines.extend(more_engines);
-    }
+    // engine is asked for (`read_engine = "net"`). mori is the only engine of a mori leg: its
+    // KV may be GPU memory, which no other engine reaches.
+    let engines: Vec<Arc<dyn ReadEngine>> = match config.transport.read_engine {
+        ReadEngineKind::Mori => more_engines,
+        ReadEngineKind::Net => more_engines
+            .into_iter()
+            .chain([mapped.clone() as Arc<dyn ReadEngine>])
+            .collect(),
+        ReadEngineKind::Local | ReadEngineKind::Shm => [mapped.clone() as Arc<dyn ReadEngine>]
+            .into_iter()
+            .chain(more_engines)
+            .collect(),
+    };
     let mut adverts = Vec::with_capacity(engines.len());
     for engine in &engines {
         let mut descriptors = Vec::new();

@@ -16,6 +16,7 @@ use crate::deployment::{
 };
 pub use pdkv_core::leg::PrefillTokens;
 use pdkv_core::wire::NodeId;
+use pdkv_transport::mori::MoriSettings;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::ModelParams;
@@ -89,6 +90,23 @@ pub enum ReadEngineKind {
     /// The network engine even between legs on one host (separate processes only; a cluster
     /// in one process reads through shared memory).
     Net,
+    /// RDMA READ through AMD's mori (`[transport.mori]`), host or GPU memory
+    /// (`kv_memory`). Needs a pdkv built with the `mori` feature, ROCm 7 and an RDMA NIC; a
+    /// node that lacks one says which at start.
+    Mori,
+}
+
+/// Where a leg's KV blocks live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvMemory {
+    /// Host memory (shared memory, so same-host peers can map it).
+    #[default]
+    Host,
+    /// The node's AMD GPU (`[[nodes]] gpu`), allocated with hipMalloc; the reference engine
+    /// reaches it through staging copies. Needs `read_engine = "mori"` and a pdkv built with
+    /// the `hip` feature.
+    Gpu,
 }
 
 /// How the router and the legs carry protocol messages to each other.
@@ -133,6 +151,10 @@ pub struct TransportConfig {
     pub links: LinkKind,
     /// Threads of a cluster in one process: `per_leg` (default) or `shared`.
     pub leg_threads: LegThreads,
+    /// Where KV blocks live: `host` (default) or `gpu`.
+    pub kv_memory: KvMemory,
+    /// `[transport.mori]`: the mori engine's settings.
+    pub mori: MoriSettings,
 }
 
 /// `[limits]`: every wait and queue bound.
@@ -275,6 +297,8 @@ struct NodeSection {
     launch: Option<LaunchKind>,
     #[serde(default)]
     ssh: Option<String>,
+    #[serde(default)]
+    gpu: Option<u32>,
 }
 
 /// One node (one leg) of the cluster.
@@ -296,6 +320,8 @@ pub struct NodeConfig {
     pub address: NodeAddress,
     /// How `pdkv launch` starts it.
     pub launch: Launch,
+    /// The AMD GPU (HIP device index) its KV lives on with `kv_memory = "gpu"`. Default 0.
+    pub gpu: u32,
 }
 
 /// A checked cluster description.
@@ -522,7 +548,20 @@ impl ClusterConfig {
                 prefill_tokens: node.prefill_tokens.unwrap_or_default(),
                 address,
                 launch,
+                gpu: node.gpu.unwrap_or(0),
             });
+        }
+        file.transport.mori.validate().map_err(|error| {
+            ConfigError::invalid(
+                format!("transport.mori.{}", error.field),
+                format!("{} is out of range {}", error.value, error.range),
+            )
+        })?;
+        if file.transport.kv_memory == KvMemory::Gpu && file.transport.read_engine != ReadEngineKind::Mori {
+            return Err(ConfigError::invalid(
+                "transport.kv_memory",
+                "\"gpu\" needs read_engine = \"mori\": no other READ engine reaches GPU memory",
+            ));
         }
         for role in [Role::Prefill, Role::Decode] {
             if !nodes.iter().any(|node| node.role == role) {

@@ -96,6 +96,24 @@ pub enum RequestError {
         /// What.
         failure: Failure,
     },
+    /// The mori READ engine a node's configuration asks for cannot start.
+    #[error("node {node}: the mori READ engine cannot start: {source}")]
+    MoriStart {
+        /// The node.
+        node: String,
+        /// What is missing or failed.
+        source: pdkv_transport::mori::MoriError,
+    },
+    /// The GPU memory a node's configuration asks for cannot be had.
+    #[error("node {node}: KV memory on GPU {gpu}: {source}")]
+    GpuMemory {
+        /// The node.
+        node: String,
+        /// The configured HIP device index.
+        gpu: u32,
+        /// What is missing or failed.
+        source: pdkv_transport::region::RegionError,
+    },
     /// A link between nodes could not be set up.
     #[error("link to {peer}: {detail}")]
     Link {

@@ -23,6 +23,7 @@ pub mod deployment;
 pub mod engine;
 pub mod error;
 pub mod exchange;
+mod hardware;
 pub mod link;
 pub mod memory;
 pub mod node;

@@ -1,5 +1,5 @@
 //! One leg's KV memory: a region per layer (blocks `bytes_per_block` apart, block 0 the null
-//! block's slot) and a generation table per group, in heap or shared memory, with the placement
+//! block's slot) and a generation table per group, in heap, shared or GPU memory, with the placement
 //! the exchange plans READs against.
 
 use std::sync::Arc;
@@ -32,6 +32,18 @@ impl LegMemory {
     pub fn shared(model: &Model, capacity: &[u32], leg: &str) -> Result<Self, RegionError> {
         Self::allocate(model, capacity, |name, len| {
             Region::shared(&format!("pdkv-{leg}-{name}"), len)
+        })
+    }
+
+    /// KV blocks in the memory of AMD GPU `device` (HIP), generation tables in host memory
+    /// (small, and written by the allocator through atomics).
+    pub fn gpu(model: &Model, capacity: &[u32], device: u32) -> Result<Self, RegionError> {
+        Self::allocate(model, capacity, |name, len| {
+            if name.starts_with("generations") {
+                Ok(Region::heap(len))
+            } else {
+                Region::gpu(device, len)
+            }
         })
     }
 

@@ -32,8 +32,8 @@ use crate::cluster::{Door, LegHandle, LegParts, Placement, start_leg, start_rout
 use crate::config::{ClusterConfig, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
 use crate::error::RequestError;
+use crate::hardware;
 use crate::link::{Admit, DoorService, LinkLost, QuicLink, SetLink};
-use crate::memory::LegMemory;
 use crate::router::Router;
 use crate::transfer::choose_engine;
 
@@ -583,11 +583,7 @@ fn start_process_leg(
     runtime: &tokio::runtime::Handle,
 ) -> Result<ProcessLeg, RequestError> {
     let model = Arc::new(Model::new(config.model, config.layout.clone()));
-    let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
-    let memory = Arc::new(
-        LegMemory::shared(&model, &capacity, &node.name.0)
-            .map_err(|error| RequestError::Read(error.into()))?,
-    );
+    let memory = Arc::new(hardware::leg_memory(config, node, &model)?);
     let key = EngineKey(node.name.0.clone());
     let grants = Arc::new(Mutex::new(GrantTable::new(config.limits.max_grants)));
     let clock = MonotonicClock::new();
@@ -630,7 +626,10 @@ fn start_process_leg(
     let parts = LegParts {
         memory,
         mapped: Arc::new(MappedEngine::shm(key)?),
-        more_engines: vec![net.clone() as Arc<dyn ReadEngine>],
+        more_engines: match config.transport.read_engine {
+            ReadEngineKind::Mori => vec![hardware::mori_engine(config, node)?],
+            _ => vec![net.clone() as Arc<dyn ReadEngine>],
+        },
         grants,
         clock,
     };

@@ -9,6 +9,10 @@
 //! A machine with no AMD GPU (or no `/sys/class/drm` at all) has zero GPUs: that is an answer,
 //! not an error. A file that exists but holds garbage is an error naming the file.
 //!
+//! With the `rocm-smi` feature, [`read_gpus`] can ask AMD's rocm_smi_lib instead (the crate the
+//! design calls rocm-smi-rs); both backends give the same [`Reading`]s, and [`gauges`] turns
+//! them into the metrics every node exports.
+//!
 //! Non-goals: setting clocks or power, anything that needs root.
 #![warn(missing_docs)]
 
@@ -16,6 +20,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
+
+#[cfg(feature = "rocm-smi")]
+mod smi;
 
 /// PCI vendor id of AMD.
 pub const AMD_PCI_VENDOR: u16 = 0x1002;
@@ -196,6 +203,133 @@ fn parse_hex_u16(path: &Path, text: &str) -> Result<u16, RocmError> {
         .map_err(|_| RocmError::Parse(path.to_path_buf(), trimmed.to_string()))
 }
 
+/// Where GPU readings come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// AMD's rocm_smi_lib (the `rocm-smi` feature).
+    Smi,
+    /// amdgpu's sysfs files, read directly.
+    Sysfs,
+}
+
+/// Which backend to ask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// rocm_smi_lib when built with it and it finds a GPU, else sysfs.
+    Auto,
+    /// rocm_smi_lib only.
+    Smi,
+    /// sysfs only.
+    Sysfs,
+}
+
+/// One GPU and its readings, whichever backend read them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Reading {
+    /// The label metrics use: the PCI slot when known, else the DRM card or SMI index.
+    pub device: String,
+    /// DRM card name (sysfs only).
+    pub card: Option<String>,
+    /// PCI slot, e.g. `0000:c1:00.0`.
+    pub pci_slot: Option<String>,
+    /// PCI device id.
+    pub device_id: u16,
+    /// Live readings.
+    pub telemetry: Telemetry,
+}
+
+/// Every AMD GPU with its readings, from the backend `choice` picks; the backend that answered.
+pub fn read_gpus(choice: BackendChoice, sysfs: &Sysfs) -> Result<(Backend, Vec<Reading>), RocmError> {
+    match choice {
+        BackendChoice::Sysfs => Ok((Backend::Sysfs, read_sysfs(sysfs)?)),
+        BackendChoice::Smi => Ok((Backend::Smi, read_smi()?)),
+        BackendChoice::Auto => match read_smi() {
+            Ok(readings) if !readings.is_empty() => Ok((Backend::Smi, readings)),
+            _ => Ok((Backend::Sysfs, read_sysfs(sysfs)?)),
+        },
+    }
+}
+
+fn read_sysfs(sysfs: &Sysfs) -> Result<Vec<Reading>, RocmError> {
+    let mut readings = Vec::new();
+    for gpu in sysfs.discover()? {
+        let telemetry = sysfs.telemetry(&gpu)?;
+        readings.push(Reading {
+            device: gpu.pci_slot.clone().unwrap_or_else(|| gpu.card.clone()),
+            card: Some(gpu.card),
+            pci_slot: gpu.pci_slot,
+            device_id: gpu.device_id,
+            telemetry,
+        });
+    }
+    Ok(readings)
+}
+
+#[cfg(feature = "rocm-smi")]
+fn read_smi() -> Result<Vec<Reading>, RocmError> {
+    smi::read()
+}
+
+#[cfg(not(feature = "rocm-smi"))]
+fn read_smi() -> Result<Vec<Reading>, RocmError> {
+    Err(RocmError::SmiNotBuilt)
+}
+
+/// One gauge of GPU telemetry as `/metrics` exports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gauge {
+    /// Metric name.
+    pub name: &'static str,
+    /// Labels: `device`, plus `sensor` for temperatures.
+    pub labels: Vec<(&'static str, String)>,
+    /// Value.
+    pub value: f64,
+}
+
+/// The gauges for `readings`: `pdkv_gpu_vram_used_bytes`, `pdkv_gpu_vram_total_bytes`,
+/// `pdkv_gpu_busy_ratio` (0–1), `pdkv_gpu_power_watts` and `pdkv_gpu_temperature_celsius`
+/// (`sensor` = edge, junction or mem), each labelled by `device`; a reading the GPU does not
+/// give is left out rather than exported as zero.
+pub fn gauges(readings: &[Reading]) -> Vec<Gauge> {
+    let mut gauges = Vec::new();
+    for reading in readings {
+        let t = &reading.telemetry;
+        let device = || vec![("device", reading.device.clone())];
+        let mut push = |name, labels, value: Option<f64>| {
+            if let Some(value) = value {
+                gauges.push(Gauge { name, labels, value });
+            }
+        };
+        push(
+            "pdkv_gpu_vram_used_bytes",
+            device(),
+            t.vram_used_bytes.map(|b| b as f64),
+        );
+        push(
+            "pdkv_gpu_vram_total_bytes",
+            device(),
+            t.vram_total_bytes.map(|b| b as f64),
+        );
+        push(
+            "pdkv_gpu_busy_ratio",
+            device(),
+            t.gpu_busy_percent.map(|p| f64::from(p) / 100.0),
+        );
+        push("pdkv_gpu_power_watts", device(), t.power_average_watts);
+        for (sensor, value) in [
+            ("edge", t.temperature_edge_celsius),
+            ("junction", t.temperature_junction_celsius),
+            ("mem", t.temperature_mem_celsius),
+        ] {
+            let mut labels = device();
+            labels.push(("sensor", sensor.to_string()));
+            push("pdkv_gpu_temperature_celsius", labels, value);
+        }
+    }
+    gauges
+}
+
 /// Why GPU discovery or telemetry failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RocmError {
@@ -205,6 +339,14 @@ pub enum RocmError {
     /// A sysfs file holds something the driver never writes there.
     #[error("{path}: unexpected value {value:?}", path = .0.display(), value = .1)]
     Parse(PathBuf, String),
+    /// `--backend smi` on a pdkv built without the `rocm-smi` feature.
+    #[error(
+        "this pdkv was built without the `rocm-smi` feature: use --backend sysfs, or build with --features rocm-smi"
+    )]
+    SmiNotBuilt,
+    /// rocm_smi_lib failed a query.
+    #[error("rocm_smi_lib: {0}")]
+    Smi(String),
 }
 
 #[cfg(test)]
@@ -264,6 +406,62 @@ mod tests {
         assert_eq!(telemetry.temperature_edge_celsius, Some(41.0));
         assert_eq!(telemetry.temperature_junction_celsius, Some(52.5));
         assert_eq!(telemetry.power_average_watts, Some(156.0));
+        fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn sysfs_readings_become_gauges_labelled_by_pci_slot() {
+        let root = fake_sysfs();
+        let (backend, readings) = read_gpus(BackendChoice::Sysfs, &Sysfs::new(&root)).unwrap();
+        assert_eq!(backend, Backend::Sysfs);
+        let device = || ("device", "0000:c1:00.0".to_string());
+        let gauge = |name, mut labels: Vec<(&'static str, String)>, value| {
+            labels.insert(0, device());
+            Gauge { name, labels, value }
+        };
+        // Values from the fake files: 1 GiB used of 206141652992, 37 % busy, 156 W, edge 41 C,
+        // junction 52.5 C; no memory temperature file, so no gauge for it.
+        assert_eq!(
+            gauges(&readings),
+            vec![
+                gauge("pdkv_gpu_vram_used_bytes", vec![], 1073741824.0),
+                gauge("pdkv_gpu_vram_total_bytes", vec![], 206141652992.0),
+                gauge("pdkv_gpu_busy_ratio", vec![], 0.37),
+                gauge("pdkv_gpu_power_watts", vec![], 156.0),
+                gauge(
+                    "pdkv_gpu_temperature_celsius",
+                    vec![("sensor", "edge".into())],
+                    41.0
+                ),
+                gauge(
+                    "pdkv_gpu_temperature_celsius",
+                    vec![("sensor", "junction".into())],
+                    52.5
+                ),
+            ]
+        );
+        fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn smi_answers_when_built_and_auto_falls_back_to_sysfs() {
+        let root = fake_sysfs();
+        let sysfs = Sysfs::new(&root);
+        let smi = read_gpus(BackendChoice::Smi, &sysfs);
+        if cfg!(feature = "rocm-smi") {
+            // rocm_smi_lib really runs: on a host with no AMD GPU it finds none.
+            let (backend, readings) = smi.unwrap();
+            assert_eq!(backend, Backend::Smi);
+            if !Path::new("/dev/kfd").exists() {
+                assert_eq!(readings, vec![]);
+            }
+        } else {
+            assert_eq!(smi.unwrap_err(), RocmError::SmiNotBuilt);
+        }
+        if !Path::new("/dev/kfd").exists() {
+            let (backend, readings) = read_gpus(BackendChoice::Auto, &sysfs).unwrap();
+            assert_eq!((backend, readings.len()), (Backend::Sysfs, 1));
+        }
         fs::remove_dir_all(root).unwrap();
     }
 

@@ -205,3 +205,33 @@ pub fn certs_init(config: &Path, out: &Path) {
         .unwrap();
     assert!(status.success());
 }
+
+/// Ports free on loopback right now (held until returned, then released).
+pub fn free_ports(count: usize) -> Vec<u16> {
+    let sockets: Vec<std::net::TcpListener> = (0..count)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    sockets
+        .iter()
+        .map(|socket| socket.local_addr().unwrap().port())
+        .collect()
+}
+
+/// The shipped 1P1D cluster.toml with fixed ports — prefill-0 and decode-0 at (control, data,
+/// admin), the router at (control, http) — and its certificates in `dir/certs`.
+pub fn fixed_ports_toml(dir: &Path, prefill: [u16; 3], decode: [u16; 3], router: [u16; 2]) -> String {
+    let placed = |[control, data, admin]: [u16; 3]| {
+        format!("blocks_per_group = 64\ncontrol_port = {control}\ndata_port = {data}\nadmin_port = {admin}\n")
+    };
+    let mut text = cluster_toml(1, 1);
+    text = text.replacen("blocks_per_group = 64\n", &placed(prefill), 1);
+    let second = text.rfind("blocks_per_group = 64\n").unwrap();
+    text.replace_range(second..second + "blocks_per_group = 64\n".len(), &placed(decode));
+    text.push_str(&format!(
+        "\n[router]\ncontrol_port = {}\nhttp_port = {}\n\n[tls]\ndir = \"{}\"\n",
+        router[0],
+        router[1],
+        dir.join("certs").display()
+    ));
+    text
+}

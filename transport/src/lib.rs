@@ -4,7 +4,8 @@
 //! - [`codec`]: length-prefixed frames of `pdkv_core::codec` payloads.
 //! - [`tls`]: the cluster CA, node certificates, mutual-TLS configs.
 //! - [`control`]: the QUIC control plane (its own tokio runtime), handshake, requests.
-//! - [`region`]: registered memory regions (heap, shared memory, peer mappings).
+//! - [`region`]: registered memory regions (heap, shared memory, peer mappings, GPU memory).
+//! - [`gpu`]: AMD GPU memory through HIP (behind the `hip` feature).
 //! - [`engine`]: the READ engine trait (shaped like mori's IO engine) and its error kinds.
 //! - [`mapped`]: in-process and shared-memory READ engines (one-sided copies).
 //! - [`net`]: the network READ engine (memory server, tickets, grant checks).
@@ -20,6 +21,7 @@ pub mod control;
 pub mod copy;
 pub mod engine;
 pub mod fuzzing;
+pub mod gpu;
 pub mod host;
 pub mod mapped;
 pub mod mori;

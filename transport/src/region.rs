@@ -12,6 +12,8 @@ use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use crate::gpu::GpuError;
+
 /// Memory that READ engines copy between.
 pub struct Region {
     ptr: NonNull<u8>,
@@ -35,6 +37,20 @@ pub enum Backing {
     },
     /// A peer's shared memory mapped read-only.
     PeerMapping(memmap2::Mmap),
+    /// AMD GPU memory (`hipMalloc`): reached by staging copies, never by pointer.
+    #[cfg(feature = "hip")]
+    Device(crate::gpu::device::DeviceMemory),
+}
+
+/// The device memory behind a region, if it is on a GPU.
+#[cfg(feature = "hip")]
+macro_rules! on_gpu {
+    ($region:expr) => {
+        match &$region.backing {
+            Backing::Device(memory) => Some(memory),
+            _ => None,
+        }
+    };
 }
 
 /// Zeroed heap memory starting on a page boundary, as shared memory and registered GPU memory do:
@@ -113,6 +129,28 @@ impl Region {
         })
     }
 
+    /// `len` zeroed bytes of memory on AMD GPU `device` (HIP device index). Fails naming what is
+    /// missing: the `hip` feature, the HIP runtime, a GPU, or the device.
+    pub fn gpu(device: u32, len: usize) -> Result<Self, RegionError> {
+        #[cfg(feature = "hip")]
+        {
+            let memory = crate::gpu::device::DeviceMemory::allocate(device, len)?;
+            let ptr = NonNull::new(memory.ptr.cast::<u8>())
+                .ok_or(GpuError::Hip("hipMalloc returned null".into()))?;
+            Ok(Region {
+                ptr,
+                len,
+                read_only: false,
+                backing: Backing::Device(memory),
+            })
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = (device, len);
+            Err(GpuError::NotBuilt.into())
+        }
+    }
+
     /// Maps a peer's shared region read-only from `path` (`/proc/<pid>/fd/<fd>`), checking it
     /// holds at least `len` bytes.
     pub fn map_peer(path: &Path, len: usize) -> Result<Self, RegionError> {
@@ -151,6 +189,15 @@ impl Region {
         self.read_only
     }
 
+    /// Refuses pointer access to GPU memory.
+    fn check_host(&self) -> Result<(), RegionError> {
+        #[cfg(feature = "hip")]
+        if on_gpu!(self).is_some() {
+            return Err(GpuError::NotHostAccessible.into());
+        }
+        Ok(())
+    }
+
     fn check_writable(&self) -> Result<(), RegionError> {
         if self.read_only {
             Err(RegionError::ReadOnly)
@@ -165,6 +212,7 @@ impl Region {
     /// No one may write these bytes while the borrow lives (the block's owner or a grant
     /// guarantees it).
     pub unsafe fn bytes(&self, offset: u64, len: usize) -> Result<&[u8], RegionError> {
+        self.check_host()?;
         let start = self.check(offset, len)?;
         // SAFETY: in bounds; exclusivity is the caller's promise.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(start), len) })
@@ -178,6 +226,7 @@ impl Region {
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn bytes_mut(&self, offset: u64, len: usize) -> Result<&mut [u8], RegionError> {
         self.check_writable()?;
+        self.check_host()?;
         let start = self.check(offset, len)?;
         // SAFETY: in bounds and writable; exclusivity is the caller's promise.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(start), len) })
@@ -201,6 +250,10 @@ impl Region {
     /// The AMD GPU the region's memory is on, or `None` for host memory (engines that register
     /// memory with hardware say where it is).
     pub fn gpu_device(&self) -> Option<i32> {
+        #[cfg(feature = "hip")]
+        if let Some(memory) = on_gpu!(self) {
+            return Some(memory.device);
+        }
         None
     }
 
@@ -223,6 +276,10 @@ impl Region {
     /// Copies `dst.len()` bytes at `offset` out of the region.
     pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), RegionError> {
         let start = self.check(offset, dst.len())?;
+        #[cfg(feature = "hip")]
+        if let Some(memory) = on_gpu!(self) {
+            return Ok(memory.copy_out(start, dst.as_mut_ptr(), dst.len())?);
+        }
         // SAFETY: bounds checked; dst is a distinct Rust allocation.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(start), dst.as_mut_ptr(), dst.len()) };
         Ok(())
@@ -232,6 +289,10 @@ impl Region {
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), RegionError> {
         self.check_writable()?;
         let start = self.check(offset, src.len())?;
+        #[cfg(feature = "hip")]
+        if let Some(memory) = on_gpu!(self) {
+            return Ok(memory.copy_in(start, src.as_ptr(), src.len())?);
+        }
         // SAFETY: bounds checked; src is a distinct Rust allocation.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(start), src.len()) };
         Ok(())
@@ -241,6 +302,10 @@ impl Region {
     pub fn read_f32s(&self, offset: u64, dst: &mut [f32]) -> Result<(), RegionError> {
         let bytes = std::mem::size_of_val(dst);
         let start = self.check(offset, bytes)?;
+        #[cfg(feature = "hip")]
+        if let Some(memory) = on_gpu!(self) {
+            return Ok(memory.copy_out(start, dst.as_mut_ptr().cast(), bytes)?);
+        }
         // SAFETY: bounds checked; any bit pattern is a valid f32; byte-wise copy needs no alignment.
         unsafe {
             std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(start), dst.as_mut_ptr().cast::<u8>(), bytes)
@@ -253,6 +318,10 @@ impl Region {
         self.check_writable()?;
         let bytes = std::mem::size_of_val(src);
         let start = self.check(offset, bytes)?;
+        #[cfg(feature = "hip")]
+        if let Some(memory) = on_gpu!(self) {
+            return Ok(memory.copy_in(start, src.as_ptr().cast(), bytes)?);
+        }
         // SAFETY: bounds checked; byte-wise copy needs no alignment.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), self.ptr.as_ptr().add(start), bytes)
@@ -281,6 +350,26 @@ impl Region {
                 return Err(RegionError::Overlap);
             }
         }
+        #[cfg(feature = "hip")]
+        match (on_gpu!(self), on_gpu!(src)) {
+            (None, None) => {}
+            (Some(dst), None) => {
+                // SAFETY: bounds checked above.
+                let from = unsafe { src.ptr.as_ptr().add(src_start) };
+                return Ok(dst.copy_in(dst_start, from, len_usize)?);
+            }
+            (None, Some(from)) => {
+                // SAFETY: bounds checked above.
+                let to = unsafe { self.ptr.as_ptr().add(dst_start) };
+                return Ok(from.copy_out(src_start, to, len_usize)?);
+            }
+            (Some(dst), Some(_)) => {
+                // SAFETY: bounds checked above; device addresses, never dereferenced here.
+                let (to, from) =
+                    unsafe { (self.ptr.as_ptr().add(dst_start), src.ptr.as_ptr().add(src_start)) };
+                return Ok(dst.device_to_device(to, from, len_usize)?);
+            }
+        }
         // SAFETY: both ranges bounds checked and, within one region, disjoint.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -294,6 +383,7 @@ impl Region {
 
     /// The `index`th 32-bit word as an atomic (generation tables live in regions).
     pub fn atomic_u32(&self, index: usize) -> Result<&AtomicU32, RegionError> {
+        self.check_host()?;
         let offset = index.checked_mul(4).ok_or(RegionError::OutOfBounds {
             offset: u64::MAX,
             len: 4,
@@ -340,6 +430,9 @@ pub enum RegionError {
     /// Creating or mapping shared memory failed.
     #[error("{0}")]
     Io(String),
+    /// GPU memory could not be had or was asked for by pointer.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
 }
 
 #[cfg(test)]

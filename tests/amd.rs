@@ -1,0 +1,196 @@
+//! A node asked for mori or GPU memory on a host without them (like CI) refuses to start with one
+//! error naming what is missing, whichever features the binary was built with; nothing panics.
+
+use std::path::Path;
+
+mod support;
+
+use support::{certs_init, fixed_ports_toml, free_ports, pdkv, temp_dir};
+
+/// Starts `node` of a one-prefill, one-decode cluster with fixed ports whose `[transport]` is
+/// `transport`; its exit code and stderr. Certificates are made when the file is valid.
+fn start_node(name: &str, transport: &str, node: &str) -> (Option<i32>, String) {
+    let dir = temp_dir(name);
+    let ports = free_ports(8);
+    let text = fixed_ports_toml(
+        &dir,
+        [ports[0], ports[1], ports[2]],
+        [ports[3], ports[4], ports[5]],
+        [ports[6], ports[7]],
+    )
+    .replace("[transport]\nread_engine = \"shm\"", transport);
+    assert!(text.contains(transport), "the shipped [transport] section moved");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, text).unwrap();
+    if !transport.contains("kv_memory = \"gpu\"") || transport.contains("\"mori\"") {
+        certs_init(&config, &dir.join("certs"));
+    }
+    let output = pdkv()
+        .args(["node", "--node", node, "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+fn rocm_7_present() -> bool {
+    [
+        "/opt/rocm/lib/libamdhip64.so.7",
+        "/usr/lib/x86_64-linux-gnu/libamdhip64.so.7",
+    ]
+    .iter()
+    .any(|path| Path::new(path).exists())
+}
+
+#[test]
+fn a_mori_node_without_mori_exits_naming_what_is_missing() {
+    for node in ["prefill-0", "decode-0"] {
+        let (code, stderr) = start_node(
+            &format!("mori-{node}"),
+            "[transport]\nread_engine = \"mori\"\n\n[transport.mori]\nqp_per_transfer = 4",
+            node,
+        );
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains(&format!("node {node}: the mori READ engine cannot start")),
+            "{stderr}"
+        );
+        if !cfg!(feature = "mori") {
+            assert!(
+                stderr.contains("needs a pdkv built with `--features mori`"),
+                "{stderr}"
+            );
+        } else if !rocm_7_present() {
+            // The shim loads mori, which needs ROCm 7's HIP runtime: the loader names it.
+            assert!(
+                stderr.contains("libamdhip64.so.7 (ROCm's HIP runtime) is missing"),
+                "{stderr}"
+            );
+        } else {
+            assert!(stderr.contains("no RDMA NIC"), "{stderr}");
+        }
+    }
+}
+
+#[test]
+fn a_gpu_memory_node_without_a_gpu_exits_naming_what_is_missing() {
+    let (code, stderr) = start_node(
+        "gpu-memory",
+        "[transport]\nread_engine = \"mori\"\nkv_memory = \"gpu\"",
+        "prefill-0",
+    );
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("node prefill-0: KV memory on GPU 0: "),
+        "{stderr}"
+    );
+    if cfg!(feature = "hip") {
+        // Debian's or ROCm's HIP runtime, asked for real, finds no device.
+        assert!(
+            stderr.contains("no AMD GPU: hipGetDeviceCount: hipErrorNoDevice"),
+            "{stderr}"
+        );
+    } else {
+        assert!(
+            stderr.contains("needs a pdkv built with `--features hip`"),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn gpu_memory_with_an_engine_that_cannot_read_it_is_refused_at_load() {
+    let (code, stderr) = start_node(
+        "gpu-shm",
+        "[transport]\nread_engine = \"shm\"\nkv_memory = \"gpu\"",
+        "prefill-0",
+    );
+    assert_ne!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("transport.kv_memory"), "{stderr}");
+    assert!(
+        stderr.contains("\"gpu\" needs read_engine = \"mori\""),
+        "{stderr}"
+    );
+}
+
+/// A leg exports its host's GPU telemetry on `/metrics`, labelled by device; here from a fake
+/// amdgpu sysfs tree (`PDKV_SYSFS_ROOT`) with one MI300X-like GPU.
+#[test]
+fn a_leg_exports_gpu_telemetry_on_its_metrics() {
+    use std::io::{BufRead, BufReader};
+    use support::{get, sample};
+
+    let dir = temp_dir("gpu-metrics");
+    let sysfs = dir.join("sys");
+    let device = sysfs.join("class/drm/card0/device");
+    let hwmon = device.join("hwmon/hwmon2");
+    std::fs::create_dir_all(&hwmon).unwrap();
+    for (file, text) in [
+        ("vendor", "0x1002\n"),
+        ("device", "0x74a1\n"),
+        ("uevent", "DRIVER=amdgpu\nPCI_SLOT_NAME=0000:c1:00.0\n"),
+        ("mem_info_vram_total", "206141652992\n"),
+        ("mem_info_vram_used", "2147483648\n"),
+        ("gpu_busy_percent", "25\n"),
+        ("hwmon/hwmon2/temp1_input", "45000\n"),
+        ("hwmon/hwmon2/temp1_label", "edge\n"),
+        ("hwmon/hwmon2/power1_average", "300000000\n"),
+    ] {
+        std::fs::write(device.join(file), text).unwrap();
+    }
+    let ports = free_ports(8);
+    let config = dir.join("cluster.toml");
+    std::fs::write(
+        &config,
+        fixed_ports_toml(
+            &dir,
+            [ports[0], ports[1], ports[2]],
+            [ports[3], ports[4], ports[5]],
+            [ports[6], ports[7]],
+        ),
+    )
+    .unwrap();
+    certs_init(&config, &dir.join("certs"));
+    let mut child = pdkv()
+        .args(["node", "--node", "prefill-0", "--config"])
+        .arg(&config)
+        .env("PDKV_SYSFS_ROOT", &sysfs)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("READY node=prefill-0"), "{line}");
+    let (status, metrics) = get(&format!("http://127.0.0.1:{}/metrics", ports[2]));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(status, 200);
+    // Values from the files above: 2 GiB used, 25 % busy, 300 W, edge 45 C.
+    let device = "device=\"0000:c1:00.0\"";
+    for (key, value) in [
+        (format!("pdkv_gpu_vram_used_bytes{{{device}}}"), 2147483648.0),
+        (format!("pdkv_gpu_vram_total_bytes{{{device}}}"), 206141652992.0),
+        (format!("pdkv_gpu_busy_ratio{{{device}}}"), 0.25),
+        (format!("pdkv_gpu_power_watts{{{device}}}"), 300.0),
+        (
+            format!("pdkv_gpu_temperature_celsius{{{device},sensor=\"edge\"}}"),
+            45.0,
+        ),
+    ] {
+        assert_eq!(sample(&metrics, &key), Some(value), "{key} in\n{metrics}");
+    }
+    assert!(
+        !metrics.contains("sensor=\"junction\""),
+        "no junction file, no junction gauge"
+    );
+}
