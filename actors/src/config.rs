@@ -907,6 +907,67 @@ mod tests {
         );
     }
 
+    /// `read_engine = "mori"`, `kv_memory`, `[transport.mori]` and `[[nodes]] gpu` parse to what
+    /// they say; each bound is refused naming its key.
+    #[test]
+    fn mori_and_gpu_keys_parse_and_their_bounds_are_named() {
+        let config = ClusterConfig::embedded_default();
+        assert_eq!(config.transport.kv_memory, KvMemory::Host);
+        assert_eq!(config.transport.mori, MoriSettings::default());
+        assert!(config.nodes.iter().all(|node| node.gpu == 0));
+        let text = DEFAULT_CLUSTER_TOML
+            .replacen(
+                "read_engine = \"shm\"",
+                "read_engine = \"mori\"\nkv_memory = \"gpu\"\n\n[transport.mori]\nport = 7400\nqp_per_transfer = 2\npoll_mode = \"event\"\nmax_outstanding = 8",
+                1,
+            )
+            .replacen("name = \"decode-0\"", "name = \"decode-0\"\ngpu = 3", 1);
+        let config = ClusterConfig::from_toml(&text).unwrap();
+        assert_eq!(config.transport.read_engine, ReadEngineKind::Mori);
+        assert_eq!(config.transport.kv_memory, KvMemory::Gpu);
+        let mori = config.transport.mori;
+        assert_eq!(
+            (
+                mori.port,
+                mori.qp_per_transfer,
+                mori.poll_mode,
+                mori.max_outstanding,
+                mori.workers
+            ),
+            (7400, 2, pdkv_transport::mori::PollMode::Event, 8, 8)
+        );
+        assert_eq!(
+            config.nodes.iter().map(|node| node.gpu).collect::<Vec<_>>(),
+            vec![0, 3]
+        );
+        let refused = |from: &str, to: &str| {
+            ClusterConfig::from_toml(&DEFAULT_CLUSTER_TOML.replacen(from, to, 1))
+                .unwrap_err()
+                .to_string()
+        };
+        let error = refused(
+            "read_engine = \"shm\"",
+            "read_engine = \"mori\"\n[transport.mori]\nworkers = 0",
+        );
+        assert!(
+            error.contains("transport.mori.workers") && error.contains("0 is out of range 1..=64"),
+            "{error}"
+        );
+        let error = refused(
+            "read_engine = \"shm\"",
+            "read_engine = \"net\"\nkv_memory = \"gpu\"",
+        );
+        assert!(
+            error.contains("transport.kv_memory") && error.contains("needs read_engine = \"mori\""),
+            "{error}"
+        );
+        let error = refused(
+            "read_engine = \"shm\"",
+            "read_engine = \"mori\"\n[transport.mori]\nrkey = 1",
+        );
+        assert!(error.contains("unknown field `rkey`"), "{error}");
+    }
+
     /// A cluster.toml v2: addresses, launch, router, TLS and logging parse to what they say; a
     /// file without them (the shipped one) gets loopback, free ports and local launch.
     #[test]

@@ -212,6 +212,18 @@ impl ReadHandle {
     }
 }
 
+/// Refuses a peer's descriptor made by another kind of engine than `expected`.
+pub(crate) fn check_kind(engine: &EngineDescriptor, expected: EngineKind) -> Result<(), EngineError> {
+    if engine.kind == expected {
+        return Ok(());
+    }
+    Err(EngineError::WrongKind {
+        engine: engine.key.clone(),
+        found: engine.kind,
+        expected,
+    })
+}
+
 /// Refuses a batch with any run outside its local (`local_len` bytes) or remote (`remote_len`
 /// bytes) region before a byte moves.
 pub(crate) fn check_runs(op: &ReadOp, local_len: u64, remote_len: u64) -> Result<(), EngineError> {

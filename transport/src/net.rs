@@ -31,7 +31,7 @@ use crate::clock::MonotonicClock;
 use crate::codec::{self, PROTOCOL_VERSION};
 use crate::engine::{
     EngineDescriptor, EngineError, EngineKey, EngineKind, LocalRegions, MemoryDescriptor, ReadEngine,
-    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture, check_runs,
+    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture, check_kind, check_runs,
 };
 use crate::region::Region;
 
@@ -822,13 +822,7 @@ impl ReadEngine for NetEngine {
         engine: &EngineDescriptor,
         regions: &[MemoryDescriptor],
     ) -> Result<(), EngineError> {
-        if engine.kind != EngineKind::Net {
-            return Err(EngineError::WrongKind {
-                engine: engine.key.clone(),
-                found: engine.kind,
-                expected: EngineKind::Net,
-            });
-        }
+        check_kind(engine, EngineKind::Net)?;
         if engine.address.parse::<SocketAddr>().is_err() {
             return Err(EngineError::Refused(format!(
                 "engine {} advertises no memory server address ({:?})",

@@ -25,7 +25,7 @@ use super::runs::batch_runs;
 use super::settings::{MoriSettings, PollMode};
 use crate::engine::{
     EngineDescriptor, EngineError, EngineKey, EngineKind, MemoryDescriptor, ReadCompleter, ReadEngine,
-    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture, check_runs,
+    ReadHandle, ReadOp, ReadReport, RegionHandle, WordsFuture, check_kind, check_runs,
 };
 use crate::region::Region;
 
@@ -551,13 +551,7 @@ impl ReadEngine for MoriEngine {
         engine: &EngineDescriptor,
         regions: &[MemoryDescriptor],
     ) -> Result<(), EngineError> {
-        if engine.kind != EngineKind::Mori {
-            return Err(EngineError::WrongKind {
-                engine: engine.key.clone(),
-                found: engine.kind,
-                expected: EngineKind::Mori,
-            });
-        }
+        check_kind(engine, EngineKind::Mori)?;
         let mut known = HashMap::with_capacity(regions.len());
         for region in regions {
             match &region.handle {

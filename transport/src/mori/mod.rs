@@ -24,3 +24,60 @@ pub use settings::{MoriSettings, PollMode};
 
 /// Whether this build has the mori engine.
 pub const BUILT: bool = cfg!(feature = "mori");
+
+#[cfg(test)]
+mod tests {
+    use pdkv_core::plan::RegionLayout;
+    use pdkv_core::wire::{Incarnation, NodeId, Role};
+
+    use crate::codec::{PROTOCOL_VERSION, decode, encode};
+    use crate::control::{EngineAdvert, Hello};
+    use crate::engine::{EngineDescriptor, EngineKey, EngineKind, MemoryDescriptor, RegionHandle};
+
+    /// mori's descriptors are opaque bytes to pdkv: they cross the handshake unchanged, and a
+    /// truncated hello is an error, not a panic (no library needed).
+    #[test]
+    fn mori_descriptors_round_trip_through_the_handshake() {
+        let packed_engine = vec![0x96, 0xa2, b'p', b'0', 0xc0, 0xc0, 0xc0, 0x00, 0x01];
+        let packed_memory: Vec<u8> = (0..160u8).collect();
+        let hello = Hello {
+            node: NodeId("p0".into()),
+            role: Role::Prefill,
+            incarnation: Incarnation(42),
+            regions: RegionLayout::default(),
+            protocol_version: PROTOCOL_VERSION,
+            layout_hash: 7,
+            engines: vec![EngineAdvert {
+                engine: EngineDescriptor {
+                    key: EngineKey("p0".into()),
+                    kind: EngineKind::Mori,
+                    pid: 1234,
+                    address: String::new(),
+                    packed: packed_engine.clone(),
+                },
+                regions: vec![MemoryDescriptor {
+                    engine: EngineKey("p0".into()),
+                    region: 5,
+                    len_bytes: 1 << 30,
+                    handle: RegionHandle::Mori {
+                        packed: packed_memory.clone(),
+                    },
+                }],
+            }],
+            host: "h".into(),
+        };
+        let bytes = encode(&hello).unwrap();
+        let back: Hello = decode(&bytes).unwrap();
+        assert_eq!(back, hello);
+        assert_eq!(back.engines[0].engine.packed, packed_engine);
+        assert_eq!(
+            back.engines[0].regions[0].handle,
+            RegionHandle::Mori {
+                packed: packed_memory
+            }
+        );
+        for cut in [1, bytes.len() / 2, bytes.len() - 1] {
+            assert!(decode::<Hello>(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+}
