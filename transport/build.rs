@@ -128,6 +128,20 @@ fn build_mori(out: &Path) {
         run(command, "building a ROCm stand-in for the tests");
     }
     println!("cargo:rustc-env=PDKV_MORI_STANDIN_DIR={}", standin.display());
+    let loopback = standin.join("libpdkv_mori_loopback.so");
+    let mut command = compiler(false);
+    command
+        .args([
+            "-std=c11",
+            "-O2",
+            "-shared",
+            "-pthread",
+            "mori/standin/loopback_shim.c",
+            "-o",
+        ])
+        .arg(&loopback);
+    run(command, "building the loopback mori shim for the tests");
+    println!("cargo:rustc-env=PDKV_MORI_LOOPBACK_SHIM={}", loopback.display());
 }
 
 #[cfg(feature = "hip")]

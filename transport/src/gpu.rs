@@ -8,6 +8,13 @@
 
 use std::path::PathBuf;
 
+/// The HIP shim linked against a HIP whose one "GPU" is host memory
+/// (`transport/hip/standin/hip_host_memory.c`), built beside the real shim so tests can run GPU
+/// regions, and a whole cluster on them, without a GPU by pointing `PDKV_HIP_SHIM` at it.
+#[cfg(feature = "hip")]
+#[doc(hidden)]
+pub const HOST_MEMORY_SHIM: &str = env!("PDKV_HIP_SHIM_HOST_MEMORY");
+
 /// Why GPU memory could not be had or used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GpuError {

@@ -13,7 +13,7 @@ fn gpu(len: usize) -> Region {
     static ONCE: std::sync::Once = std::sync::Once::new();
     // SAFETY: set once, before the first GPU region loads the shim; nothing else in this test
     // binary reads the environment concurrently.
-    ONCE.call_once(|| unsafe { std::env::set_var("PDKV_HIP_SHIM", env!("PDKV_HIP_SHIM_HOST_MEMORY")) });
+    ONCE.call_once(|| unsafe { std::env::set_var("PDKV_HIP_SHIM", pdkv_transport::gpu::HOST_MEMORY_SHIM) });
     Region::gpu(0, len).unwrap()
 }
 

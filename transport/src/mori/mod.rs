@@ -25,6 +25,13 @@ pub use settings::{MoriSettings, PollMode};
 /// Whether this build has the mori engine.
 pub const BUILT: bool = cfg!(feature = "mori");
 
+/// The loopback stand-in of the shim (`transport/mori/standin/loopback_shim.c`: a READ is a
+/// memcpy within the process, completed later on a thread), built beside the real shim so tests
+/// can run [`MoriEngine`] end to end by pointing `PDKV_MORI_SHIM` at it. Never used otherwise.
+#[cfg(feature = "mori")]
+#[doc(hidden)]
+pub const LOOPBACK_SHIM: &str = env!("PDKV_MORI_LOOPBACK_SHIM");
+
 #[cfg(test)]
 mod tests {
     use pdkv_core::plan::RegionLayout;
