@@ -194,3 +194,46 @@ fn a_leg_exports_gpu_telemetry_on_its_metrics() {
         "no junction file, no junction gauge"
     );
 }
+
+/// A mori prefill leg serves no network data port: mori reads its registered memory directly.
+/// (The node runs on the loopback stand-in of the mori shim; it starts and reads nothing.)
+#[cfg(feature = "mori")]
+#[test]
+fn a_mori_prefill_leg_opens_no_network_data_port() {
+    use std::io::{BufRead, BufReader};
+
+    let dir = temp_dir("mori-no-data-port");
+    let ports = free_ports(8);
+    let text = fixed_ports_toml(
+        &dir,
+        [ports[0], ports[1], ports[2]],
+        [ports[3], ports[4], ports[5]],
+        [ports[6], ports[7]],
+    )
+    .replace(
+        "[transport]\nread_engine = \"shm\"",
+        "[transport]\nread_engine = \"mori\"",
+    );
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, text).unwrap();
+    certs_init(&config, &dir.join("certs"));
+    let mut child = pdkv()
+        .args(["node", "--node", "prefill-0", "--config"])
+        .arg(&config)
+        .env("PDKV_MORI_SHIM", pdkv_transport::mori::LOOPBACK_SHIM)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let data_port_free = std::net::TcpListener::bind(("127.0.0.1", ports[1])).is_ok();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(line.starts_with("READY node=prefill-0"), "{line}");
+    assert!(!line.contains(" data="), "{line}");
+    assert!(data_port_free, "nothing listens on the configured data port");
+}

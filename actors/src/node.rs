@@ -587,7 +587,10 @@ fn start_process_leg(
     let key = EngineKey(node.name.0.clone());
     let grants = Arc::new(Mutex::new(GrantTable::new(config.limits.max_grants)));
     let clock = MonotonicClock::new();
-    let (memory_server, tickets, address) = if node.role == Role::Prefill {
+    // A prefill leg serves its regions over the network engine, unless mori is its one engine
+    // (mori reads registered memory directly; GPU memory could not be served anyway).
+    let serves = node.role == Role::Prefill && config.transport.read_engine != ReadEngineKind::Mori;
+    let (memory_server, tickets, address) = if serves {
         let bind = resolve(node.address.bind_host(), node.address.data_port)
             .map_err(|detail| setup_error(&node.name, detail))?;
         let tickets = Arc::new(TicketBook::new(TICKET_TTL, MAX_TICKETS));
