@@ -5,20 +5,14 @@ use std::path::Path;
 
 mod support;
 
-use support::{certs_init, fixed_ports_toml, free_ports, pdkv, temp_dir};
+use support::{certs_init, fixed_ports_cluster, free_ports, pdkv, temp_dir};
 
 /// Starts `node` of a one-prefill, one-decode cluster with fixed ports whose `[transport]` is
 /// `transport`; its exit code and stderr. Certificates are made when the file is valid.
-fn start_node(name: &str, transport: &str, node: &str) -> (Option<i32>, String) {
+fn node_exit(name: &str, transport: &str, node: &str) -> (Option<i32>, String) {
     let dir = temp_dir(name);
     let ports = free_ports(8);
-    let text = fixed_ports_toml(
-        &dir,
-        [ports[0], ports[1], ports[2]],
-        [ports[3], ports[4], ports[5]],
-        [ports[6], ports[7]],
-    )
-    .replace("[transport]\nread_engine = \"shm\"", transport);
+    let text = fixed_ports_cluster(&dir, &ports).replace("[transport]\nread_engine = \"shm\"", transport);
     assert!(text.contains(transport), "the shipped [transport] section moved");
     let config = dir.join("cluster.toml");
     std::fs::write(&config, text).unwrap();
@@ -49,7 +43,7 @@ fn rocm_7_present() -> bool {
 #[test]
 fn a_mori_node_without_mori_exits_naming_what_is_missing() {
     for node in ["prefill-0", "decode-0"] {
-        let (code, stderr) = start_node(
+        let (code, stderr) = node_exit(
             &format!("mori-{node}"),
             "[transport]\nread_engine = \"mori\"\n\n[transport.mori]\nqp_per_transfer = 4",
             node,
@@ -79,7 +73,7 @@ fn a_mori_node_without_mori_exits_naming_what_is_missing() {
 
 #[test]
 fn a_gpu_memory_node_without_a_gpu_exits_naming_what_is_missing() {
-    let (code, stderr) = start_node(
+    let (code, stderr) = node_exit(
         "gpu-memory",
         "[transport]\nread_engine = \"mori\"\nkv_memory = \"gpu\"",
         "prefill-0",
@@ -106,7 +100,7 @@ fn a_gpu_memory_node_without_a_gpu_exits_naming_what_is_missing() {
 
 #[test]
 fn gpu_memory_with_an_engine_that_cannot_read_it_is_refused_at_load() {
-    let (code, stderr) = start_node(
+    let (code, stderr) = node_exit(
         "gpu-shm",
         "[transport]\nread_engine = \"shm\"\nkv_memory = \"gpu\"",
         "prefill-0",
@@ -123,8 +117,7 @@ fn gpu_memory_with_an_engine_that_cannot_read_it_is_refused_at_load() {
 /// amdgpu sysfs tree (`PDKV_SYSFS_ROOT`) with one MI300X-like GPU.
 #[test]
 fn a_leg_exports_gpu_telemetry_on_its_metrics() {
-    use std::io::{BufRead, BufReader};
-    use support::{get, sample};
+    use support::{get, sample, start_node};
 
     let dir = temp_dir("gpu-metrics");
     let sysfs = dir.join("sys");
@@ -146,29 +139,9 @@ fn a_leg_exports_gpu_telemetry_on_its_metrics() {
     }
     let ports = free_ports(8);
     let config = dir.join("cluster.toml");
-    std::fs::write(
-        &config,
-        fixed_ports_toml(
-            &dir,
-            [ports[0], ports[1], ports[2]],
-            [ports[3], ports[4], ports[5]],
-            [ports[6], ports[7]],
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, fixed_ports_cluster(&dir, &ports)).unwrap();
     certs_init(&config, &dir.join("certs"));
-    let mut child = pdkv()
-        .args(["node", "--node", "prefill-0", "--config"])
-        .arg(&config)
-        .env("PDKV_SYSFS_ROOT", &sysfs)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let (mut child, line) = start_node(&config, "prefill-0", &[("PDKV_SYSFS_ROOT", sysfs.as_os_str())]);
     assert!(line.starts_with("READY node=prefill-0"), "{line}");
     let (status, metrics) = get(&format!("http://127.0.0.1:{}/metrics", ports[2]));
     child.kill().unwrap();
@@ -200,35 +173,25 @@ fn a_leg_exports_gpu_telemetry_on_its_metrics() {
 #[cfg(feature = "mori")]
 #[test]
 fn a_mori_prefill_leg_opens_no_network_data_port() {
-    use std::io::{BufRead, BufReader};
+    use support::start_node;
 
     let dir = temp_dir("mori-no-data-port");
     let ports = free_ports(8);
-    let text = fixed_ports_toml(
-        &dir,
-        [ports[0], ports[1], ports[2]],
-        [ports[3], ports[4], ports[5]],
-        [ports[6], ports[7]],
-    )
-    .replace(
+    let text = fixed_ports_cluster(&dir, &ports).replace(
         "[transport]\nread_engine = \"shm\"",
         "[transport]\nread_engine = \"mori\"",
     );
     let config = dir.join("cluster.toml");
     std::fs::write(&config, text).unwrap();
     certs_init(&config, &dir.join("certs"));
-    let mut child = pdkv()
-        .args(["node", "--node", "prefill-0", "--config"])
-        .arg(&config)
-        .env("PDKV_MORI_SHIM", pdkv_transport::mori::LOOPBACK_SHIM)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+    let (mut child, line) = start_node(
+        &config,
+        "prefill-0",
+        &[(
+            "PDKV_MORI_SHIM",
+            std::ffi::OsStr::new(pdkv_transport::mori::LOOPBACK_SHIM),
+        )],
+    );
     let data_port_free = std::net::TcpListener::bind(("127.0.0.1", ports[1])).is_ok();
     child.kill().unwrap();
     child.wait().unwrap();

@@ -11,8 +11,8 @@ use serde_json::{Value, json};
 mod support;
 
 use support::{
-    Launched, agent, certs_init, cluster_toml, fixed_ports_toml, free_ports, get, pdkv, process_alive,
-    sample, sweep_running, temp_dir,
+    Launched, agent, certs_init, cluster_toml, fixed_ports_cluster, fixed_ports_toml, free_ports, get, pdkv,
+    process_alive, sample, sweep_running, temp_dir,
 };
 
 /// POSTs `body` to the completions endpoint: (status, X-Request-Id, body text).
@@ -372,12 +372,7 @@ fn a_node_from_another_ca_is_refused_and_the_gate_names_it() {
 fn a_leg_with_another_layout_shows_in_the_routers_ready() {
     let dir = temp_dir("wrong-layout");
     let ports = free_ports(8);
-    let text = fixed_ports_toml(
-        &dir,
-        [ports[0], ports[1], ports[2]],
-        [ports[3], ports[4], ports[5]],
-        [ports[6], ports[7]],
-    );
+    let text = fixed_ports_cluster(&dir, &ports);
     let good = dir.join("cluster.toml");
     std::fs::write(&good, &text).unwrap();
     // Same nodes and ports, another window: another layout.

@@ -235,3 +235,34 @@ pub fn fixed_ports_toml(dir: &Path, prefill: [u16; 3], decode: [u16; 3], router:
     ));
     text
 }
+
+/// [`fixed_ports_toml`] with eight ports from [`free_ports`]: prefill-0 at `ports[0..3]`, decode-0
+/// at `ports[3..6]`, the router at `ports[6..8]`.
+pub fn fixed_ports_cluster(dir: &Path, ports: &[u16]) -> String {
+    fixed_ports_toml(
+        dir,
+        [ports[0], ports[1], ports[2]],
+        [ports[3], ports[4], ports[5]],
+        [ports[6], ports[7]],
+    )
+}
+
+/// Starts `pdkv node --node name --config config` with `env` added, and waits for its first
+/// stdout line (READY when it started).
+pub fn start_node(config: &Path, name: &str, env: &[(&str, &std::ffi::OsStr)]) -> (Child, String) {
+    let mut command = pdkv();
+    command
+        .args(["node", "--node", name, "--config"])
+        .arg(config)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    (child, line)
+}
