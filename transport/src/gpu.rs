@@ -88,7 +88,7 @@ pub mod device {
             );
             let library = native::open(&path).map_err(|reason| GpuError::Library {
                 shim: path.clone(),
-                missing: crate::mori::error::missing_library(&reason),
+                missing: native::missing_library(&reason),
                 reason,
             })?;
             let symbol_error = |error: libloading::Error| GpuError::Library {

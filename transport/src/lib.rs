@@ -25,7 +25,6 @@ pub mod gpu;
 pub mod host;
 pub mod mapped;
 pub mod mori;
-#[cfg(any(feature = "mori", feature = "hip"))]
 mod native;
 pub mod net;
 pub mod region;

@@ -51,6 +51,17 @@ unsafe impl Send for RawEngine {}
 // SAFETY: as above.
 unsafe impl Sync for RawEngine {}
 
+impl RawEngine {
+    /// A mori engine named `key` whose control plane listens on `host:port`.
+    fn new(key: &EngineKey, host: &str, port: u16) -> Result<Arc<Self>, MoriError> {
+        let shim = ffi::shim()?;
+        Ok(Arc::new(RawEngine {
+            ptr: shim.engine_new(&key.0, host, port)?,
+            shim,
+        }))
+    }
+}
+
 impl Drop for RawEngine {
     fn drop(&mut self) {
         // SAFETY: created by engine_new, freed once; every session holds an Arc to this engine,
@@ -146,14 +157,6 @@ struct LocalRegion {
     packed: Vec<u8>,
 }
 
-/// Both ends of a READ, looked up.
-struct Endpoints {
-    region: Arc<Region>,
-    local_packed: Vec<u8>,
-    remote_len: u64,
-    remote_packed: Vec<u8>,
-}
-
 /// A peer's engine: its packed descriptor and its regions' packed descriptors.
 struct Remote {
     packed: Vec<u8>,
@@ -172,7 +175,8 @@ pub struct MoriEngine {
     in_flight: Arc<AtomicUsize>,
     posts: Option<SyncSender<Posted>>,
     completions: Option<JoinHandle<()>>,
-    words: tokio::sync::Mutex<()>,
+    /// Registered host memory generation words are read into, one reader at a time.
+    scratch: tokio::sync::Mutex<Arc<Region>>,
 }
 
 impl std::fmt::Debug for MoriEngine {
@@ -189,11 +193,8 @@ impl MoriEngine {
     /// an RDMA backend. Fails with what is missing: the shim or a library it needs
     /// ([`MoriError::Library`]), or an RDMA NIC ([`MoriError::NoRdmaNic`]).
     pub fn new(key: EngineKey, host: &str, settings: MoriSettings) -> Result<Self, MoriError> {
-        let shim = ffi::shim()?;
-        let engine = Arc::new(RawEngine {
-            ptr: shim.engine_new(&key.0, host, settings.port)?,
-            shim: shim.clone(),
-        });
+        let engine = RawEngine::new(&key, host, settings.port)?;
+        let shim = &engine.shim;
         let positive = |value: u32| i32::try_from(value).unwrap_or(i32::MAX);
         shim.create_rdma_backend(
             engine.ptr,
@@ -217,11 +218,7 @@ impl MoriEngine {
     /// to READ over (the tests' view of mori on a host with no NIC).
     #[doc(hidden)]
     pub fn without_backend(key: EngineKey, host: &str, settings: MoriSettings) -> Result<Self, MoriError> {
-        let shim = ffi::shim()?;
-        let engine = Arc::new(RawEngine {
-            ptr: shim.engine_new(&key.0, host, settings.port)?,
-            shim,
-        });
+        let engine = RawEngine::new(&key, host, settings.port)?;
         Self::with_engine(key, engine, settings)
     }
 
@@ -231,6 +228,7 @@ impl MoriEngine {
         settings: MoriSettings,
     ) -> Result<Self, MoriError> {
         let packed = engine.shim.engine_desc(engine.ptr)?;
+        let scratch = Arc::new(Region::heap(SCRATCH_WORDS * 4));
         let (posts, received) = std::sync::mpsc::sync_channel(settings.max_outstanding);
         let in_flight = Arc::new(AtomicUsize::new(0));
         let completions = {
@@ -254,9 +252,9 @@ impl MoriEngine {
             in_flight,
             posts: Some(posts),
             completions: Some(completions),
-            words: tokio::sync::Mutex::new(()),
+            scratch: tokio::sync::Mutex::new(scratch.clone()),
         };
-        this.register_region(SCRATCH_REGION, Arc::new(Region::heap(SCRATCH_WORDS * 4)))?;
+        this.register_region(SCRATCH_REGION, scratch)?;
         Ok(this)
     }
 
@@ -290,18 +288,28 @@ impl MoriEngine {
         Ok(packed)
     }
 
-    /// What a READ from `remote_region` of `peer` into local region `local` needs: the local
-    /// region and its packed descriptor, the remote region's length and packed descriptor.
-    fn lookup(&self, local: u32, peer: &EngineKey, remote_region: u32) -> Result<Endpoints, EngineError> {
-        let (region, local_packed) = {
-            let local_regions = self.local.lock().unwrap_or_else(PoisonError::into_inner);
-            let entry = local_regions
-                .get(&local)
-                .ok_or(EngineError::UnknownLocalRegion(local))?;
-            (entry.region.clone(), entry.packed.clone())
-        };
-        let (remote_len, remote_packed) = self
-            .remotes
+    /// The local region `local` and the length of `remote_region` of `peer`: what a READ's
+    /// runs are checked against.
+    fn lookup(
+        &self,
+        local: u32,
+        peer: &EngineKey,
+        remote_region: u32,
+    ) -> Result<(Arc<Region>, u64), EngineError> {
+        let region = self
+            .local
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&local)
+            .map(|entry| entry.region.clone())
+            .ok_or(EngineError::UnknownLocalRegion(local))?;
+        let remote_len = self.remote_region(peer, remote_region)?.0;
+        Ok((region, remote_len))
+    }
+
+    /// Length and packed descriptor of `remote_region` of `peer`.
+    fn remote_region(&self, peer: &EngineKey, remote_region: u32) -> Result<(u64, Vec<u8>), EngineError> {
+        self.remotes
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(peer)
@@ -309,35 +317,36 @@ impl MoriEngine {
             .ok_or_else(|| EngineError::UnknownRemoteRegion {
                 engine: peer.clone(),
                 region: remote_region,
-            })?;
-        Ok(Endpoints {
-            region,
-            local_packed,
-            remote_len,
-            remote_packed,
-        })
+            })
     }
 
-    /// The session from local region `local` to `remote_region` of `peer`, opened on first use
-    /// and opened again if mori says it died.
-    fn session(
-        &self,
-        local: u32,
-        peer: &EngineKey,
-        remote_region: u32,
-        ends: &Endpoints,
-    ) -> Result<Arc<Session>, EngineError> {
+    /// The session from local region `local` to `remote_region` of `peer`, opened (from both
+    /// regions' packed descriptors) on first use and again if mori says it died.
+    fn session(&self, local: u32, peer: &EngineKey, remote_region: u32) -> Result<Arc<Session>, EngineError> {
         let key = (local, peer.clone(), remote_region);
-        let mut sessions = self.sessions.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(session) = sessions.get(&key)
-            && self.engine.shim.session_alive(session.ptr)
-        {
-            return Ok(session.clone());
+        let open = self
+            .sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+            .filter(|session| self.engine.shim.session_alive(session.ptr))
+            .cloned();
+        if let Some(session) = open {
+            return Ok(session);
         }
+        // No lock is held from here on: `register_remote` takes `remotes` before `sessions`.
+        let local_packed = self
+            .local
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&local)
+            .map(|entry| entry.packed.clone())
+            .ok_or(EngineError::UnknownLocalRegion(local))?;
+        let (_, remote_packed) = self.remote_region(peer, remote_region)?;
         let ptr = self
             .engine
             .shim
-            .session_new(self.engine.ptr, &ends.local_packed, &ends.remote_packed, &peer.0)
+            .session_new(self.engine.ptr, &local_packed, &remote_packed, &peer.0)
             .map_err(|(_, error)| match error {
                 MoriError::Call {
                     call: "session_new",
@@ -354,7 +363,10 @@ impl MoriEngine {
             engine: self.engine.clone(),
             ptr,
         });
-        sessions.insert(key, session.clone());
+        self.sessions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key, session.clone());
         Ok(session)
     }
 
@@ -394,12 +406,12 @@ impl MoriEngine {
         // Every run of every op is checked before the first is posted.
         let mut prepared = Vec::with_capacity(ops.len());
         for op in ops {
-            let ends = self.lookup(op.local_region, &op.remote_engine, op.remote_region)?;
-            check_runs(&op, ends.region.len() as u64, ends.remote_len)?;
-            let session = self.session(op.local_region, &op.remote_engine, op.remote_region, &ends)?;
+            let (region, remote_len) = self.lookup(op.local_region, &op.remote_engine, op.remote_region)?;
+            check_runs(&op, region.len() as u64, remote_len)?;
+            let session = self.session(op.local_region, &op.remote_engine, op.remote_region)?;
             prepared.push((
                 session,
-                ends.region,
+                region,
                 batch_runs(&op.runs, self.settings.max_message_bytes),
             ));
         }
@@ -604,14 +616,7 @@ impl ReadEngine for MoriEngine {
         indices: &'a [u32],
     ) -> WordsFuture<'a> {
         Box::pin(async move {
-            let _scratch = self.words.lock().await;
-            let scratch = self
-                .local
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .get(&SCRATCH_REGION)
-                .map(|local| local.region.clone())
-                .ok_or(EngineError::UnknownLocalRegion(SCRATCH_REGION))?;
+            let scratch = self.scratch.lock().await;
             let mut words = Vec::with_capacity(indices.len());
             for chunk in indices.chunks(SCRATCH_WORDS) {
                 let runs = chunk

@@ -129,45 +129,6 @@ pub enum MoriError {
     },
 }
 
-/// The library a loader error says is missing, in an operator's words: the loader's own file name
-/// plus what provides it.
-pub fn missing_library(loader_message: &str) -> Option<String> {
-    if let Some((symbol, rest)) = loader_message
-        .split_once("undefined symbol: ")
-        .map(|(_, rest)| rest.split_once(", version ").unwrap_or((rest, "")))
-    {
-        let version = rest.trim();
-        return Some(format!(
-            "symbol {symbol}{} (the ROCm runtime found is older than the one mori was built for)",
-            if version.is_empty() {
-                String::new()
-            } else {
-                format!(" version {version}")
-            }
-        ));
-    }
-    let (before, _) = loader_message.split_once(": cannot open shared object file")?;
-    let file = before
-        .rsplit(['/', ' '])
-        .next()
-        .unwrap_or(before)
-        .trim_end_matches(':');
-    let provider = if file.starts_with("libamdhip64") {
-        " (ROCm's HIP runtime)"
-    } else if file.starts_with("libhsa-runtime64") {
-        " (ROCm's HSA runtime)"
-    } else if file.starts_with("libmori") {
-        " (mori: unpack the amd-mori wheel and point MORI_ROOT at its mori/ folder when building)"
-    } else if file.starts_with("libpci") {
-        " (Debian package libpci3)"
-    } else if file.starts_with("libpdkv_") {
-        " (the shim built with pdkv: set PDKV_MORI_SHIM to its path)"
-    } else {
-        ""
-    };
-    Some(format!("{file}{provider}"))
-}
-
 /// The error a shim call's failure means.
 #[cfg_attr(not(feature = "mori"), allow(dead_code))]
 pub(crate) fn from_shim(call: &'static str, code: i32, message: String) -> MoriError {
@@ -208,37 +169,6 @@ pub(crate) fn is_unpack_error(message: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn loader_messages_name_what_is_missing() {
-        // glibc's messages, as dlopen reports them on a host without ROCm 7.
-        assert_eq!(
-            missing_library("libamdhip64.so.7: cannot open shared object file: No such file or directory")
-                .as_deref(),
-            Some("libamdhip64.so.7 (ROCm's HIP runtime)")
-        );
-        assert_eq!(
-            missing_library(
-                "/opt/pdkv/libpdkv_mori_shim.so: cannot open shared object file: No such file or directory"
-            )
-            .as_deref(),
-            Some("libpdkv_mori_shim.so (the shim built with pdkv: set PDKV_MORI_SHIM to its path)")
-        );
-        assert_eq!(
-            missing_library(
-                "/w/mori/libmori_application.so: undefined symbol: hsa_amd_portable_export_dmabuf, version ROCR_1"
-            )
-            .as_deref(),
-            Some(
-                "symbol hsa_amd_portable_export_dmabuf version ROCR_1 (the ROCm runtime found is older than the one mori was built for)"
-            )
-        );
-        assert_eq!(
-            missing_library("libpci.so.3: cannot open shared object file: x").as_deref(),
-            Some("libpci.so.3 (Debian package libpci3)")
-        );
-        assert_eq!(missing_library("something else went wrong"), None);
-    }
 
     #[test]
     fn shim_failures_map_to_the_fault_they_name() {

@@ -97,7 +97,7 @@ impl Shim {
     fn load(path: PathBuf) -> Result<Self, MoriError> {
         let library = native::open(&path).map_err(|reason| MoriError::Library {
             shim: path.clone(),
-            missing: error::missing_library(&reason),
+            missing: native::missing_library(&reason),
             reason,
         })?;
         macro_rules! function {
