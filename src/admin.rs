@@ -86,13 +86,16 @@ impl GpuTelemetry {
     }
 
     fn read(&self) -> Result<Vec<pdkv_rocm::Reading>, pdkv_rocm::RocmError> {
-        let choice = *self.backend.get_or_init(|| {
-            match pdkv_rocm::read_gpus(pdkv_rocm::BackendChoice::Auto, &self.sysfs) {
-                Ok((pdkv_rocm::Backend::Smi, _)) => pdkv_rocm::BackendChoice::Smi,
-                _ => pdkv_rocm::BackendChoice::Sysfs,
-            }
+        if let Some(&choice) = self.backend.get() {
+            return pdkv_rocm::read_gpus(choice, &self.sysfs).map(|(_, readings)| readings);
+        }
+        // The first scrape chooses, and its readings are this scrape's.
+        let first = pdkv_rocm::read_gpus(pdkv_rocm::BackendChoice::Auto, &self.sysfs);
+        let _ = self.backend.set(match &first {
+            Ok((pdkv_rocm::Backend::Smi, _)) => pdkv_rocm::BackendChoice::Smi,
+            _ => pdkv_rocm::BackendChoice::Sysfs,
         });
-        pdkv_rocm::read_gpus(choice, &self.sysfs).map(|(_, readings)| readings)
+        first.map(|(_, readings)| readings)
     }
 
     /// Reads every GPU (at most [`GPU_READ_BOUND`]) and sets its gauges; a failed read is

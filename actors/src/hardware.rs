@@ -37,8 +37,7 @@ pub(crate) fn mori_engine(
     config: &ClusterConfig,
     node: &NodeConfig,
 ) -> Result<Arc<dyn ReadEngine>, RequestError> {
-    let started = start_mori(config, node);
-    started.map_err(|source| RequestError::MoriStart {
+    start_mori(config, node).map_err(|source| RequestError::MoriStart {
         node: node.name.0.clone(),
         source,
     })
