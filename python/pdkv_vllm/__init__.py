@@ -15,9 +15,43 @@ import json
 from typing import NamedTuple, Sequence
 
 from . import _native
-from ._native import ExchangeError
+from ._native import (
+    AgentConfigError,
+    ExchangeError,
+    HandoffEnded,
+    KvAgent,
+    LoadError,
+    PeerUnreachable,
+    StaleKv,
+    write_cluster_certs,
+)
 
-__all__ = ["ExchangeError", "Layout", "BlockPair", "offer", "need", "pair"]
+__all__ = [
+    "AgentConfigError",
+    "BlockPair",
+    "ExchangeError",
+    "HandoffEnded",
+    "KvAgent",
+    "Layout",
+    "LoadError",
+    "PdkvConnector",
+    "PeerUnreachable",
+    "StaleKv",
+    "need",
+    "offer",
+    "pair",
+    "write_cluster_certs",
+]
+
+
+def __getattr__(name: str):
+    # vLLM loads the connector by name from this package; importing it pulls in vLLM and torch,
+    # which the exchange alone does not need.
+    if name == "PdkvConnector":
+        from .connector import PdkvConnector
+
+        return PdkvConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class BlockPair(NamedTuple):

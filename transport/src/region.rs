@@ -110,15 +110,45 @@ impl Region {
 
     /// A zeroed region of `len` bytes in shared memory (a memfd), so a same-host peer can map it.
     pub fn shared(name: &str, len: usize) -> Result<Self, RegionError> {
-        let io = |error: std::io::Error| RegionError::Io(format!("shared region {name}: {error}"));
         let file = memfd::MemfdOptions::default()
             .close_on_exec(true)
             .create(name)
             .map_err(|error| RegionError::Io(format!("shared region {name}: {error}")))?
             .into_file();
-        file.set_len(len.max(1) as u64).map_err(io)?;
-        // SAFETY: the memfd is private to this process until a peer maps it read-only; the
-        // mapping lives as long as the region.
+        file.set_len(len.max(1) as u64)
+            .map_err(|error| RegionError::Io(format!("shared region {name}: {error}")))?;
+        Self::map_shared(file, len, name)
+    }
+
+    /// Shared memory this process already holds open (a memfd another library created, such as
+    /// KV tensors a Python process allocated with `os.memfd_create`), all of its current length,
+    /// mapped read-write so a same-host peer can map it as it maps [`Region::shared`] memory.
+    /// Refuses files that are not memfds: a peer could not open them through `/proc`.
+    pub fn adopt_shared(file: File) -> Result<Self, RegionError> {
+        let fd = file.as_raw_fd();
+        let target = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+            .map_err(|error| RegionError::Io(format!("fd {fd}: {error}")))?;
+        if !target.to_string_lossy().starts_with("/memfd:") {
+            return Err(RegionError::Io(format!(
+                "fd {fd} is {}, not a memfd: only memfd memory can be shared with a peer",
+                target.display()
+            )));
+        }
+        let len = file
+            .metadata()
+            .map_err(|error| RegionError::Io(format!("fd {fd}: {error}")))?
+            .len();
+        let len = usize::try_from(len).map_err(|_| RegionError::Io(format!("fd {fd}: {len} bytes")))?;
+        if len == 0 {
+            return Err(RegionError::Io(format!("fd {fd} is an empty memfd")));
+        }
+        Self::map_shared(file, len, &target.to_string_lossy())
+    }
+
+    fn map_shared(file: File, len: usize, name: &str) -> Result<Self, RegionError> {
+        let io = |error: std::io::Error| RegionError::Io(format!("shared region {name}: {error}"));
+        // SAFETY: the memfd belongs to this process; peers map it read-only; the mapping lives as
+        // long as the region.
         let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io)?;
         let ptr = NonNull::new(map.as_mut_ptr()).ok_or_else(|| RegionError::Io("null mapping".into()))?;
         Ok(Region {
@@ -438,6 +468,38 @@ pub enum RegionError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_adopted_memfd_shares_its_bytes_and_other_files_are_refused() {
+        let file = memfd::MemfdOptions::default()
+            .create("adopted")
+            .unwrap()
+            .into_file();
+        file.set_len(8192).unwrap();
+        // SAFETY: a fresh memfd owned by this test.
+        let mut theirs = unsafe { memmap2::MmapMut::map_mut(&file) }.unwrap();
+        theirs[4100] = 7;
+        let region = Region::adopt_shared(file.try_clone().unwrap()).unwrap();
+        assert_eq!(region.len(), 8192);
+        assert!(region.shared_fd().is_some());
+        let mut byte = [0u8; 1];
+        region.read(4100, &mut byte).unwrap();
+        assert_eq!(byte, [7], "the adopted mapping sees the creator's write");
+        region.write(5, &[9]).unwrap();
+        assert_eq!(theirs[5], 9, "the creator sees the adopted mapping's write");
+
+        let empty = memfd::MemfdOptions::default()
+            .create("empty")
+            .unwrap()
+            .into_file();
+        assert!(
+            matches!(Region::adopt_shared(empty), Err(RegionError::Io(message)) if message.contains("empty"))
+        );
+        let plain = File::open("/proc/self/exe").unwrap();
+        assert!(
+            matches!(Region::adopt_shared(plain), Err(RegionError::Io(message)) if message.contains("not a memfd"))
+        );
+    }
 
     #[test]
     fn copies_stay_in_bounds() {

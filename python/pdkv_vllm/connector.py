@@ -1,0 +1,602 @@
+"""``PdkvConnector``: vLLM's KV connector backed by pdkv.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "PdkvConnector",
+                           "kv_connector_module_path": "pdkv_vllm",
+                           "kv_role": "kv_producer",            # or "kv_consumer"
+                           "kv_connector_extra_config": {"node": "p0", "certs": "/etc/pdkv/certs",
+                                                         "peers": ["d0"], "listen": "10.0.0.5:7100"}}'
+
+How a request crosses (decode reads, "READ mode"):
+
+1. **Prefill scheduler** (``request_finished_all_groups``): vLLM finished the prompt (capped at
+   ``max_tokens``); pdkv builds the *offer* from vLLM's per-group block ids: each group trimmed to
+   the blocks holding the tokens the decoder does not recompute, window groups clipped to the
+   last token's window, anchored at absolute positions, so lookahead tails on either leg never
+   shift anything. The blocks stay allocated (delayed free) and the offer, with the prefill
+   workers' node names, control addresses and incarnations, becomes ``kv_transfer_params``.
+2. **Prefill worker**: announces the hand-off (a lease starts).
+3. **Decode scheduler** (``get_num_new_matched_tokens`` / ``update_state_after_alloc``): the
+   decoder will recompute the last prompt token, so N-1 tokens are external and loaded
+   asynchronously; pdkv builds the *need* from the decode blocks and pairs it with the offer by
+   absolute position. A position one side lacks is an error, never a shift.
+4. **Decode worker**: connects to the prefill worker (QUIC, mutual TLS), claims the hand-off (its
+   blocks' generations), READs the blocks one-sided through shared memory straight into its KV
+   tensors, checks the generations again and releases the hand-off. Any failure (unreachable,
+   restarted, lease lapsed, block freed under the READ) is reported as a failed receive: vLLM
+   recomputes the prompt, it never decodes from that KV.
+5. **Prefill worker**: on release (or lease expiry) bumps the blocks' generations, then reports the
+   request finished so vLLM frees them.
+
+Loads are asynchronous (vLLM's ``WAITING_FOR_REMOTE_KVS``): vLLM 0.33 can recompute a failed
+load for every KV layout only through ``failed_recving``, which it honours for asynchronous
+loads; block-level failures of synchronous loads are refused for models with several KV groups.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.request import RequestStatus
+
+from . import ExchangeError, Layout, need, offer, pair
+from . import memory
+from ._native import KvAgent, LoadError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("pdkv_vllm")
+
+#: The key under which pdkv's part of ``kv_transfer_params`` travels.
+PARAMS_KEY = "pdkv"
+
+
+class ConnectorConfigError(ValueError):
+    """The connector cannot work with this vLLM configuration; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config``, checked."""
+
+    node: str
+    certs: str
+    peers: tuple[str, ...]
+    listen: str
+    lease_ms: int
+    claim_wait_ms: int
+    connect_timeout_ms: int
+    request_timeout_ms: int
+    read_timeout_ms: int
+    max_handoffs: int
+    load_threads: int
+    rank: int | None
+
+    KNOWN = {
+        "node", "certs", "peers", "listen", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
+        "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank",
+    }
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any]) -> "Settings":
+        unknown = set(extra) - cls.KNOWN
+        if unknown:
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config: unknown keys {sorted(unknown)}; known: {sorted(cls.KNOWN)}"
+            )
+        for key in ("node", "certs"):
+            if not isinstance(extra.get(key), str) or not extra[key]:
+                raise ConnectorConfigError(f"kv_connector_extra_config.{key} is required (a string)")
+        peers = extra.get("peers", [])
+        if not isinstance(peers, (list, tuple)) or not all(isinstance(p, str) for p in peers):
+            raise ConnectorConfigError("kv_connector_extra_config.peers must be a list of node names")
+
+        def positive(key: str, default: int) -> int:
+            value = extra.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConnectorConfigError(
+                    f"kv_connector_extra_config.{key} must be a positive integer, not {value!r}"
+                )
+            return value
+
+        rank = extra.get("rank")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ConnectorConfigError(f"kv_connector_extra_config.rank must be >= 0, not {rank!r}")
+        return cls(
+            node=extra["node"],
+            certs=extra["certs"],
+            peers=tuple(peers),
+            listen=str(extra.get("listen", "127.0.0.1:0")),
+            lease_ms=positive("lease_ms", 30_000),
+            claim_wait_ms=positive("claim_wait_ms", 5_000),
+            connect_timeout_ms=positive("connect_timeout_ms", 5_000),
+            request_timeout_ms=positive("request_timeout_ms", 5_000),
+            read_timeout_ms=positive("read_timeout_ms", 30_000),
+            max_handoffs=positive("max_handoffs", 4096),
+            load_threads=positive("load_threads", 4),
+            rank=rank,
+        )
+
+
+def kv_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> list[dict]:
+    """pdkv's description of vLLM's KV-cache groups; refuses what pdkv cannot pair."""
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not group.enable_kv_transfer:
+            raise ConnectorConfigError(f"KV group {index} is not transferable; pdkv transfers every group")
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "none":
+                raise ConnectorConfigError(
+                    f"KV group {index}: mamba_cache_mode {spec.mamba_cache_mode!r} keeps prefix "
+                    "checkpoints pdkv does not pair; use mamba_cache_mode='none'"
+                )
+            groups.append({"kind": "mamba"})
+        elif isinstance(spec, SlidingWindowSpec):
+            groups.append(
+                {
+                    "kind": "sliding_window",
+                    "block_size": spec.block_size,
+                    "window": spec.sliding_window,
+                    "dcp": dcp if spec.dcp_sharded else 1,
+                }
+            )
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            # A window layer the hybrid allocator did not separate is allocated (and read) in full.
+            groups.append(
+                {"kind": "full", "block_size": spec.block_size, "dcp": dcp if spec.dcp_sharded else 1}
+            )
+        else:
+            raise ConnectorConfigError(
+                f"KV group {index}: {type(spec).__name__} is not a KV layout pdkv pairs "
+                "(full attention, sliding window, mamba)"
+            )
+    return groups
+
+
+@dataclasses.dataclass
+class PdkvHandshake(KVConnectorHandshakeMetadata):
+    """What a prefill worker tells its scheduler so decode workers can reach it."""
+
+    node: str
+    address: str | None
+    incarnation: int
+    rank: int
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """One request's READ, as the decode scheduler planned it."""
+
+    remote_request: str
+    workers: list[dict]
+    pairs: list[list[tuple[int, int, int, int]]]
+
+
+@dataclasses.dataclass
+class PdkvMetadata(KVConnectorMetadata):
+    """Scheduler to worker, per step."""
+
+    announce: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
+    loads: dict[str, LoadSpec] = dataclasses.field(default_factory=dict)
+    failed: set[str] = dataclasses.field(default_factory=set)
+
+
+class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector backed by pdkv (see the module documentation)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_role == "kv_producer":
+            self.leg = "prefill"
+        elif transfer.kv_role == "kv_consumer":
+            self.leg = "decode"
+        else:
+            raise ConnectorConfigError(
+                f"kv_role {transfer.kv_role!r}: a pdkv leg is a kv_producer (prefill) or a kv_consumer (decode)"
+            )
+        self.settings = Settings.parse(dict(transfer.kv_connector_extra_config or {}))
+        if self.leg == "decode" and role == KVConnectorRole.SCHEDULER and transfer.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "kv_load_failure_policy is %r: a request whose KV cannot be loaded fails instead of "
+                "being recomputed (it is never decoded from bad KV either way); set \"recompute\"",
+                transfer.kv_load_failure_policy,
+            )
+        self.groups = kv_groups(vllm_config, kv_cache_config)
+        self.layout = Layout(self.groups)
+        self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
+
+    # Scheduler side.
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta()
+
+    def on_new_request(self, request: "Request") -> None:
+        self._scheduler.on_new_request(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+        # pdkv restores every group of the request (attention, window and state).
+        return tuple(range(len(self.groups)))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._scheduler.set_handshake(metadata)
+
+    # Worker side.
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: a request runs only after its whole load finished.
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # The decode side READs; the prefill side writes nothing per layer.
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self._worker.results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self._worker.results()
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+class _SchedulerSide:
+    """The connector in vLLM's scheduler process: pairs blocks, never touches memory."""
+
+    def __init__(self, connector: PdkvConnector):
+        self.connector = connector
+        self.layout = connector.layout
+        self.is_prefill = connector.leg == "prefill"
+        # With a window or a recurrent state the prefill must stop at N-1: the decoder
+        # recomputes token N-1 from the window (or the state) as it stood before that token, and
+        # vLLM frees window blocks (and advances the state) past what the next token needs.
+        self.stops_before_last = any(group["kind"] != "full" for group in connector.groups)
+        self.workers: list[dict] = []
+        self.to_announce: dict[str, list[list[int]]] = {}
+        self.to_load: dict[str, LoadSpec] = {}
+        self.failed: set[str] = set()
+        self.local_hits: dict[str, int] = {}
+
+    def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self.workers = [
+            {"node": meta.node, "address": meta.address, "incarnation": meta.incarnation}
+            for _, meta in sorted(metadata.items())
+        ]
+
+    def on_new_request(self, request: "Request") -> None:
+        params = request.kv_transfer_params
+        if not (self.is_prefill and params and params.get("do_remote_decode")):
+            return
+        if "pdkv_num_prompt_tokens" in params:
+            return  # seen before (a preempted request comes back)
+        params["pdkv_num_prompt_tokens"] = request.num_prompt_tokens
+        if self.stops_before_last and request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
+            request.prompt_token_ids.pop()
+            request._all_token_ids.pop()
+            request.num_prompt_tokens -= 1
+            request.max_tokens = 1
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if self.is_prefill:
+            return 0, False
+        params = request.kv_transfer_params or {}
+        ours = params.get(PARAMS_KEY)
+        if not params.get("do_remote_prefill") or not ours:
+            return 0, False
+        n = ours.get("num_prompt_tokens")
+        if n != request.num_prompt_tokens:
+            logger.error(
+                "request %s: its KV was computed for %s prompt tokens, it has %d; computing it here",
+                request.request_id, n, request.num_prompt_tokens,
+            )
+            params["do_remote_prefill"] = False
+            return 0, False
+        self.local_hits[request.request_id] = num_computed_tokens
+        # The decoder recomputes token N-1 itself (pdkv reads tokens 0 ..= N-2).
+        return max(n - 1 - num_computed_tokens, 0), True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        params = request.kv_transfer_params or {}
+        if self.is_prefill or not params.get("do_remote_prefill"):
+            return
+        # One transfer per request, even if the request comes back after a failed load.
+        params["do_remote_prefill"] = False
+        if num_external_tokens == 0:
+            return
+        ours = params[PARAMS_KEY]
+        request_id = request.request_id
+        hits = self.local_hits.pop(request_id, 0)
+        cached = [
+            0 if group["kind"] == "mamba" else hits // (group["block_size"] * group.get("dcp", 1))
+            for group in self.connector.groups
+        ]
+        try:
+            wanted = need(self.layout, ours["num_prompt_tokens"], blocks.get_block_ids(), cached)
+            pairs = pair(self.layout, ours["offer"], wanted)
+        except (ExchangeError, KeyError, TypeError) as error:
+            logger.error("request %s: pdkv refuses to pair its blocks (%s); recomputing", request_id, error)
+            self.failed.add(request_id)
+            return
+        self.to_load[request_id] = LoadSpec(
+            remote_request=ours["request"],
+            workers=list(ours["workers"]),
+            pairs=[[tuple(p) for p in group] for group in pairs],
+        )
+
+    def build_connector_meta(self) -> PdkvMetadata:
+        meta = PdkvMetadata(announce=self.to_announce, loads=self.to_load, failed=self.failed)
+        self.to_announce, self.to_load, self.failed = {}, {}, set()
+        return meta
+
+    def request_finished(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        self.local_hits.pop(request_id, None)
+        params = request.kv_transfer_params
+        if not self.is_prefill or not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None  # aborted or stopped: nothing to hand off
+        if not self.workers:
+            logger.error("request %s: no prefill worker handshake known; not handing off", request_id)
+            return False, None
+        n = params.get("pdkv_num_prompt_tokens", request.num_prompt_tokens)
+        try:
+            offered = offer(self.layout, n, [list(group) for group in block_ids])
+        except ExchangeError as error:
+            logger.error("request %s: pdkv refuses to offer its blocks (%s)", request_id, error)
+            return False, None
+        blocks = [group["blocks"] for group in offered["groups"]]
+        transfer = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            PARAMS_KEY: {
+                "request": request_id,
+                "num_prompt_tokens": n,
+                "offer": offered,
+                "workers": self.workers,
+            },
+        }
+        if not any(blocks):
+            return False, transfer
+        self.to_announce[request_id] = blocks
+        return True, transfer
+
+
+def planes_of(caches: dict[str, Any], layer_groups: dict[str, int], num_blocks: int):
+    """The memory planes of every layer, in layer order: ``(memfd, offset, bytes_per_block,
+    group)``, each a run of ``num_blocks`` equal pages. A cache tensor is blocks-first
+    (``[num_blocks, ...]``) or K/V-first (``[2, num_blocks, ...]``); a mamba layer is a list of
+    blocks-first state tensors, which may share one (padded) page per block."""
+    planes = []
+    for layer in sorted(caches):
+        if layer not in layer_groups:
+            raise ConnectorConfigError(f"layer {layer} is in no KV group")
+        tensors = caches[layer]
+        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+        spans = []  # (fd, offset of block 0, page stride, bytes of one block)
+        for tensor in tensors:
+            allocation = memory.find(tensor.data_ptr())
+            if allocation is None:
+                raise ConnectorConfigError(
+                    f"layer {layer}: its KV is not in shared memory; allocate it with "
+                    "pdkv_vllm.memory (the connector READs through shared memory)"
+                )
+            size = tensor.element_size()
+            if tensor.dim() >= 1 and tensor.shape[0] == num_blocks:
+                starts, stride, block = [0], tensor.stride(0) * size, tensor[0]
+            elif tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+                starts, stride, block = [0, tensor.stride(0) * size], tensor.stride(1) * size, tensor[0, 0]
+            else:
+                raise ConnectorConfigError(
+                    f"layer {layer}: a KV tensor of shape {tuple(tensor.shape)} is neither "
+                    f"[{num_blocks}, ...] nor [2, {num_blocks}, ...]"
+                )
+            if not block.is_contiguous() or block.numel() * size > stride:
+                raise ConnectorConfigError(f"layer {layer}: a block's KV is not contiguous")
+            offset = tensor.data_ptr() - allocation.base
+            spans.extend((allocation.fd, offset + start, stride, block.numel() * size) for start in starts)
+        # States that share a page (same memory, same stride, all inside one page) travel as that
+        # whole page; anything else must fill its page.
+        first = min(spans, key=lambda span: span[1])
+        if len(spans) > 1 and all(
+            fd == first[0] and stride == first[2] and offset + used <= first[1] + first[2]
+            for fd, offset, stride, used in spans
+        ):
+            spans = [(first[0], first[1], first[2], first[2])]
+        for fd, offset, stride, used in spans:
+            if len(tensors) > 1 and used != stride:
+                raise ConnectorConfigError(f"layer {layer}: its states neither share nor fill their pages")
+            planes.append((fd, offset, stride, layer_groups[layer]))
+    return planes
+
+
+class _WorkerSide:
+    """The connector in a vLLM worker: owns the pdkv agent, READs on a bounded thread pool."""
+
+    def __init__(self, connector: PdkvConnector):
+        self.connector = connector
+        self.settings = connector.settings
+        self.is_prefill = connector.leg == "prefill"
+        self.rank = self._rank()
+        self.agent: KvAgent | None = None
+        self.lock = threading.Lock()
+        self.sent: set[str] = set()
+        self.done: set[str] = set()
+        self.failed: set[str] = set()
+        self.pending: dict[str, concurrent.futures.Future] = {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.settings.load_threads, thread_name_prefix="pdkv-load"
+        )
+
+    def _rank(self) -> int:
+        if self.settings.rank is not None:
+            return self.settings.rank
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_tensor_model_parallel_rank()
+        return 0
+
+    def node(self) -> str:
+        return self.settings.node if self.rank == 0 else f"{self.settings.node}-{self.rank}"
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        config = self.connector._kv_cache_config
+        layer_groups = {
+            layer: index
+            for index, group in enumerate(config.kv_cache_groups)
+            for layer in group.layer_names
+        }
+        planes = planes_of(kv_caches, layer_groups, config.num_blocks)
+        fds = sorted({plane[0] for plane in planes})
+        region = {fd: index for index, fd in enumerate(fds)}
+        listen = None
+        if self.is_prefill:
+            host, _, port = self.settings.listen.rpartition(":")
+            if not port.isdigit():
+                raise ConnectorConfigError(f"listen {self.settings.listen!r} is not host:port")
+            # Rank r of a fixed port p listens on p + r; port 0 picks a free one per rank.
+            listen = f"{host}:{int(port) + self.rank if int(port) else 0}"
+        self.agent = KvAgent(
+            self.node(),
+            self.connector.leg,
+            self.settings.certs,
+            [peer if self.rank == 0 else f"{peer}-{self.rank}" for peer in self.settings.peers],
+            json.dumps(self.connector.groups),
+            fds,
+            [(region[fd], offset, stride, group) for fd, offset, stride, group in planes],
+            config.num_blocks,
+            listen=listen,
+            lease_ms=self.settings.lease_ms,
+            max_handoffs=self.settings.max_handoffs,
+            claim_wait_ms=self.settings.claim_wait_ms,
+            connect_timeout_ms=self.settings.connect_timeout_ms,
+            request_timeout_ms=self.settings.request_timeout_ms,
+            read_timeout_ms=self.settings.read_timeout_ms,
+        )
+
+    def handshake(self) -> PdkvHandshake | None:
+        if self.agent is None:
+            return None
+        return PdkvHandshake(self.agent.node, self.agent.address, self.agent.incarnation, self.rank)
+
+    def start(self, meta: PdkvMetadata) -> None:
+        if self.agent is None:
+            raise RuntimeError("pdkv: start_load_kv before register_kv_caches")
+        for request_id, blocks in meta.announce.items():
+            try:
+                self.agent.announce(request_id, blocks)
+            except ValueError as error:
+                # Not handed off: free the blocks now; the decoder's claim is refused and it
+                # recomputes.
+                logger.error("request %s: hand-off refused (%s)", request_id, error)
+                with self.lock:
+                    self.sent.add(request_id)
+        with self.lock:
+            for request_id in meta.failed:
+                self.failed.add(request_id)
+                self.done.add(request_id)
+        for request_id, spec in meta.loads.items():
+            future = self.pool.submit(self._load, request_id, spec)
+            with self.lock:
+                self.pending[request_id] = future
+
+    def _load(self, request_id: str, spec: LoadSpec) -> None:
+        ok = False
+        try:
+            if self.rank >= len(spec.workers):
+                raise LoadError(
+                    f"the prefill leg has {len(spec.workers)} workers; decode rank {self.rank} has "
+                    "no peer (heterogeneous TP is not supported)"
+                )
+            worker = spec.workers[self.rank]
+            if not worker.get("address"):
+                raise LoadError(f"prefill worker {worker.get('node')} serves no hand-offs")
+            self.agent.load(
+                spec.remote_request, worker["node"], worker["address"], worker["incarnation"], spec.pairs
+            )
+            ok = True
+        except LoadError as error:
+            logger.warning("request %s: KV not loaded, vLLM recomputes it: %s", request_id, error)
+        except Exception:  # a bug must not leave vLLM waiting for a load that never ends
+            logger.exception("request %s: KV load crashed, vLLM recomputes it", request_id)
+        with self.lock:
+            self.pending.pop(request_id, None)
+            self.done.add(request_id)
+            if not ok:
+                self.failed.add(request_id)
+
+    def results(self) -> KVConnectorTransferResults:
+        sending = set(self.agent.finished()) if self.is_prefill and self.agent is not None else set()
+        with self.lock:
+            sending |= self.sent
+            recving, failed = self.done, self.failed
+            self.sent, self.done, self.failed = set(), set(), set()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def shutdown(self) -> None:
+        # Loads in flight end by their own bounded waits.
+        self.pool.shutdown(wait=True, cancel_futures=False)
+        agent, self.agent = self.agent, None
+        if agent is not None:
+            revoked = agent.close()
+            if revoked:
+                logger.info("shutdown revoked %d hand-offs", len(revoked))
+            del agent  # drops its runtime and sockets now, not at the next collection

@@ -1,0 +1,1059 @@
+//! `KvAgent`: one vLLM worker's door to pdkv, the part of the connector that owns memory,
+//! connections and READs.
+//!
+//! A prefill worker's agent serves hand-offs on the control plane (QUIC, mutual TLS): a decode
+//! worker claims a finished request's blocks, READs them one-sided through shared memory, checks
+//! that their generations did not move, and releases them. The agent bumps a block's generation
+//! before vLLM may free it (release, lease expiry, revocation), so a READ that raced a free is
+//! caught after the copy and reported as a load error, never decoded from.
+//!
+//! KV memory is the worker's own: memfds (`os.memfd_create`) holding vLLM's KV tensors, adopted
+//! here, so the decode worker's READ lands directly in its tensors and the prefill worker's
+//! tensors are read without a copy on its side.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use pdkv_core::block::BlockId;
+use pdkv_core::exchange::{BlockPair, Pairing};
+use pdkv_core::layout::{GroupSpec, KvLayout};
+use pdkv_core::plan::{self, LayerRegion, RegionLayout};
+use pdkv_core::wire::{GrantId, Incarnation, NodeId, Role};
+use pdkv_transport::clock::MonotonicClock;
+use pdkv_transport::codec::PROTOCOL_VERSION;
+use pdkv_transport::control::{
+    ControlClient, ControlError, ControlLimits, ControlServer, ControlService, EngineAdvert, Hello,
+    PeerConnection, ServerSetup, TransportRuntime, new_incarnation,
+};
+use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine, ReadOp};
+use pdkv_transport::host;
+use pdkv_transport::mapped::MappedEngine;
+use pdkv_transport::region::Region;
+use pdkv_transport::tls::NodeIdentity;
+
+use crate::handoff::{Ended, HandoffError, Handoffs};
+use crate::protocol::{HandoffRequest, HandoffResponse};
+
+/// Why an agent could not be built or could not load a request's KV. Each kind tells the
+/// connector what vLLM should do: a load error always means "recompute", never "decode".
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The agent's settings or memory are wrong (a bug or a misconfiguration, not a fault).
+    #[error("{0}")]
+    Config(String),
+    /// The prefill worker could not be reached, or the connection broke.
+    #[error("cannot reach prefill worker {node} at {address}: {reason}")]
+    Unreachable {
+        /// Its node name.
+        node: String,
+        /// Its control address.
+        address: String,
+        /// What failed.
+        reason: String,
+    },
+    /// The prefill worker is a different process than the one that computed the KV.
+    #[error(
+        "prefill worker {node} restarted: the KV was computed by incarnation {expected:#x}, \
+         {found:#x} answers"
+    )]
+    Restarted {
+        /// Its node name.
+        node: String,
+        /// The incarnation in the request's transfer params.
+        expected: u64,
+        /// The incarnation that answered.
+        found: u64,
+    },
+    /// The prefill worker refused the hand-off (it ended, or another worker owns it).
+    #[error("prefill worker {node} refused request {request}: {reason}")]
+    HandoffRefused {
+        /// Its node name.
+        node: String,
+        /// The prefill side's request id.
+        request: String,
+        /// Its reason.
+        reason: String,
+    },
+    /// The hand-off never appeared.
+    #[error("prefill worker {node} announced no hand-off of request {request} within {waited_ms} ms")]
+    HandoffMissing {
+        /// Its node name.
+        node: String,
+        /// The prefill side's request id.
+        request: String,
+        /// How long the agent asked.
+        waited_ms: u64,
+    },
+    /// A pair reads a block the hand-off does not hold.
+    #[error("request {request}: block {block} of group {group} is not part of the hand-off")]
+    NotHandedOff {
+        /// The prefill side's request id.
+        request: String,
+        /// The group.
+        group: usize,
+        /// The block.
+        block: BlockId,
+    },
+    /// The READ could not be planned or did not complete.
+    #[error("request {request}: READ failed: {reason}")]
+    Read {
+        /// The prefill side's request id.
+        request: String,
+        /// What failed.
+        reason: String,
+    },
+    /// A source block was freed (its generation moved) while it was read: the bytes may belong
+    /// to another request.
+    #[error(
+        "request {request}: block {block} of group {group} changed generation {expected} -> {found} \
+         during the READ; its bytes are not trusted"
+    )]
+    Stale {
+        /// The prefill side's request id.
+        request: String,
+        /// The group.
+        group: usize,
+        /// The block.
+        block: BlockId,
+        /// Generation at claim time.
+        expected: u32,
+        /// Generation after the copy.
+        found: u32,
+    },
+}
+
+/// The bounds of an agent's waits and tables.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentLimits {
+    /// How long a hand-off stays claimable after its announcement or its last claim.
+    pub lease: Duration,
+    /// Most live hand-offs (each pins blocks).
+    pub max_handoffs: usize,
+    /// How long a decode worker waits for a hand-off to be announced.
+    pub claim_wait: Duration,
+    /// How long dialling a prefill worker may take.
+    pub connect: Duration,
+    /// How long one control round trip may take.
+    pub request: Duration,
+    /// How long one request's READ may take.
+    pub read: Duration,
+}
+
+/// The part of a leg's KV memory one layer's K or V (or one mamba state tensor) occupies.
+#[derive(Debug, Clone, Copy)]
+pub struct Plane {
+    /// Index of the memfd holding it.
+    pub region: u32,
+    /// Offset of block 0.
+    pub offset: u64,
+    /// Bytes per block.
+    pub bytes_per_block: u64,
+    /// The KV-cache group whose block ids index it.
+    pub group: usize,
+}
+
+/// What the prefill side's control service shares with the agent.
+struct Serving {
+    handoffs: Mutex<Handoffs>,
+    /// Generation table: one `u32` per block id (vLLM's groups share one block pool).
+    generations: Arc<Region>,
+    /// Requests vLLM may now free.
+    finished: Mutex<Vec<String>>,
+    clock: MonotonicClock,
+}
+
+impl Serving {
+    /// Bumps the generations of an ended hand-off's blocks, then lets vLLM free them: a reader
+    /// that copied them before the bump sees the new generation after its copy.
+    fn finish(&self, ended: Ended) {
+        for block in ended.blocks.iter().flatten() {
+            match self.generations.atomic_u32(*block as usize) {
+                Ok(word) => {
+                    word.fetch_add(1, Ordering::SeqCst);
+                }
+                Err(error) => tracing::error!(block, %error, "generation word out of range"),
+            }
+        }
+        tracing::debug!(request = %ended.request, how = ?ended.how, "hand-off ended");
+        lock(&self.finished).push(ended.request);
+    }
+}
+
+struct HandoffService {
+    serving: Arc<Serving>,
+}
+
+impl ControlService for HandoffService {
+    type Request = HandoffRequest;
+    type Response = HandoffResponse;
+
+    async fn handle(&self, peer: &NodeId, request: HandoffRequest) -> Result<HandoffResponse, String> {
+        let serving = &self.serving;
+        match request {
+            HandoffRequest::Claim { request } => {
+                let now = serving.clock.now_ms();
+                let claimed = lock(&serving.handoffs).claim(&request, peer, now);
+                match claimed {
+                    Ok((blocks, until)) => {
+                        let generations = blocks
+                            .iter()
+                            .map(|group| {
+                                group
+                                    .iter()
+                                    .map(|&block| serving.generations.load_u32(block as usize))
+                                    .collect::<Result<Vec<u32>, _>>()
+                            })
+                            .collect::<Result<Vec<_>, _>>()
+                            .map_err(|error| error.to_string())?;
+                        Ok(HandoffResponse::Claimed {
+                            blocks,
+                            generations,
+                            lease_left_ms: until.saturating_sub(now),
+                        })
+                    }
+                    Err(HandoffError::Unknown(_)) => Ok(HandoffResponse::NotYet),
+                    Err(error) => Err(error.to_string()),
+                }
+            }
+            HandoffRequest::Release { request } => {
+                let released = lock(&serving.handoffs).release(&request, peer);
+                let ended = released.map_err(|error| error.to_string())?;
+                serving.finish(ended);
+                Ok(HandoffResponse::Released)
+            }
+        }
+    }
+}
+
+/// A prefill worker as a decode worker knows it.
+#[derive(Clone)]
+struct Peer {
+    connection: PeerConnection,
+    regions: RegionLayout,
+    engine: EngineKey,
+}
+
+/// One vLLM worker's pdkv agent (prefill or decode).
+pub struct Agent {
+    node: NodeId,
+    role: Role,
+    layout: KvLayout,
+    regions: RegionLayout,
+    engine: Arc<MappedEngine>,
+    hello: Hello,
+    identity: NodeIdentity,
+    limits: AgentLimits,
+    serving: Arc<Serving>,
+    /// Taken (and dropped, freeing the port) on close.
+    server: Mutex<Option<ControlServer>>,
+    clients: Mutex<HashMap<bool, ControlClient>>,
+    peers: Mutex<HashMap<(String, String), Peer>>,
+    runtime: TransportRuntime,
+    /// Keeps the adopted memory mapped as long as the engine may touch it.
+    _memory: Vec<Arc<Region>>,
+}
+
+/// What one load moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loaded {
+    /// Bytes copied.
+    pub bytes: u64,
+    /// Contiguous runs posted.
+    pub runs: usize,
+}
+
+/// Everything an agent is built from.
+pub struct AgentSetup {
+    /// This worker's node name (its certificate's name).
+    pub node: String,
+    /// Prefill or decode.
+    pub role: Role,
+    /// Directory holding `ca.pem`, `<node>.pem`, `<node>.key`.
+    pub certs_dir: std::path::PathBuf,
+    /// Nodes this worker talks to (a prefill worker admits only these).
+    pub peers: Vec<String>,
+    /// The model's KV groups.
+    pub groups: Vec<GroupSpec>,
+    /// Open memfds holding the KV tensors.
+    pub region_fds: Vec<i32>,
+    /// Where each K/V/state plane lies in them.
+    pub planes: Vec<Plane>,
+    /// Blocks in vLLM's pool.
+    pub num_blocks: u32,
+    /// Control address to serve on (prefill).
+    pub listen: Option<SocketAddr>,
+    /// Bounds.
+    pub limits: AgentLimits,
+}
+
+fn config(message: impl std::fmt::Display) -> AgentError {
+    AgentError::Config(message.to_string())
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Adopts an open memfd: duplicates the descriptor (close-on-exec), so the caller's stays its own.
+fn adopt(fd: i32) -> Result<Region, AgentError> {
+    if fd < 0 {
+        return Err(config(format!("KV memory fd {fd} is not a file descriptor")));
+    }
+    // SAFETY: `fd` is non-negative; it is only borrowed long enough to duplicate it, and a closed
+    // or foreign number makes the duplication fail with EBADF rather than touch anything.
+    let owned = unsafe { BorrowedFd::borrow_raw(fd) }
+        .try_clone_to_owned()
+        .map_err(|error| config(format!("KV memory fd {fd}: {error}")))?;
+    Region::adopt_shared(File::from(owned)).map_err(|error| config(format!("KV memory: {error}")))
+}
+
+impl Agent {
+    /// Adopts the worker's KV memory, registers it with a shared-memory READ engine and, on a
+    /// prefill worker, starts serving hand-offs on `setup.listen`.
+    pub fn start(setup: AgentSetup) -> Result<Self, AgentError> {
+        if setup.num_blocks == 0 {
+            return Err(config("the KV cache has no blocks"));
+        }
+        if setup.region_fds.is_empty() || setup.planes.is_empty() {
+            return Err(config("no KV memory was registered"));
+        }
+        let layer_groups = setup.planes.iter().map(|plane| plane.group).collect();
+        let layout = KvLayout::new(setup.groups, layer_groups).map_err(config)?;
+        let memory = setup
+            .region_fds
+            .iter()
+            .map(|&fd| adopt(fd).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (index, plane) in setup.planes.iter().enumerate() {
+            let region = memory.get(plane.region as usize).ok_or_else(|| {
+                config(format!(
+                    "plane {index} lies in memory region {}, only {} were given",
+                    plane.region,
+                    memory.len()
+                ))
+            })?;
+            let end = plane
+                .bytes_per_block
+                .checked_mul(u64::from(setup.num_blocks))
+                .and_then(|bytes| bytes.checked_add(plane.offset));
+            if plane.bytes_per_block == 0 || end.is_none_or(|end| end > region.len() as u64) {
+                return Err(config(format!(
+                    "plane {index}: {} blocks of {} bytes at offset {} do not fit memory region {} ({} bytes)",
+                    setup.num_blocks,
+                    plane.bytes_per_block,
+                    plane.offset,
+                    plane.region,
+                    region.len()
+                )));
+            }
+        }
+        let generation_region = memory.len() as u32;
+        let generations = Arc::new(
+            Region::shared("pdkv-generations", setup.num_blocks as usize * 4)
+                .map_err(|error| config(format!("generation table: {error}")))?,
+        );
+        let regions = RegionLayout {
+            layers: setup
+                .planes
+                .iter()
+                .map(|plane| LayerRegion {
+                    region: plane.region,
+                    base_offset: plane.offset,
+                    bytes_per_block: plane.bytes_per_block,
+                    num_blocks: setup.num_blocks,
+                })
+                .collect(),
+            generations: vec![generation_region; layout.groups().len()],
+        };
+        let engine = Arc::new(MappedEngine::shm(EngineKey(setup.node.clone())).map_err(config)?);
+        let mut descriptors = Vec::with_capacity(memory.len() + 1);
+        for (id, region) in memory.iter().chain([&generations]).enumerate() {
+            descriptors.push(engine.register(id as u32, region.clone()).map_err(config)?);
+        }
+        let identity = NodeIdentity::load(&setup.certs_dir, &setup.node).map_err(|error| {
+            config(format!(
+                "certificates of {} in {}: {error}",
+                setup.node,
+                setup.certs_dir.display()
+            ))
+        })?;
+        let incarnation = new_incarnation().map_err(|error| config(format!("incarnation: {error}")))?;
+        let hello = Hello {
+            node: NodeId(setup.node.clone()),
+            role: setup.role,
+            incarnation,
+            regions: regions.clone(),
+            protocol_version: PROTOCOL_VERSION,
+            layout_hash: layout.compat_hash(),
+            engines: vec![EngineAdvert {
+                engine: engine.descriptor(),
+                regions: descriptors,
+            }],
+            host: host::host_id(),
+        };
+        let handoffs = Handoffs::new(setup.limits.lease.as_millis() as u64, setup.limits.max_handoffs)
+            .map_err(config)?;
+        let serving = Arc::new(Serving {
+            handoffs: Mutex::new(handoffs),
+            generations,
+            finished: Mutex::new(Vec::new()),
+            clock: MonotonicClock::new(),
+        });
+        let runtime = TransportRuntime::new(2).map_err(|error| config(format!("runtime: {error}")))?;
+        let server = match (setup.role, setup.listen) {
+            (Role::Prefill, Some(listen)) => Some(
+                ControlServer::start(
+                    &runtime.handle(),
+                    listen,
+                    &identity,
+                    ServerSetup {
+                        cluster: setup.peers.iter().cloned().map(NodeId).collect(),
+                        hello: hello.clone(),
+                        service: Arc::new(HandoffService {
+                            serving: serving.clone(),
+                        }),
+                        tickets: None,
+                        limits: ControlLimits::default(),
+                    },
+                )
+                .map_err(|error| config(format!("cannot serve hand-offs on {listen}: {error}")))?,
+            ),
+            (Role::Prefill, None) => return Err(config("a prefill worker needs a listen address")),
+            _ => None,
+        };
+        Ok(Agent {
+            node: NodeId(setup.node),
+            role: setup.role,
+            layout,
+            regions,
+            engine,
+            hello,
+            identity,
+            limits: setup.limits,
+            serving,
+            server: Mutex::new(server),
+            clients: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::new()),
+            runtime,
+            _memory: memory,
+        })
+    }
+
+    /// This worker's incarnation (a random id per agent start).
+    pub fn incarnation(&self) -> u64 {
+        self.hello.incarnation.0
+    }
+
+    /// Where a prefill worker serves hand-offs.
+    pub fn address(&self) -> Option<SocketAddr> {
+        lock(&self.server)
+            .as_ref()
+            .and_then(|server| server.local_addr().ok())
+    }
+
+    /// This worker's node name.
+    pub fn node(&self) -> &str {
+        &self.node.0
+    }
+
+    /// Prefill: keeps `blocks` (per group) claimable by one decode worker for a lease.
+    pub fn announce(&self, request: &str, blocks: Vec<Vec<BlockId>>) -> Result<(), AgentError> {
+        self.require(Role::Prefill, "announce a hand-off")?;
+        for block in blocks.iter().flatten() {
+            if *block as usize >= self.serving.generations.len() / 4 {
+                return Err(config(format!(
+                    "request {request}: block {block} is beyond the pool's {} blocks",
+                    self.serving.generations.len() / 4
+                )));
+            }
+        }
+        let now = self.serving.clock.now_ms();
+        lock(&self.serving.handoffs)
+            .announce(request, blocks, now)
+            .map_err(config)
+    }
+
+    /// Prefill: gives up a hand-off (vLLM aborted the request). Its blocks' generations move
+    /// and the request is reported finished.
+    pub fn revoke(&self, request: &str) -> bool {
+        let ended = lock(&self.serving.handoffs).revoke(request);
+        let found = ended.is_some();
+        if let Some(ended) = ended {
+            self.serving.finish(ended);
+        }
+        found
+    }
+
+    /// Prefill: the requests whose blocks vLLM may free now (released, expired or revoked).
+    pub fn finished(&self) -> Vec<String> {
+        let now = self.serving.clock.now_ms();
+        let expired = {
+            let mut handoffs = lock(&self.serving.handoffs);
+            match handoffs.poll_timeout() {
+                Some(due) if due <= now => handoffs.expire(now),
+                _ => Vec::new(),
+            }
+        };
+        for ended in expired {
+            tracing::warn!(request = %ended.request, "hand-off lease lapsed before any release");
+            self.serving.finish(ended);
+        }
+        std::mem::take(&mut *lock(&self.serving.finished))
+    }
+
+    /// Prefill: hand-offs still live.
+    pub fn live_handoffs(&self) -> usize {
+        lock(&self.serving.handoffs).len()
+    }
+
+    /// Decode: READs one request's KV from prefill worker `remote_node` at `remote_address`
+    /// (incarnation `remote_incarnation`) into this worker's blocks, as `pairs` say; verifies the
+    /// source blocks' generations after the copy and releases the hand-off (also on failure).
+    pub fn load(
+        &self,
+        request: &str,
+        remote_node: &str,
+        remote_address: &str,
+        remote_incarnation: u64,
+        pairs: Vec<Vec<BlockPair>>,
+    ) -> Result<Loaded, AgentError> {
+        self.require(Role::Decode, "load KV")?;
+        let address: SocketAddr = remote_address
+            .parse()
+            .map_err(|error| config(format!("prefill address {remote_address:?}: {error}")))?;
+        if pairs.len() != self.layout.groups().len() {
+            return Err(config(format!(
+                "request {request}: pairs for {} groups, the model has {}",
+                pairs.len(),
+                self.layout.groups().len()
+            )));
+        }
+        self.runtime.block_on(async {
+            let peer = self
+                .peer(remote_node, address, Incarnation(remote_incarnation))
+                .await?;
+            let claimed = self.claim(&peer, remote_node, request).await?;
+            let result = self.read(&peer, request, claimed, pairs).await;
+            let released = peer
+                .connection
+                .request::<_, HandoffResponse>(
+                    HandoffRequest::Release {
+                        request: request.to_string(),
+                    },
+                    self.limits.request,
+                )
+                .await;
+            if let Err(error) = released {
+                tracing::warn!(request, node = remote_node, %error, "release not acknowledged; the lease will lapse");
+            }
+            result
+        })
+    }
+
+    /// Stops serving: every live hand-off is revoked (generations move, requests are finished)
+    /// and every connection closes.
+    pub fn close(&self) -> Vec<String> {
+        let ended = lock(&self.serving.handoffs).revoke_all();
+        for ended in ended {
+            self.serving.finish(ended);
+        }
+        if let Some(server) = lock(&self.server).take() {
+            server.close();
+        }
+        for client in lock(&self.clients).values() {
+            client.close();
+        }
+        lock(&self.peers).clear();
+        std::mem::take(&mut *lock(&self.serving.finished))
+    }
+
+    fn require(&self, role: Role, what: &str) -> Result<(), AgentError> {
+        if self.role == role {
+            Ok(())
+        } else {
+            Err(config(format!("a {} worker cannot {what}", self.role)))
+        }
+    }
+
+    fn client(&self, ipv6: bool) -> Result<ControlClient, AgentError> {
+        let mut clients = lock(&self.clients);
+        if let Some(client) = clients.get(&ipv6) {
+            return Ok(client.clone());
+        }
+        let bind = if ipv6 {
+            SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0)
+        } else {
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+        };
+        let client = ControlClient::new(&self.runtime.handle(), bind, &self.identity)
+            .map_err(|error| config(format!("control client: {error}")))?;
+        clients.insert(ipv6, client.clone());
+        Ok(client)
+    }
+
+    /// The connection to a prefill worker of incarnation `expected`, dialling it (again) when
+    /// there is none, it closed, or it belongs to another incarnation.
+    async fn peer(&self, node: &str, address: SocketAddr, expected: Incarnation) -> Result<Peer, AgentError> {
+        let key = (node.to_string(), address.to_string());
+        let cached = lock(&self.peers).get(&key).cloned();
+        if let Some(peer) = cached
+            && peer.connection.is_open()
+            && peer.connection.peer.incarnation == expected
+        {
+            return Ok(peer);
+        }
+        let unreachable = |reason: String| AgentError::Unreachable {
+            node: node.to_string(),
+            address: address.to_string(),
+            reason,
+        };
+        let connection = self
+            .client(address.is_ipv6())?
+            .connect(address, node, &self.hello, self.limits.connect)
+            .await
+            .map_err(|error| unreachable(error.to_string()))?;
+        let theirs = &connection.peer;
+        if theirs.incarnation != expected {
+            connection.close();
+            return Err(AgentError::Restarted {
+                node: node.to_string(),
+                expected: expected.0,
+                found: theirs.incarnation.0,
+            });
+        }
+        if !host::same_host(&self.hello.host, &theirs.host) {
+            connection.close();
+            return Err(unreachable(
+                "it runs on another host; the connector reads through shared memory only (same host)".into(),
+            ));
+        }
+        let advert = theirs
+            .engines
+            .iter()
+            .find(|advert| advert.engine.kind == EngineKind::Shm)
+            .ok_or_else(|| unreachable("it offers no shared-memory READ engine".into()))?;
+        self.engine
+            .register_remote(&advert.engine, &advert.regions)
+            .map_err(|error| unreachable(format!("its shared memory: {error}")))?;
+        let peer = Peer {
+            regions: theirs.regions.clone(),
+            engine: advert.engine.key.clone(),
+            connection,
+        };
+        lock(&self.peers).insert(key, peer.clone());
+        Ok(peer)
+    }
+
+    /// Claims the hand-off, asking again (bounded) while the prefill worker has not announced it.
+    async fn claim(&self, peer: &Peer, node: &str, request: &str) -> Result<Claimed, AgentError> {
+        let started = Instant::now();
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            let answer = peer
+                .connection
+                .request::<_, HandoffResponse>(
+                    HandoffRequest::Claim {
+                        request: request.to_string(),
+                    },
+                    self.limits.request,
+                )
+                .await;
+            match answer {
+                Ok(HandoffResponse::Claimed {
+                    blocks, generations, ..
+                }) => return Claimed::new(request, blocks, generations),
+                Ok(HandoffResponse::NotYet) => {
+                    let waited = started.elapsed();
+                    if waited >= self.limits.claim_wait {
+                        return Err(AgentError::HandoffMissing {
+                            node: node.to_string(),
+                            request: request.to_string(),
+                            waited_ms: waited.as_millis() as u64,
+                        });
+                    }
+                    tokio::time::sleep(backoff.min(self.limits.claim_wait - waited)).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                }
+                Ok(HandoffResponse::Released) => {
+                    return Err(AgentError::Read {
+                        request: request.to_string(),
+                        reason: format!("{node} answered a claim with a release"),
+                    });
+                }
+                Err(ControlError::Refused(reason)) => {
+                    return Err(AgentError::HandoffRefused {
+                        node: node.to_string(),
+                        request: request.to_string(),
+                        reason,
+                    });
+                }
+                Err(error) => {
+                    return Err(AgentError::Unreachable {
+                        node: node.to_string(),
+                        address: String::new(),
+                        reason: error.to_string(),
+                    });
+                }
+            }
+        }
+    }
+
+    async fn read(
+        &self,
+        peer: &Peer,
+        request: &str,
+        claimed: Claimed,
+        pairs: Vec<Vec<BlockPair>>,
+    ) -> Result<Loaded, AgentError> {
+        let read_error = |reason: String| AgentError::Read {
+            request: request.to_string(),
+            reason,
+        };
+        // Every source block must be part of the hand-off; its generation now is the one it
+        // must still show after the copy.
+        let mut checks: BTreeMap<usize, Vec<(BlockId, u32)>> = BTreeMap::new();
+        for (group, list) in pairs.iter().enumerate() {
+            for pair in list {
+                let generation =
+                    claimed
+                        .generation(group, pair.remote)
+                        .ok_or_else(|| AgentError::NotHandedOff {
+                            request: request.to_string(),
+                            group,
+                            block: pair.remote,
+                        })?;
+                checks.entry(group).or_default().push((pair.remote, generation));
+            }
+        }
+        let pairing = Pairing { groups: pairs };
+        let plan = plan::plan(&self.layout, &pairing, &self.regions, &peer.regions)
+            .map_err(|error| read_error(error.to_string()))?;
+        let ops: Vec<ReadOp> = plan
+            .layers
+            .iter()
+            .map(|layer| ReadOp {
+                grant: GrantId(0),
+                local_region: layer.local_region,
+                remote_engine: peer.engine.clone(),
+                remote_region: layer.remote_region,
+                runs: layer.runs.clone(),
+            })
+            .collect();
+        let report = if ops.is_empty() {
+            Default::default()
+        } else {
+            self.engine
+                .batch_read(ops)
+                .map_err(|error| read_error(error.to_string()))?
+                .wait(self.limits.read)
+                .await
+                .map_err(|error| read_error(error.to_string()))?
+        };
+        for (group, checks) in checks {
+            let table = peer.regions.generation_region(group).ok_or_else(|| {
+                read_error(format!(
+                    "the prefill worker has no generation table for group {group}"
+                ))
+            })?;
+            let blocks: Vec<u32> = checks.iter().map(|(block, _)| *block).collect();
+            let found = self
+                .engine
+                .read_remote_words(&peer.engine, GrantId(0), table, &blocks)
+                .await
+                .map_err(|error| read_error(error.to_string()))?;
+            for ((block, expected), found) in checks.into_iter().zip(found) {
+                if found != expected {
+                    return Err(AgentError::Stale {
+                        request: request.to_string(),
+                        group,
+                        block,
+                        expected,
+                        found,
+                    });
+                }
+            }
+        }
+        Ok(Loaded {
+            bytes: report.bytes,
+            runs: report.runs,
+        })
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// A claimed hand-off: each block's generation at claim time.
+struct Claimed {
+    generations: Vec<HashMap<BlockId, u32>>,
+}
+
+impl Claimed {
+    fn new(request: &str, blocks: Vec<Vec<BlockId>>, generations: Vec<Vec<u32>>) -> Result<Self, AgentError> {
+        if blocks.len() != generations.len()
+            || blocks.iter().zip(&generations).any(|(b, g)| b.len() != g.len())
+        {
+            return Err(AgentError::Read {
+                request: request.to_string(),
+                reason: "the claim's generations do not match its blocks".into(),
+            });
+        }
+        Ok(Claimed {
+            generations: blocks
+                .into_iter()
+                .zip(generations)
+                .map(|(blocks, generations)| blocks.into_iter().zip(generations).collect())
+                .collect(),
+        })
+    }
+
+    fn generation(&self, group: usize, block: BlockId) -> Option<u32> {
+        self.generations.get(group)?.get(&block).copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+
+    use pdkv_core::layout::GroupKind;
+
+    use super::*;
+
+    const BLOCKS: u32 = 8;
+    const PAGE: u64 = 256;
+
+    struct Leg {
+        agent: Agent,
+        memory: File,
+    }
+
+    fn certs() -> std::path::PathBuf {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "pdkv-agent-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        ));
+        pdkv_transport::tls::write_cluster_certs(
+            &dir,
+            "pdkv",
+            &["p0", "d0", "stranger"],
+            pdkv_transport::tls::Existing::Replace,
+        )
+        .unwrap();
+        dir
+    }
+
+    fn limits() -> AgentLimits {
+        AgentLimits {
+            lease: Duration::from_secs(30),
+            max_handoffs: 16,
+            claim_wait: Duration::from_millis(100),
+            connect: Duration::from_secs(5),
+            request: Duration::from_secs(5),
+            read: Duration::from_secs(5),
+        }
+    }
+
+    /// A leg with one memfd of two planes (K and V) of `BLOCKS` pages each, one full group.
+    fn leg(dir: &std::path::Path, node: &str, role: Role, peers: &[&str]) -> Leg {
+        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
+        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let planes = (0..2)
+            .map(|plane| Plane {
+                region: 0,
+                offset: plane * PAGE * u64::from(BLOCKS),
+                bytes_per_block: PAGE,
+                group: 0,
+            })
+            .collect();
+        let agent = Agent::start(AgentSetup {
+            node: node.into(),
+            role,
+            certs_dir: dir.to_path_buf(),
+            peers: peers.iter().map(|peer| peer.to_string()).collect(),
+            groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
+            region_fds: vec![memory.as_raw_fd()],
+            planes,
+            num_blocks: BLOCKS,
+            listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
+            limits: limits(),
+        })
+        .unwrap();
+        Leg { agent, memory }
+    }
+
+    fn page(leg: &Leg, plane: u64, block: u32) -> Vec<u8> {
+        use std::os::unix::fs::FileExt;
+        let mut bytes = vec![0; PAGE as usize];
+        let offset = plane * PAGE * u64::from(BLOCKS) + u64::from(block) * PAGE;
+        leg.memory.read_exact_at(&mut bytes, offset).unwrap();
+        bytes
+    }
+
+    fn fill(leg: &Leg, plane: u64, block: u32, value: u8) {
+        use std::os::unix::fs::FileExt;
+        let offset = plane * PAGE * u64::from(BLOCKS) + u64::from(block) * PAGE;
+        leg.memory
+            .write_all_at(&vec![value; PAGE as usize], offset)
+            .unwrap();
+    }
+
+    fn pairs(list: &[(u32, u32)]) -> Vec<Vec<BlockPair>> {
+        vec![
+            list.iter()
+                .enumerate()
+                .map(|(position, &(remote, local))| BlockPair {
+                    remote_position: position as u64,
+                    local_position: position as u64,
+                    remote,
+                    local,
+                })
+                .collect(),
+        ]
+    }
+
+    fn address(leg: &Leg) -> String {
+        leg.agent.address().unwrap().to_string()
+    }
+
+    #[test]
+    fn a_load_copies_exactly_the_paired_blocks_and_releases_the_handoff() {
+        let dir = certs();
+        let prefill = leg(&dir, "p0", Role::Prefill, &["d0"]);
+        let decode = leg(&dir, "d0", Role::Decode, &["p0"]);
+        for block in 1..BLOCKS {
+            fill(&prefill, 0, block, block as u8);
+            fill(&prefill, 1, block, 100 + block as u8);
+        }
+        prefill.agent.announce("r1", vec![vec![3, 5]]).unwrap();
+        let loaded = decode
+            .agent
+            .load(
+                "r1",
+                "p0",
+                &address(&prefill),
+                prefill.agent.incarnation(),
+                pairs(&[(3, 6), (5, 2)]),
+            )
+            .unwrap();
+        assert_eq!(loaded.bytes, 4 * PAGE, "two blocks of two planes");
+        for (local, remote) in [(6, 3u8), (2, 5)] {
+            assert_eq!(page(&decode, 0, local), vec![remote; PAGE as usize]);
+            assert_eq!(page(&decode, 1, local), vec![100 + remote; PAGE as usize]);
+        }
+        for untouched in [1, 3, 4, 5, 7] {
+            assert_eq!(
+                page(&decode, 0, untouched),
+                vec![0; PAGE as usize],
+                "block {untouched}"
+            );
+        }
+        assert_eq!(prefill.agent.finished(), vec!["r1".to_string()]);
+        assert_eq!(prefill.agent.live_handoffs(), 0);
+        assert_eq!(
+            prefill.agent.serving.generations.load_u32(3).unwrap(),
+            1,
+            "released blocks moved on"
+        );
+        assert_eq!(prefill.agent.serving.generations.load_u32(4).unwrap(), 0);
+        // A second load of the same hand-off is refused: it was released.
+        let again = decode.agent.load(
+            "r1",
+            "p0",
+            &address(&prefill),
+            prefill.agent.incarnation(),
+            pairs(&[(3, 6)]),
+        );
+        assert!(
+            matches!(again, Err(AgentError::HandoffRefused { .. })),
+            "{again:?}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_block_freed_under_the_read_is_reported_stale() {
+        let dir = certs();
+        let prefill = leg(&dir, "p0", Role::Prefill, &["d0"]);
+        let decode = leg(&dir, "d0", Role::Decode, &["p0"]);
+        prefill.agent.announce("r2", vec![vec![4]]).unwrap();
+        let address: SocketAddr = address(&prefill).parse().unwrap();
+        let incarnation = Incarnation(prefill.agent.incarnation());
+        let result = decode.agent.runtime.block_on(async {
+            let peer = decode.agent.peer("p0", address, incarnation).await?;
+            let claimed = decode.agent.claim(&peer, "p0", "r2").await?;
+            // The prefill side gives the blocks up between the claim and the READ.
+            assert!(prefill.agent.revoke("r2"));
+            decode.agent.read(&peer, "r2", claimed, pairs(&[(4, 1)])).await
+        });
+        assert!(
+            matches!(
+                result,
+                Err(AgentError::Stale {
+                    block: 4,
+                    expected: 0,
+                    found: 1,
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
+        assert_eq!(prefill.agent.finished(), vec!["r2".to_string()]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn restarted_unknown_and_foreign_handoffs_are_refused_by_kind() {
+        let dir = certs();
+        let prefill = leg(&dir, "p0", Role::Prefill, &["d0"]);
+        let decode = leg(&dir, "d0", Role::Decode, &["p0"]);
+        let stranger = leg(&dir, "stranger", Role::Decode, &["p0"]);
+        prefill.agent.announce("r3", vec![vec![2]]).unwrap();
+        let at = address(&prefill);
+        let wrong = prefill.agent.incarnation().wrapping_add(1);
+        let restarted = decode.agent.load("r3", "p0", &at, wrong, pairs(&[(2, 2)]));
+        assert!(
+            matches!(restarted, Err(AgentError::Restarted { .. })),
+            "{restarted:?}"
+        );
+        let missing = decode
+            .agent
+            .load("nope", "p0", &at, prefill.agent.incarnation(), pairs(&[(2, 2)]));
+        assert!(
+            matches!(missing, Err(AgentError::HandoffMissing { .. })),
+            "{missing:?}"
+        );
+        let foreign = stranger
+            .agent
+            .load("r3", "p0", &at, prefill.agent.incarnation(), pairs(&[(2, 2)]));
+        assert!(
+            matches!(foreign, Err(AgentError::Unreachable { .. })),
+            "{foreign:?}"
+        );
+        let outside = decode
+            .agent
+            .load("r3", "p0", &at, prefill.agent.incarnation(), pairs(&[(3, 2)]));
+        assert!(
+            matches!(outside, Err(AgentError::NotHandedOff { block: 3, .. })),
+            "{outside:?}"
+        );
+        assert_eq!(
+            prefill.agent.finished(),
+            vec!["r3".to_string()],
+            "released after the refusal"
+        );
+        let wrong_role = decode.agent.announce("x", vec![vec![1]]);
+        assert!(matches!(wrong_role, Err(AgentError::Config(_))));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

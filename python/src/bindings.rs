@@ -1,0 +1,252 @@
+//! The agent for Python: `KvAgent`, its error classes, and certificate setup.
+//!
+//! Blocking calls (a load's connect, claim, READ and release) run with the GIL released, so a
+//! worker's other Python threads keep running while a READ is in flight.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pdkv_core::exchange::BlockPair;
+use pdkv_core::wire::Role;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, Plane};
+use crate::exchange::parse_groups;
+
+create_exception!(
+    _native,
+    LoadError,
+    PyRuntimeError,
+    "A request's KV could not be loaded: vLLM must recompute it, never decode from it."
+);
+create_exception!(
+    _native,
+    PeerUnreachable,
+    LoadError,
+    "The prefill worker could not be reached (down, refused us, or on another host)."
+);
+create_exception!(
+    _native,
+    HandoffEnded,
+    LoadError,
+    "The prefill worker no longer holds the request's KV (lease lapsed, released, revoked, another \
+     reader, or never announced)."
+);
+create_exception!(
+    _native,
+    StaleKv,
+    LoadError,
+    "The KV changed under the READ (a block was freed, or the prefill worker restarted)."
+);
+create_exception!(
+    _native,
+    AgentConfigError,
+    PyValueError,
+    "The agent's settings or KV memory are wrong."
+);
+
+fn to_python(error: AgentError) -> PyErr {
+    let message = error.to_string();
+    match error {
+        AgentError::Config(_) => AgentConfigError::new_err(message),
+        AgentError::Unreachable { .. } => PeerUnreachable::new_err(message),
+        AgentError::HandoffRefused { .. } | AgentError::HandoffMissing { .. } => {
+            HandoffEnded::new_err(message)
+        }
+        AgentError::Restarted { .. } | AgentError::Stale { .. } => StaleKv::new_err(message),
+        AgentError::NotHandedOff { .. } | AgentError::Read { .. } => LoadError::new_err(message),
+    }
+}
+
+fn parse_role(text: &str) -> PyResult<Role> {
+    match text {
+        "prefill" => Ok(Role::Prefill),
+        "decode" => Ok(Role::Decode),
+        other => Err(AgentConfigError::new_err(format!(
+            "role {other:?}: a worker is \"prefill\" or \"decode\""
+        ))),
+    }
+}
+
+/// One (prefill or decode) worker's pdkv agent: its KV memory registered with a shared-memory
+/// READ engine, and (prefill) a control-plane server that hands finished requests' blocks to
+/// decode workers.
+#[pyclass(frozen, module = "pdkv_vllm._native")]
+struct KvAgent {
+    agent: Agent,
+}
+
+/// One READ unit from Python: `(remote_position, local_position, remote_block, local_block)`.
+type PairTuple = (u64, u64, u32, u32);
+
+#[pymethods]
+impl KvAgent {
+    /// `region_fds`: open memfds holding the KV tensors; `planes`: `(region, offset,
+    /// bytes_per_block, group)` for every K, V or state plane, in the same order on both legs;
+    /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one).
+    #[new]
+    #[pyo3(signature = (
+        node, role, certs_dir, peers, groups_json, region_fds, planes, num_blocks,
+        listen=None, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
+        connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        node: String,
+        role: &str,
+        certs_dir: std::path::PathBuf,
+        peers: Vec<String>,
+        groups_json: &str,
+        region_fds: Vec<i32>,
+        planes: Vec<(u32, u64, u64, usize)>,
+        num_blocks: u32,
+        listen: Option<&str>,
+        lease_ms: u64,
+        max_handoffs: usize,
+        claim_wait_ms: u64,
+        connect_timeout_ms: u64,
+        request_timeout_ms: u64,
+        read_timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let listen = listen
+            .map(|text| {
+                text.parse::<SocketAddr>()
+                    .map_err(|error| AgentConfigError::new_err(format!("listen address {text:?}: {error}")))
+            })
+            .transpose()?;
+        let setup = AgentSetup {
+            node,
+            role: parse_role(role)?,
+            certs_dir,
+            peers,
+            groups: parse_groups(groups_json)?,
+            region_fds,
+            planes: planes
+                .into_iter()
+                .map(|(region, offset, bytes_per_block, group)| Plane {
+                    region,
+                    offset,
+                    bytes_per_block,
+                    group,
+                })
+                .collect(),
+            num_blocks,
+            listen,
+            limits: AgentLimits {
+                lease: Duration::from_millis(lease_ms),
+                max_handoffs,
+                claim_wait: Duration::from_millis(claim_wait_ms),
+                connect: Duration::from_millis(connect_timeout_ms),
+                request: Duration::from_millis(request_timeout_ms),
+                read: Duration::from_millis(read_timeout_ms),
+            },
+        };
+        let agent = py.detach(|| Agent::start(setup)).map_err(to_python)?;
+        Ok(KvAgent { agent })
+    }
+
+    /// This worker's node name.
+    #[getter]
+    fn node(&self) -> String {
+        self.agent.node().to_string()
+    }
+
+    /// A random id per agent start: KV computed by another incarnation is never read.
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.agent.incarnation()
+    }
+
+    /// The prefill worker's control address (`host:port`), None on a decode worker.
+    #[getter]
+    fn address(&self) -> Option<String> {
+        self.agent.address().map(|address| address.to_string())
+    }
+
+    /// Prefill: hands `blocks` (per group) of finished request `request` to the first decode
+    /// worker that claims them, for a lease.
+    fn announce(&self, request: &str, blocks: Vec<Vec<u32>>) -> PyResult<()> {
+        self.agent.announce(request, blocks).map_err(to_python)
+    }
+
+    /// Prefill: gives up a hand-off (vLLM aborted); True if it was live.
+    fn revoke(&self, request: &str) -> bool {
+        self.agent.revoke(request)
+    }
+
+    /// Prefill: requests whose blocks vLLM may free now (released, lease lapsed, revoked).
+    fn finished(&self) -> Vec<String> {
+        self.agent.finished()
+    }
+
+    /// Prefill: hand-offs still live.
+    fn live_handoffs(&self) -> usize {
+        self.agent.live_handoffs()
+    }
+
+    /// Decode: READs request `request`'s KV (the prefill side's request id) from prefill worker
+    /// `remote_node` at `remote_address`, incarnation `remote_incarnation`, as `pairs` (per group,
+    /// from `pdkv_vllm.pair`) say. Returns `(bytes, runs)`; raises a `LoadError` subclass naming
+    /// why the KV must be recomputed.
+    fn load(
+        &self,
+        py: Python<'_>,
+        request: &str,
+        remote_node: &str,
+        remote_address: &str,
+        remote_incarnation: u64,
+        pairs: Vec<Vec<PairTuple>>,
+    ) -> PyResult<(u64, usize)> {
+        let pairs = pairs
+            .into_iter()
+            .map(|group| {
+                group
+                    .into_iter()
+                    .map(|(remote_position, local_position, remote, local)| BlockPair {
+                        remote_position,
+                        local_position,
+                        remote,
+                        local,
+                    })
+                    .collect()
+            })
+            .collect();
+        let loaded = py
+            .detach(|| {
+                self.agent
+                    .load(request, remote_node, remote_address, remote_incarnation, pairs)
+            })
+            .map_err(to_python)?;
+        Ok((loaded.bytes, loaded.runs))
+    }
+
+    /// Stops serving and closes connections; returns the hand-offs it revoked.
+    fn close(&self, py: Python<'_>) -> Vec<String> {
+        py.detach(|| self.agent.close())
+    }
+}
+
+/// Writes a cluster CA and one certificate per node into `dir` (as `pdkv certs init` does):
+/// `ca.pem`, `<node>.pem`, `<node>.key` (keys 0600). Refuses to overwrite existing files.
+#[pyfunction]
+fn write_cluster_certs(dir: std::path::PathBuf, nodes: Vec<String>) -> PyResult<()> {
+    let names: Vec<&str> = nodes.iter().map(String::as_str).collect();
+    pdkv_transport::tls::write_cluster_certs(&dir, "pdkv", &names, pdkv_transport::tls::Existing::Refuse)
+        .map_err(|error| AgentConfigError::new_err(error.to_string()))
+}
+
+/// Adds `KvAgent`, its errors and `write_cluster_certs` to the module.
+pub fn add_to(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = module.py();
+    module.add_class::<KvAgent>()?;
+    module.add_function(wrap_pyfunction!(write_cluster_certs, module)?)?;
+    module.add("LoadError", py.get_type::<LoadError>())?;
+    module.add("PeerUnreachable", py.get_type::<PeerUnreachable>())?;
+    module.add("HandoffEnded", py.get_type::<HandoffEnded>())?;
+    module.add("StaleKv", py.get_type::<StaleKv>())?;
+    module.add("AgentConfigError", py.get_type::<AgentConfigError>())?;
+    Ok(())
+}

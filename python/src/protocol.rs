@@ -1,0 +1,41 @@
+//! What a decode worker asks a prefill worker over the control plane (QUIC, mutual TLS), and the
+//! answers. Bincode through `pdkv_transport`'s codec, like every other control message.
+
+use pdkv_core::block::BlockId;
+use serde::{Deserialize, Serialize};
+
+/// A decode worker's request about one hand-off, named by vLLM's request id on the prefill side.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HandoffRequest {
+    /// Take the hand-off (first claim) or renew its lease; answered with its blocks and their
+    /// generations now.
+    Claim {
+        /// The prefill side's request id.
+        request: String,
+    },
+    /// Reading is over (done or given up): the prefill side may free the blocks.
+    Release {
+        /// The prefill side's request id.
+        request: String,
+    },
+}
+
+/// The prefill worker's answer. Refusals (an ended hand-off, another owner) travel as the
+/// control plane's refusal text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HandoffResponse {
+    /// The hand-off is yours until the lease lapses.
+    Claimed {
+        /// Its blocks per group.
+        blocks: Vec<Vec<BlockId>>,
+        /// `generations[g][i]` is the generation of `blocks[g][i]` now: a READ whose blocks still
+        /// show these generations after the copy read what the prefill wrote.
+        generations: Vec<Vec<u32>>,
+        /// Milliseconds left on the lease.
+        lease_left_ms: u64,
+    },
+    /// Nothing is announced under that id yet (vLLM announces it on its next step): ask again.
+    NotYet,
+    /// Released.
+    Released,
+}

@@ -1,0 +1,432 @@
+"""A P/D harness around vLLM's real v1 ``Scheduler`` on CPU, with ``PdkvConnector`` on both legs.
+
+Each leg is a real ``Scheduler`` (its own ``KVCacheManager`` and block pool, the connector's
+scheduler side loaded by name through ``kv_connector_module_path``) plus the connector's worker
+side over CPU KV tensors in shared memory. The harness plays the model runner: it binds the
+connector metadata, starts loads, "computes" KV by writing position-tagged values into the blocks
+vLLM assigned, samples a token when a prompt is done, and hands the connector's transfer results
+back to the scheduler. No model weights, no GPU: only a hand-written ``config.json``.
+
+Tags come from the definition, not from pdkv: token ``t`` of a layer plane holds
+``tag(seed, plane, t)`` in every word of its slot, a mamba state holds ``tag(seed, plane,
+tokens_seen)``. The checks recompute them independently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from pdkv_vllm import memory  # noqa: E402
+from pdkv_vllm.connector import PdkvConnector  # noqa: E402
+
+MAX_MODEL_LEN = 2048
+BLOCK = 16
+MASK = (1 << 31) - 1
+
+
+def tag(seed: int, plane: int, position: int) -> int:
+    """The value a leg writes for token (or state length) ``position`` of ``plane``."""
+    return (seed * 1_000_003 + plane * 10_007 + position * 31 + 7) & MASK
+
+
+# Layouts: groups as (kind, block_size, window) with layer names; the DCP layout runs two ranks.
+LAYOUTS = {
+    "full": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1"]], "dcp": 1},
+    "full+window": {
+        "groups": [("full", BLOCK, None), ("sliding_window", BLOCK, 48)],
+        "layers": [["f0", "f1"], ["s0", "s1"]],
+        "dcp": 1,
+    },
+    "full+window+mamba": {
+        "groups": [("full", BLOCK, None), ("sliding_window", BLOCK, 40), ("mamba", None, None)],
+        "layers": [["f0"], ["s0"], ["m0"]],
+        "dcp": 1,
+    },
+    "dcp2": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1"]], "dcp": 2},
+}
+
+HEADS, HEAD = 2, 8  # per token: K and V of 2 heads x 8 floats = 32 words
+MAMBA_SHAPES = ((4, 6), (3, 5))
+
+
+def model_dir(root: Path) -> str:
+    """A directory holding only a hand-written config.json (no weights, no tokenizer)."""
+    path = root / "model"
+    path.mkdir(exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,  # DCP 2 needs more TP ranks than KV heads
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": 1000,
+        "max_position_embeddings": MAX_MODEL_LEN,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def kv_cache_config(layout: str, num_blocks: int) -> KVCacheConfig:
+    """A hand-built ``KVCacheConfig``: one allocation per layer, layer-outermost."""
+    spec = LAYOUTS[layout]
+    groups, tensors = [], []
+    attention_page = None
+    for (kind, block_size, window), layers in zip(spec["groups"], spec["layers"]):
+        if kind == "full":
+            kv = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+        elif kind == "sliding_window":
+            kv = SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, sliding_window=window
+            )
+        else:
+            kv = MambaSpec(
+                block_size=MAX_MODEL_LEN,
+                shapes=MAMBA_SHAPES,
+                dtypes=(torch.int32, torch.int32),
+                page_size_padded=attention_page,
+            )
+        if kind != "mamba":
+            attention_page = kv.page_size_bytes
+        groups.append(KVCacheGroupSpec(list(layers), kv))
+        page = kv.page_size_bytes
+        for layer in layers:
+            tensors.append(
+                KVCacheTensor(size=num_blocks * page, layers=[layer], layer_stride=num_blocks * page, block_stride=page)
+            )
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+@dataclasses.dataclass
+class Plane:
+    """One K, V or state plane of a layer as the harness model writes it."""
+
+    index: int
+    group: int
+    kind: str
+    view: torch.Tensor  # [num_blocks, slots, words] (attention) or [num_blocks, words] (state)
+
+
+def cache_views(config: KVCacheConfig):
+    """KV tensors over shared memory, in shapes a model runner gives vLLM layers: even attention
+    layers blocks-first ``[blocks, block_size, 2, heads, head]``, odd ones K/V-first
+    ``[2, blocks, block_size, heads, head]``, mamba layers a list of state tensors. Returns the
+    caches and the harness's planes (where the model writes tags)."""
+    kinds = {}
+    for index, group in enumerate(config.kv_cache_groups):
+        for layer in group.layer_names:
+            kinds[layer] = (index, group.kv_cache_spec)
+    order = sorted(kinds)
+    blocks = config.num_blocks
+
+    def views(layer, raw):
+        spec = kinds[layer][1]
+        if isinstance(spec, MambaSpec):
+            words = raw.view(torch.int32).view(blocks, -1)
+            states, start = [], 0
+            for shape in spec.shapes:
+                size = shape[0] * shape[1]
+                states.append(words[:, start : start + size])
+                start += size
+            return states
+        words = raw.view(torch.float32)
+        if order.index(layer) % 2 == 0:
+            return words.view(blocks, spec.block_size, 2, HEADS, HEAD)
+        return words.view(2, blocks, spec.block_size, HEADS, HEAD)
+
+    caches = memory.allocate_kv_caches(config, views)
+    planes: list[Plane] = []
+    for layer in order:
+        group, spec = kinds[layer]
+        cache = caches[layer]
+        if isinstance(spec, MambaSpec):
+            for state in cache:
+                planes.append(Plane(len(planes), group, "mamba", state))
+        elif order.index(layer) % 2 == 1:
+            for half in (0, 1):
+                view = cache[half].reshape(blocks, spec.block_size, -1).view(torch.int32)
+                planes.append(Plane(len(planes), group, "attention", view))
+        else:
+            view = cache.reshape(blocks, spec.block_size, -1).view(torch.int32)
+            planes.append(Plane(len(planes), group, "attention", view))
+    return caches, planes
+
+
+class Leg:
+    """One leg: vLLM's scheduler with the connector, and its workers (one per DCP rank)."""
+
+    def __init__(
+        self,
+        root: Path,
+        role: str,
+        node: str,
+        peers: list[str],
+        layout: str,
+        num_blocks: int = 96,
+        lookahead: int = 0,
+        extra: dict | None = None,
+        prefix_caching: bool = False,
+    ):
+        self.layout = layout
+        self.role = role
+        self.spec = LAYOUTS[layout]
+        dcp = self.spec["dcp"]
+        self.config = kv_cache_config(layout, num_blocks)
+        settings = {"node": node, "certs": str(root / "certs"), "peers": peers}
+        settings.update(extra or {})
+        vllm_config = VllmConfig(
+            model_config=ModelConfig(
+                model=model_dir(root), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32"
+            ),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=MAX_MODEL_LEN,
+                max_model_len=MAX_MODEL_LEN,
+                is_encoder_decoder=False,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="PdkvConnector",
+                kv_connector_module_path="pdkv_vllm",
+                kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+                kv_connector_extra_config=settings,
+                kv_load_failure_policy="recompute",
+            ),
+        )
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        self.vllm_config = vllm_config
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(self.config, vllm_config)
+        self.scheduler = Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=self.config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=block_size,
+            hash_block_size=hash_block_size,
+        )
+        self.scheduler.num_lookahead_tokens = lookahead
+        # As vLLM's engine core does whenever a KV connector is configured.
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
+        self.workers, self.planes = [], []
+        for rank in range(dcp):
+            worker_settings = dict(settings, rank=rank)
+            vllm_config.kv_transfer_config.kv_connector_extra_config = worker_settings
+            worker = PdkvConnector(vllm_config, KVConnectorRole.WORKER, self.config)
+            caches, planes = cache_views(self.config)
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+            self.planes.append(planes)
+        vllm_config.kv_transfer_config.kv_connector_extra_config = settings
+        self.scheduler.connector.set_xfer_handshake_metadata(
+            {rank: worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
+        )
+        self.finished: dict[str, object] = {}
+        self.loaded: set[str] = set()
+        self.failed_loads: set[str] = set()
+        self.seeds: dict[str, int] = {}
+        self.on_loaded = None
+        self.counts_sending: dict[str, int] = {}
+        self.counts_recving: dict[str, int] = {}
+        self.failing: set[str] = set()
+        self.computed: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    # The model.
+
+    def block_tokens(self, group: int) -> int:
+        kind, block_size, _ = self.spec["groups"][group]
+        return MAX_MODEL_LEN if kind == "mamba" else block_size * self.spec["dcp"]
+
+    def write_kv(self, request_id: str, first: int, end: int) -> None:
+        """Computes tokens ``first .. end`` of a request: tags their slots in every layer."""
+        self.computed[request_id] = self.computed.get(request_id, 0) + end - first
+        seed = self.seeds[request_id]
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+        dcp = self.spec["dcp"]
+        for rank, planes in enumerate(self.planes):
+            for plane in planes:
+                ids = block_ids[plane.group]
+                if plane.kind == "mamba":
+                    plane.view[ids[0]].fill_(tag(seed, plane.index, end))
+                    continue
+                slots = plane.view.shape[1]
+                for token in range(first, end):
+                    if token % dcp != rank:
+                        continue
+                    block = ids[token // (slots * dcp)]
+                    if block == 0:
+                        continue  # outside a window: vLLM gave it no block
+                    plane.view[block, (token // dcp) % slots].fill_(tag(seed, plane.index, token))
+
+    def step(self) -> list:
+        """One engine step; returns the outputs of requests that finished in it."""
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        for worker in self.workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+        sampled, ids = [], []
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            done = request.num_computed_tokens  # already advanced by schedule()
+            if done - count < request.num_prompt_tokens:
+                self.write_kv(request_id, done - count, min(done, request.num_prompt_tokens))
+            ids.append(request_id)
+            sampled.append([17] if done >= request.num_tokens else [])
+        sending, recving, failed = self.collect(output.finished_req_ids)
+        for worker in self.workers:
+            worker.clear_connector_metadata()
+        for request_id in recving - failed:
+            self.loaded.add(request_id)
+            if self.on_loaded is not None:
+                self.on_loaded(request_id)
+        self.failed_loads |= failed
+        runner = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={request_id: index for index, request_id in enumerate(ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving, failed_recving=failed
+            ),
+        )
+        outputs = self.scheduler.update_from_output(output, runner)
+        finished = []
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    self.finished[out.request_id] = out
+                    finished.append(out)
+        return finished
+
+    def collect(self, finished_req_ids):
+        """Every rank's transfer results, aggregated as vLLM's output aggregator does: a request
+        is done once all ranks reported it, failed if any rank failed it."""
+        world = len(self.workers)
+        for worker in self.workers:
+            results = worker.get_transfer_results(finished_req_ids)
+            for request_id in results.finished_sending:
+                self.counts_sending[request_id] = self.counts_sending.get(request_id, 0) + 1
+            for request_id in results.finished_recving:
+                self.counts_recving[request_id] = self.counts_recving.get(request_id, 0) + 1
+            self.failing |= results.failed_recving
+        sending = {r for r, count in self.counts_sending.items() if count == world}
+        recving = {r for r, count in self.counts_recving.items() if count == world}
+        for request_id in sending:
+            del self.counts_sending[request_id]
+        for request_id in recving:
+            del self.counts_recving[request_id]
+        failed = self.failing & recving
+        self.failing -= recving
+        return sending, recving, failed
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int, params: dict, seed: int) -> None:
+        self.seeds[request_id] = seed
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params})
+        request = Request(request_id, list(prompt), sampling, None, block_hasher=self.block_hasher)
+        self.scheduler.add_request(request)
+
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+
+
+def record_pages(leg: Leg, rid: str, n: int) -> dict:
+    """The bytes a prefill leg wrote for request ``rid``, per rank, plane and needed position."""
+    ids = leg.scheduler.kv_cache_manager.get_block_ids(rid)
+    pages = {}
+    for rank, planes in enumerate(leg.planes):
+        for plane in planes:
+            kind, _, window = leg.spec["groups"][plane.group]
+            block_tokens = leg.block_tokens(plane.group)
+            if kind == "mamba":
+                positions = [0]
+            else:
+                first = max(0, n - window) if kind == "sliding_window" else 0
+                positions = sorted({token // block_tokens for token in range(first, n - 1)})
+            pages[rank, plane.index] = {p: plane.view[ids[plane.group][p]].clone() for p in positions}
+    return pages
+
+
+def run_prefill(leg: Leg, rid: str, prompt: list[int], seed: int, n: int, budget: int = 400):
+    """Prefills ``rid`` on ``leg`` to its first token; returns its transfer params and pages."""
+    leg.add(rid, prompt, 1, {"do_remote_decode": True}, seed)
+    for _ in range(budget):
+        leg.step()
+        if rid in leg.finished:
+            return leg.finished[rid].kv_transfer_params, record_pages(leg, rid, n)
+    raise AssertionError(f"prefill of {rid} did not finish in {budget} steps")
+
+
+def leg_state(leg: Leg) -> dict:
+    return {
+        "requests": sorted(leg.scheduler.requests),
+        "free": leg.num_free_blocks(),
+        "handoffs": sum(worker._worker.agent.live_handoffs() for worker in leg.workers),
+    }
+
+
+def serve_prefill(conn, root: str, layout: str, node: str, peers: list[str], extra: dict | None) -> None:
+    """A prefill leg in its own process: prefills what it is asked to and steps on its own (so it
+    announces, expires and frees hand-offs) until told to exit or killed."""
+    leg = Leg(Path(root), "prefill", node, peers, layout, extra=extra)
+    conn.send(("ready", os.getpid()))
+    while True:
+        if conn.poll(0.002):
+            command, *args = conn.recv()
+            if command == "prefill":
+                conn.send(run_prefill(leg, *args))
+            elif command == "state":
+                conn.send(leg_state(leg))
+            elif command == "exit":
+                leg.shutdown()
+                conn.send("bye")
+                return
+        elif leg.scheduler.requests:
+            leg.step()
