@@ -84,6 +84,8 @@ class Settings:
     certs: str
     peers: tuple[str, ...]
     listen: str
+    data_listen: str | None
+    read_engine: str
     lease_ms: int
     claim_wait_ms: int
     connect_timeout_ms: int
@@ -94,7 +96,7 @@ class Settings:
     rank: int | None
 
     KNOWN = {
-        "node", "certs", "peers", "listen", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
+        "node", "certs", "peers", "listen", "data_listen", "read_engine", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
         "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank",
     }
 
@@ -120,6 +122,15 @@ class Settings:
                 )
             return value
 
+        read_engine = extra.get("read_engine", "auto")
+        if read_engine not in ("auto", "shm", "net"):
+            raise ConnectorConfigError(
+                f"kv_connector_extra_config.read_engine must be \"auto\", \"shm\" or \"net\", not {read_engine!r}"
+            )
+        data_listen = extra.get("data_listen")
+        for key, value in (("listen", extra.get("listen", "127.0.0.1:0")), ("data_listen", data_listen)):
+            if value is not None and (not isinstance(value, str) or not value.rpartition(":")[2].isdigit()):
+                raise ConnectorConfigError(f"kv_connector_extra_config.{key} must be \"host:port\", not {value!r}")
         rank = extra.get("rank")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ConnectorConfigError(f"kv_connector_extra_config.rank must be >= 0, not {rank!r}")
@@ -128,6 +139,8 @@ class Settings:
             certs=extra["certs"],
             peers=tuple(peers),
             listen=str(extra.get("listen", "127.0.0.1:0")),
+            data_listen=data_listen,
+            read_engine=read_engine,
             lease_ms=positive("lease_ms", 30_000),
             claim_wait_ms=positive("claim_wait_ms", 5_000),
             connect_timeout_ms=positive("connect_timeout_ms", 5_000),
@@ -505,13 +518,11 @@ class _WorkerSide:
         planes = planes_of(kv_caches, layer_groups, config.num_blocks)
         fds = sorted({plane[0] for plane in planes})
         region = {fd: index for index, fd in enumerate(fds)}
-        listen = None
+        listen = data_listen = None
         if self.is_prefill:
-            host, _, port = self.settings.listen.rpartition(":")
-            if not port.isdigit():
-                raise ConnectorConfigError(f"listen {self.settings.listen!r} is not host:port")
-            # Rank r of a fixed port p listens on p + r; port 0 picks a free one per rank.
-            listen = f"{host}:{int(port) + self.rank if int(port) else 0}"
+            listen = self._rank_address(self.settings.listen)
+            if self.settings.data_listen is not None:
+                data_listen = self._rank_address(self.settings.data_listen)
         self.agent = KvAgent(
             self.node(),
             self.connector.leg,
@@ -522,6 +533,8 @@ class _WorkerSide:
             [(region[fd], offset, stride, group) for fd, offset, stride, group in planes],
             config.num_blocks,
             listen=listen,
+            data_listen=data_listen,
+            read_engine=self.settings.read_engine,
             lease_ms=self.settings.lease_ms,
             max_handoffs=self.settings.max_handoffs,
             claim_wait_ms=self.settings.claim_wait_ms,
@@ -529,6 +542,11 @@ class _WorkerSide:
             request_timeout_ms=self.settings.request_timeout_ms,
             read_timeout_ms=self.settings.read_timeout_ms,
         )
+
+    def _rank_address(self, address: str) -> str:
+        # Rank r of a fixed port p listens on p + r; port 0 picks a free one per rank.
+        host, _, port = address.rpartition(":")
+        return f"{host}:{int(port) + self.rank if int(port) else 0}"
 
     def handshake(self) -> PdkvHandshake | None:
         if self.agent is None:

@@ -12,7 +12,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, Plane};
+use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, Plane};
 use crate::exchange::parse_groups;
 
 create_exception!(
@@ -85,11 +85,13 @@ type PairTuple = (u64, u64, u32, u32);
 impl KvAgent {
     /// `region_fds`: open memfds holding the KV tensors; `planes`: `(region, offset,
     /// bytes_per_block, group)` for every K, V or state plane, in the same order on both legs;
-    /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one).
+    /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one);
+    /// `data_listen`: its memory server's (default: `listen`'s host, any port); `read_engine`:
+    /// `"auto"` (shared memory on one host, the network elsewhere), `"shm"` or `"net"`.
     #[new]
     #[pyo3(signature = (
         node, role, certs_dir, peers, groups_json, region_fds, planes, num_blocks,
-        listen=None, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
+        listen=None, data_listen=None, read_engine="auto", lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
         connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -104,6 +106,8 @@ impl KvAgent {
         planes: Vec<(u32, u64, u64, usize)>,
         num_blocks: u32,
         listen: Option<&str>,
+        data_listen: Option<&str>,
+        read_engine: &str,
         lease_ms: u64,
         max_handoffs: usize,
         claim_wait_ms: u64,
@@ -111,12 +115,25 @@ impl KvAgent {
         request_timeout_ms: u64,
         read_timeout_ms: u64,
     ) -> PyResult<Self> {
-        let listen = listen
-            .map(|text| {
+        let address = |what: &str, text: Option<&str>| {
+            text.map(|text| {
                 text.parse::<SocketAddr>()
-                    .map_err(|error| AgentConfigError::new_err(format!("listen address {text:?}: {error}")))
+                    .map_err(|error| AgentConfigError::new_err(format!("{what} address {text:?}: {error}")))
             })
-            .transpose()?;
+            .transpose()
+        };
+        let listen = address("listen", listen)?;
+        let data_listen = address("data_listen", data_listen)?;
+        let engine = match read_engine {
+            "auto" => EngineChoice::Auto,
+            "shm" => EngineChoice::Shm,
+            "net" => EngineChoice::Net,
+            other => {
+                return Err(AgentConfigError::new_err(format!(
+                    "read_engine {other:?}: \"auto\", \"shm\" or \"net\""
+                )));
+            }
+        };
         let setup = AgentSetup {
             node,
             role: parse_role(role)?,
@@ -135,6 +152,8 @@ impl KvAgent {
                 .collect(),
             num_blocks,
             listen,
+            data_listen,
+            engine,
             limits: AgentLimits {
                 lease: Duration::from_millis(lease_ms),
                 max_handoffs,

@@ -11,7 +11,8 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use pdkv_core::block::{BlockId, NULL_BLOCK};
-use pdkv_core::wire::NodeId;
+use pdkv_core::grant::GrantError;
+use pdkv_core::wire::{GrantId, NodeId};
 
 /// How a hand-off ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,9 +88,31 @@ pub enum HandoffError {
 
 #[derive(Debug)]
 struct Handoff {
+    grant: GrantId,
     blocks: Vec<Vec<BlockId>>,
+    /// `blocks`, each group sorted, so a served READ's check is a binary search.
+    sorted: Vec<Vec<BlockId>>,
     owner: Option<NodeId>,
     expires_at_ms: u64,
+}
+
+impl Handoff {
+    fn covers(&self, group: usize, block: BlockId) -> bool {
+        self.sorted
+            .get(group)
+            .is_some_and(|list| list.binary_search(&block).is_ok())
+    }
+}
+
+/// A claimed hand-off.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The grant its READs name.
+    pub grant: GrantId,
+    /// Its blocks per group.
+    pub blocks: Vec<Vec<BlockId>>,
+    /// When its lease lapses unless claimed again.
+    pub expires_at_ms: u64,
 }
 
 /// How many ended hand-offs are remembered (so a late claim learns why it was refused).
@@ -99,6 +122,8 @@ const REMEMBERED_ENDINGS: usize = 4096;
 #[derive(Debug)]
 pub struct Handoffs {
     live: HashMap<String, Handoff>,
+    by_grant: HashMap<GrantId, String>,
+    next_grant: u64,
     deadlines: BTreeMap<(u64, String), ()>,
     ended: VecDeque<String>,
     ended_how: HashMap<String, Ending>,
@@ -115,6 +140,8 @@ impl Handoffs {
         }
         Ok(Handoffs {
             live: HashMap::new(),
+            by_grant: HashMap::new(),
+            next_grant: 1,
             deadlines: BTreeMap::new(),
             ended: VecDeque::new(),
             ended_how: HashMap::new(),
@@ -139,17 +166,30 @@ impl Handoffs {
                 max: self.max_live,
             });
         }
-        let blocks = blocks
+        let blocks: Vec<Vec<BlockId>> = blocks
             .into_iter()
             .map(|group| group.into_iter().filter(|&block| block != NULL_BLOCK).collect())
             .collect();
+        let sorted = blocks
+            .iter()
+            .map(|group| {
+                let mut group = group.clone();
+                group.sort_unstable();
+                group
+            })
+            .collect();
         let expires_at_ms = now_ms.saturating_add(self.lease_ms);
+        let grant = GrantId(self.next_grant);
+        self.next_grant += 1;
         self.forget_ending(request);
         self.deadlines.insert((expires_at_ms, request.to_string()), ());
+        self.by_grant.insert(grant, request.to_string());
         self.live.insert(
             request.to_string(),
             Handoff {
+                grant,
                 blocks,
+                sorted,
                 owner: None,
                 expires_at_ms,
             },
@@ -158,13 +198,8 @@ impl Handoffs {
     }
 
     /// `peer` claims `request`: the first claim makes it the owner; every claim by the owner
-    /// renews the lease. Returns the blocks and the lease's new end.
-    pub fn claim(
-        &mut self,
-        request: &str,
-        peer: &NodeId,
-        now_ms: u64,
-    ) -> Result<(Vec<Vec<BlockId>>, u64), HandoffError> {
+    /// renews the lease. Returns the grant its READs name, the blocks and the lease's new end.
+    pub fn claim(&mut self, request: &str, peer: &NodeId, now_ms: u64) -> Result<Claim, HandoffError> {
         let lease_ms = self.lease_ms;
         let Some(handoff) = self.live.get_mut(request) else {
             return Err(self.missing(request));
@@ -183,10 +218,68 @@ impl Handoffs {
         let old = (handoff.expires_at_ms, request.to_string());
         handoff.expires_at_ms = now_ms.saturating_add(lease_ms).max(handoff.expires_at_ms);
         let renewed = (handoff.expires_at_ms, request.to_string());
-        let blocks = handoff.blocks.clone();
+        let claim = Claim {
+            grant: handoff.grant,
+            blocks: handoff.blocks.clone(),
+            expires_at_ms: handoff.expires_at_ms,
+        };
         self.deadlines.remove(&old);
         self.deadlines.insert(renewed, ());
-        Ok((blocks, self.live[request].expires_at_ms))
+        Ok(claim)
+    }
+
+    /// Whether `peer` may READ `block` of `group` under `grant` now: its owner, a live lease,
+    /// a block of the hand-off.
+    pub fn check_read(
+        &self,
+        grant: GrantId,
+        peer: &NodeId,
+        group: usize,
+        block: BlockId,
+        now_ms: u64,
+    ) -> Result<(), GrantError> {
+        let handoff = self.owned(grant, peer)?;
+        if now_ms >= handoff.expires_at_ms {
+            return Err(GrantError::Expired(grant));
+        }
+        if !handoff.covers(group, block) {
+            return Err(GrantError::OutsideGrant {
+                id: grant,
+                group,
+                block,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether `peer` may read the generation word of `block` under `grant`: its owner, a block
+    /// of the hand-off in any group (vLLM's groups share one block pool, hence one table).
+    pub fn check_word(&self, grant: GrantId, peer: &NodeId, block: BlockId) -> Result<(), GrantError> {
+        let handoff = self.owned(grant, peer)?;
+        if (0..handoff.sorted.len()).any(|group| handoff.covers(group, block)) {
+            Ok(())
+        } else {
+            Err(GrantError::OutsideGrant {
+                id: grant,
+                group: 0,
+                block,
+            })
+        }
+    }
+
+    fn owned(&self, grant: GrantId, peer: &NodeId) -> Result<&Handoff, GrantError> {
+        let handoff = self
+            .by_grant
+            .get(&grant)
+            .and_then(|request| self.live.get(request))
+            .ok_or(GrantError::Unknown(grant))?;
+        if handoff.owner.as_ref() != Some(peer) {
+            return Err(GrantError::WrongPeer {
+                id: grant,
+                peer: peer.clone(),
+            });
+        }
+        Ok(handoff)
     }
 
     /// `peer` is done reading `request` (its owner, or anyone if nobody claimed it).
@@ -243,6 +336,7 @@ impl Handoffs {
 
     fn end(&mut self, request: &str, how: Ending) -> Option<Ended> {
         let handoff = self.live.remove(request)?;
+        self.by_grant.remove(&handoff.grant);
         self.deadlines
             .remove(&(handoff.expires_at_ms, request.to_string()));
         self.ended.push_back(request.to_string());
@@ -289,13 +383,41 @@ mod tests {
         let mut table = Handoffs::new(100, 8).unwrap();
         table.announce("r1", vec![vec![3, 0, 4], vec![9]], 1_000).unwrap();
         assert_eq!(table.poll_timeout(), Some(1_100));
-        let (blocks, until) = table.claim("r1", &node("d0"), 1_050).unwrap();
+        let claim = table.claim("r1", &node("d0"), 1_050).unwrap();
         assert_eq!(
-            blocks,
+            claim.blocks,
             vec![vec![3, 4], vec![9]],
             "the null block is never handed off"
         );
-        assert_eq!(until, 1_150);
+        assert_eq!(claim.expires_at_ms, 1_150);
+        let grant = claim.grant;
+        assert_eq!(table.check_read(grant, &node("d0"), 0, 4, 1_149), Ok(()));
+        assert_eq!(table.check_word(grant, &node("d0"), 9), Ok(()));
+        let outside = GrantError::OutsideGrant {
+            id: grant,
+            group: 1,
+            block: 4,
+        };
+        assert_eq!(
+            table.check_read(grant, &node("d0"), 1, 4, 1_100),
+            Err(outside),
+            "block 4 is group 0's"
+        );
+        let stranger = GrantError::WrongPeer {
+            id: grant,
+            peer: node("d1"),
+        };
+        assert_eq!(table.check_read(grant, &node("d1"), 0, 4, 1_100), Err(stranger));
+        assert_eq!(
+            table.check_read(grant, &node("d0"), 0, 4, 1_150),
+            Err(GrantError::Expired(grant))
+        );
+        let null = GrantError::OutsideGrant {
+            id: grant,
+            group: 0,
+            block: 0,
+        };
+        assert_eq!(table.check_word(grant, &node("d0"), 0), Err(null));
         assert_eq!(table.poll_timeout(), Some(1_150));
         assert_eq!(
             table.claim("r1", &node("d1"), 1_060),
@@ -312,6 +434,10 @@ mod tests {
         assert!(table.expire(1_149).is_empty(), "the claim moved the deadline");
         let ended = table.release("r1", &node("d0")).unwrap();
         assert_eq!(ended.how, Ending::Released);
+        assert_eq!(
+            table.check_word(grant, &node("d0"), 9),
+            Err(GrantError::Unknown(grant))
+        );
         assert_eq!(ended.blocks, vec![vec![3, 4], vec![9]]);
         assert_eq!(table.len(), 0);
         assert_eq!(table.poll_timeout(), None);
@@ -373,6 +499,12 @@ mod tests {
         assert!(table.expire(u64::MAX).is_empty(), "nothing left to expire");
         // A request id may be handed off again once its earlier hand-off ended.
         table.announce("a", vec![vec![5]], 20).unwrap();
-        assert_eq!(table.claim("a", &node("d"), 21).unwrap().0, vec![vec![5]]);
+        let again = table.claim("a", &node("d"), 21).unwrap();
+        assert_eq!(again.blocks, vec![vec![5]]);
+        assert_eq!(
+            table.check_read(again.grant, &node("d"), 0, 5, 22),
+            Ok(()),
+            "a new grant"
+        );
     }
 }

@@ -2,6 +2,7 @@
 //! answers. Bincode through `pdkv_transport`'s codec, like every other control message.
 
 use pdkv_core::block::BlockId;
+use pdkv_core::wire::GrantId;
 use serde::{Deserialize, Serialize};
 
 /// A decode worker's request about one hand-off, named by vLLM's request id on the prefill side.
@@ -26,6 +27,8 @@ pub enum HandoffRequest {
 pub enum HandoffResponse {
     /// The hand-off is yours until the lease lapses.
     Claimed {
+        /// The grant its READs name (the network engine's memory server checks it).
+        grant: GrantId,
         /// Its blocks per group.
         blocks: Vec<Vec<BlockId>>,
         /// `generations[g][i]` is the generation of `blocks[g][i]` now: a READ whose blocks still

@@ -181,6 +181,21 @@ class LocalPrefill:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_network_reads_load_byte_exact_kv(certs, layout):
+    """The same checks with the decoder reading over the network engine (as across hosts): the
+    prefill's memory server serves only the claimed hand-off's blocks to their owner."""
+    for p_lookahead, d_lookahead in ((0, 9), (2, 0)):
+        pd = Pd(certs, layout, p_lookahead, d_lookahead, d_extra={"read_engine": "net"})
+        try:
+            for index, n in enumerate(LENGTHS):
+                did = pd.run(f"net{d_lookahead}-{n}", n, seed=500 + index)
+                assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
+            pd.assert_no_leaks()
+        finally:
+            pd.close()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("p_lookahead", [0, 1, 2])
 def test_every_length_and_lookahead_loads_byte_exact_kv(certs, layout, p_lookahead):
     for d_lookahead in range(10):
@@ -249,10 +264,11 @@ class RemotePrefill:
             self.process.join(10)
 
 
-def test_a_prefill_in_another_process_hands_off_byte_exact_kv_and_a_killed_one_fails_cleanly(certs):
+@pytest.mark.parametrize("engine", ["shm", "net"])
+def test_a_prefill_in_another_process_hands_off_byte_exact_kv_and_a_killed_one_fails_cleanly(certs, engine):
     layout = "full+window+mamba"
     remote = RemotePrefill(certs, layout, "p1", ["d1"])
-    pd = Pd(certs, layout, nodes=("p1", "d1"), prefill=remote)
+    pd = Pd(certs, layout, nodes=("p1", "d1"), prefill=remote, d_extra={"read_engine": engine})
     try:
         for index, n in enumerate([17, 55, 63, 100]):
             did = pd.run(f"x{n}", n, seed=50 + index)
