@@ -656,6 +656,26 @@ impl Agent {
         std::mem::take(&mut *lock(&self.serving.finished))
     }
 
+    /// Decode: the READ engines this worker uses for the prefill workers it knows
+    /// (`"shm"`, `"net"`), sorted and deduplicated.
+    pub fn engines_in_use(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = lock(&self.peers)
+            .values()
+            .map(|peer| {
+                match peer.reader.descriptor().kind {
+                    EngineKind::Shm => "shm",
+                    EngineKind::Net => "net",
+                    EngineKind::Local => "local",
+                    EngineKind::Mori => "mori",
+                }
+                .to_string()
+            })
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        kinds
+    }
+
     /// Prefill: hand-offs still live.
     pub fn live_handoffs(&self) -> usize {
         lock(&self.serving.handoffs).len()

@@ -201,6 +201,11 @@ impl KvAgent {
         self.agent.finished()
     }
 
+    /// Decode: the READ engines in use (`"shm"`, `"net"`) for the prefill workers it knows.
+    fn engines_in_use(&self) -> Vec<String> {
+        self.agent.engines_in_use()
+    }
+
     /// Prefill: hand-offs still live.
     fn live_handoffs(&self) -> usize {
         self.agent.live_handoffs()

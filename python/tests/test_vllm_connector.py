@@ -215,7 +215,7 @@ class RemotePrefill:
     """A prefill leg in another process (it steps itself): the decode maps its memory through
     /proc and reaches it over QUIC, as across real processes."""
 
-    def __init__(self, root, layout, node, peers, extra=None):
+    def __init__(self, root, layout, node, peers, extra=None, netns=None):
         import multiprocessing
 
         from vllm_harness import serve_prefill
@@ -223,7 +223,7 @@ class RemotePrefill:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(
-            target=serve_prefill, args=(child, str(root), layout, node, peers, extra), daemon=True
+            target=serve_prefill, args=(child, str(root), layout, node, peers, extra, netns), daemon=True
         )
         self.process.start()
         assert self.conn.poll(120), "the prefill process did not start"
@@ -274,6 +274,7 @@ def test_a_prefill_in_another_process_hands_off_byte_exact_kv_and_a_killed_one_f
             did = pd.run(f"x{n}", n, seed=50 + index)
             assert did in pd.checked and did not in pd.decode.failed_loads
             assert pd.decode.computed[did] == 1, "the decoder recomputed only the last prompt token"
+        assert pd.decode.workers[0]._worker.agent.engines_in_use() == [engine]
         pd.assert_no_leaks()
         # Killed (SIGKILL) after its prefill finished and before the decoder's READ: the READ
         # fails (unreachable), vLLM recomputes the whole prompt, nothing leaks on the decoder.
@@ -429,3 +430,68 @@ def test_aborts_on_either_leg_leak_nothing(certs):
         pd.assert_no_leaks()
     finally:
         pd.close()
+
+
+class NetworkNamespace:
+    """A network namespace joined to this one by a veth pair: another "host" on this machine
+    (its own addresses and host id, so shared memory is not offered), removed on close."""
+
+    def __init__(self):
+        import subprocess
+
+        self.run = lambda *args: subprocess.run(args, check=True, capture_output=True)
+        tag = f"{os.getpid() % 10000}"
+        self.name = f"pdkv-py-{tag}"
+        subnet = 100 + os.getpid() % 100
+        self.outside, self.inside = f"10.232.{subnet}.1", f"10.232.{subnet}.2"
+        self.veth = (f"pvo{tag}", f"pvi{tag}")
+        self.run("ip", "netns", "add", self.name)
+        try:
+            self.run("ip", "link", "add", self.veth[0], "type", "veth", "peer", "name", self.veth[1])
+            self.run("ip", "link", "set", self.veth[1], "netns", self.name)
+            self.run("ip", "addr", "add", f"{self.outside}/24", "dev", self.veth[0])
+            self.run("ip", "link", "set", self.veth[0], "up")
+            for args in (
+                ("addr", "add", f"{self.inside}/24", "dev", self.veth[1]),
+                ("link", "set", self.veth[1], "up"),
+                ("link", "set", "lo", "up"),
+            ):
+                self.run("ip", "netns", "exec", self.name, "ip", *args)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        import subprocess
+
+        # Deleting the namespace deletes its veth end, and with it the pair.
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
+
+
+def test_a_prefill_on_another_host_is_read_over_the_network(certs):
+    """The prefill worker runs in its own network namespace (another host as far as pdkv can
+    tell): the decoder's automatic engine choice is the network, the READ crosses a veth pair."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        if os.environ.get("PDKV_REQUIRE_NETNS") == "1":
+            pytest.fail("PDKV_REQUIRE_NETNS=1 but not root or no `ip`: the namespace test cannot run")
+        pytest.skip("network namespaces need root and iproute2")
+    namespace = NetworkNamespace()
+    layout = "full+window"
+    try:
+        remote = RemotePrefill(
+            certs, layout, "p1", ["d1"], extra={"listen": f"{namespace.inside}:0"}, netns=namespace.name
+        )
+        pd = Pd(certs, layout, nodes=("p1", "d1"), prefill=remote)
+        try:
+            for index, n in enumerate([17, 63, 100, 129]):
+                did = pd.run(f"ns{n}", n, seed=70 + index)
+                assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
+            agent = pd.decode.workers[0]._worker.agent
+            assert agent.engines_in_use() == ["net"], "another host is read over the network"
+            pd.assert_no_leaks()
+        finally:
+            pd.close()
+    finally:
+        namespace.close()

@@ -412,9 +412,29 @@ def leg_state(leg: Leg) -> dict:
     }
 
 
-def serve_prefill(conn, root: str, layout: str, node: str, peers: list[str], extra: dict | None) -> None:
-    """A prefill leg in its own process: prefills what it is asked to and steps on its own (so it
-    announces, expires and frees hand-offs) until told to exit or killed."""
+def enter_network_namespace(name: str) -> None:
+    """Moves this (still single-purpose) process's main thread into network namespace ``name``;
+    threads and sockets it creates afterwards live there."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(fd)
+
+
+def serve_prefill(
+    conn, root: str, layout: str, node: str, peers: list[str], extra: dict | None, netns: str | None = None
+) -> None:
+    """A prefill leg in its own process (in network namespace ``netns`` if given): prefills what
+    it is asked to and steps on its own (so it announces, expires and frees hand-offs) until told
+    to exit or killed."""
+    if netns is not None:
+        enter_network_namespace(netns)
     leg = Leg(Path(root), "prefill", node, peers, layout, extra=extra)
     conn.send(("ready", os.getpid()))
     while True:
