@@ -430,52 +430,83 @@ class _SchedulerSide:
         return True, transfer
 
 
-def planes_of(caches: dict[str, Any], layer_groups: dict[str, int], num_blocks: int):
-    """The memory planes of every layer, in layer order: ``(memfd, offset, bytes_per_block,
-    group)``, each a run of ``num_blocks`` equal pages. A cache tensor is blocks-first
-    (``[num_blocks, ...]``) or K/V-first (``[2, num_blocks, ...]``); a mamba layer is a list of
-    blocks-first state tensors, which may share one (padded) page per block."""
+def _tensor_of(cache) -> torch.Tensor:
+    return cache[0] if isinstance(cache, (list, tuple)) else cache
+
+
+def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
+    """Where vLLM's KV cache lies, as pdkv registers it: ``(regions, planes)``.
+
+    ``regions`` holds one ``(fd, address, length)`` per backing allocation: a memfd
+    (``pdkv_vllm.memory``; same-host peers map it) or, with ``fd = -1``, plain memory of this
+    process (READ over the network only). ``planes`` holds ``(region, offset, bytes_per_block,
+    group)`` for every layer page, in ``kv_cache_tensors`` order (the same on both legs), from
+    vLLM's own placement: layer ``l`` of block ``b`` at ``offset + l * layer_stride + b *
+    block_stride``. A block-outermost layout whose blocks pack every layer's page becomes one plane
+    per placement; a layout whose blocks are not contiguous pages is refused."""
+    groups = kv_cache_config.kv_cache_groups
+    group_of = {layer: index for index, group in enumerate(groups) for layer in group.layer_names}
+
+    def spec_of(layer):
+        spec = groups[group_of[layer]].kv_cache_spec
+        specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        return specs[layer] if specs else spec
+
+    regions: list[tuple[int, int, int]] = []
+    region_of: dict[int, tuple[int, int]] = {}  # storage address -> (region, offset in region)
     planes = []
-    for layer in sorted(caches):
-        if layer not in layer_groups:
-            raise ConnectorConfigError(f"layer {layer} is in no KV group")
-        tensors = caches[layer]
-        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
-        spans = []  # (fd, offset of block 0, page stride, bytes of one block)
-        for tensor in tensors:
-            allocation = memory.find(tensor.data_ptr())
-            if allocation is None:
-                raise ConnectorConfigError(
-                    f"layer {layer}: its KV is not in shared memory; allocate it with "
-                    "pdkv_vllm.memory (the connector READs through shared memory)"
-                )
-            size = tensor.element_size()
-            if tensor.dim() >= 1 and tensor.shape[0] == num_blocks:
-                starts, stride, block = [0], tensor.stride(0) * size, tensor[0]
-            elif tensor.dim() >= 2 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
-                starts, stride, block = [0, tensor.stride(0) * size], tensor.stride(1) * size, tensor[0, 0]
+    for placement in kv_cache_config.kv_cache_tensors:
+        num_blocks_of = getattr(kv_cache_config, "num_blocks_of", None)
+        if num_blocks_of is not None and num_blocks_of(placement) != kv_cache_config.num_blocks:
+            raise ConnectorConfigError(f"layers {placement.layers}: a second block pool is not transferred by pdkv")
+        for layer in placement.layers:
+            if layer not in kv_caches:
+                raise ConnectorConfigError(f"layer {layer} has no KV cache")
+            if layer not in group_of:
+                raise ConnectorConfigError(f"layer {layer} is in no KV group")
+        storage = _tensor_of(kv_caches[placement.layers[0]]).untyped_storage()
+        address = storage.data_ptr()
+        if address not in region_of:
+            allocation = memory.find(address)
+            if allocation is not None:
+                region_of[address] = (len(regions), address - allocation.base)
+                regions.append((allocation.fd, 0, 0))
             else:
+                region_of[address] = (len(regions), 0)
+                regions.append((-1, address, storage.nbytes()))
+        region, base = region_of[address]
+        block_stride, layer_stride = placement.block_stride, placement.layer_stride
+        pages = {spec_of(layer).page_size_bytes for layer in placement.layers}
+        layer_groups = {group_of[layer] for layer in placement.layers}
+        page = max(pages)
+        for index, layer in enumerate(placement.layers):
+            tensor = _tensor_of(kv_caches[layer])
+            expected = address + placement.offset + index * layer_stride
+            if spec_of(layer).has_layer_views and tensor.data_ptr() != expected:
                 raise ConnectorConfigError(
-                    f"layer {layer}: a KV tensor of shape {tuple(tensor.shape)} is neither "
-                    f"[{num_blocks}, ...] nor [2, {num_blocks}, ...]"
+                    f"layer {layer}: its KV starts at {tensor.data_ptr():#x}, vLLM's placement "
+                    f"says {expected:#x}"
                 )
-            if not block.is_contiguous() or block.numel() * size > stride:
-                raise ConnectorConfigError(f"layer {layer}: a block's KV is not contiguous")
-            offset = tensor.data_ptr() - allocation.base
-            spans.extend((allocation.fd, offset + start, stride, block.numel() * size) for start in starts)
-        # States that share a page (same memory, same stride, all inside one page) travel as that
-        # whole page; anything else must fill its page.
-        first = min(spans, key=lambda span: span[1])
-        if len(spans) > 1 and all(
-            fd == first[0] and stride == first[2] and offset + used <= first[1] + first[2]
-            for fd, offset, stride, used in spans
+        if block_stride == page:
+            for index, layer in enumerate(placement.layers):
+                start = base + placement.offset + index * layer_stride
+                planes.append((region, start, page, group_of[layer]))
+        elif (
+            block_stride > page
+            and len(pages) == 1
+            and len(layer_groups) == 1
+            and layer_stride == page
+            and len(placement.layers) * page <= block_stride
         ):
-            spans = [(first[0], first[1], first[2], first[2])]
-        for fd, offset, stride, used in spans:
-            if len(tensors) > 1 and used != stride:
-                raise ConnectorConfigError(f"layer {layer}: its states neither share nor fill their pages")
-            planes.append((fd, offset, stride, layer_groups[layer]))
-    return planes
+            # Block-outermost: block b packs every layer's page; it travels as one run.
+            planes.append((region, base + placement.offset, block_stride, layer_groups.pop()))
+        else:
+            raise ConnectorConfigError(
+                f"layers {placement.layers}: a block is not one contiguous run of memory (block "
+                f"stride {block_stride}, page {page}, layer stride {layer_stride}); pdkv READs "
+                "block by block, use a layer- or block-outermost KV layout"
+            )
+    return regions, planes
 
 
 class _WorkerSide:
@@ -510,14 +541,9 @@ class _WorkerSide:
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         config = self.connector._kv_cache_config
-        layer_groups = {
-            layer: index
-            for index, group in enumerate(config.kv_cache_groups)
-            for layer in group.layer_names
-        }
-        planes = planes_of(kv_caches, layer_groups, config.num_blocks)
-        fds = sorted({plane[0] for plane in planes})
-        region = {fd: index for index, fd in enumerate(fds)}
+        regions, planes = kv_memory(config, kv_caches)
+        # The agent reads and writes this memory in place: keep it alive as long as the agent.
+        self.kv_caches = kv_caches
         listen = data_listen = None
         if self.is_prefill:
             listen = self._rank_address(self.settings.listen)
@@ -529,8 +555,8 @@ class _WorkerSide:
             self.settings.certs,
             [peer if self.rank == 0 else f"{peer}-{self.rank}" for peer in self.settings.peers],
             json.dumps(self.connector.groups),
-            fds,
-            [(region[fd], offset, stride, group) for fd, offset, stride, group in planes],
+            regions,
+            planes,
             config.num_blocks,
             listen=listen,
             data_listen=data_listen,

@@ -1,10 +1,10 @@
 """KV memory a same-host peer can READ: tensors over memfds.
 
 pdkv's shared-memory READ engine maps a prefill worker's memory through ``/proc/<pid>/fd``, so
-the KV tensors must live in memfds, not in private heap memory. ``shared_tensor`` allocates one;
-``allocate_kv_caches`` lays out a whole ``KVCacheConfig`` the way vLLM's model runner does (one
-allocation per ``KVCacheTensor``, each layer a view at ``offset + l * layer_stride``), for CPU
-workers and for tests. The connector finds the memfd behind any tensor with ``find``.
+KV read that way must live in a memfd (KV in plain memory is READ over the network instead).
+``shared_tensor`` allocates one; ``allocate_kv_caches`` lays out a whole ``KVCacheConfig`` the way
+vLLM's worker does (one backing allocation, each layer a view at ``offset + l * layer_stride``),
+for CPU workers and tests. The connector finds the memfd behind any tensor with ``find``.
 """
 
 from __future__ import annotations
@@ -73,23 +73,48 @@ def release(tensor: torch.Tensor) -> None:
         os.close(allocation.fd)
 
 
-def allocate_kv_caches(kv_cache_config, views) -> dict[str, object]:
-    """KV caches for ``kv_cache_config`` in shared memory, as vLLM's model runner lays them out.
+def allocate_kv_caches(kv_cache_config, layout, kernel_block_sizes=None) -> dict[str, torch.Tensor]:
+    """vLLM's KV caches for ``kv_cache_config`` in one shared-memory allocation.
 
-    ``views(layer_name, raw)`` turns a layer's raw bytes (``num_blocks`` pages) into what the
-    model sees: one tensor, or a list of tensors (mamba states). Returns layer name to caches.
+    The same as vLLM's worker-side ``allocate_kv_cache`` (one backing allocation; every
+    ``KVCacheTensor`` places its layers in it; groups overlay one another), with the backing
+    allocation in a memfd so a same-host decode worker can READ it through shared memory.
+    ``layout`` is a ``vllm.v1.kv_cache_layout.KVCacheLayout``.
     """
-    caches: dict[str, object] = {}
-    for index, placement in enumerate(kv_cache_config.kv_cache_tensors):
-        backing = shared_tensor(placement.size, f"pdkv-kv-{index}")
-        for position, layer in enumerate(placement.layers):
-            start = placement.offset + position * placement.layer_stride
-            length = placement.block_stride * kv_cache_config.num_blocks
-            if start + length > placement.size:
-                raise ValueError(
-                    f"layer {layer}: {kv_cache_config.num_blocks} blocks of "
-                    f"{placement.block_stride} bytes at {start} overflow a {placement.size}-byte "
-                    "allocation"
-                )
-            caches[layer] = views(layer, backing[start : start + length])
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    tensors = kv_cache_config.kv_cache_tensors
+    if not tensors:
+        return {}
+    sizes = {tensor.size for tensor in tensors}
+    if len(sizes) != 1:
+        raise ValueError(f"KV cache tensors must share one backing allocation, sizes are {sorted(sizes)}")
+    raw = shared_tensor(sizes.pop(), "pdkv-kv").view(torch.int8)
+    caches: dict[str, torch.Tensor] = {}
+    for tensor in tensors:
+        layer = tensor.layers[0]
+        group_id, group = next(
+            (index, group)
+            for index, group in enumerate(kv_cache_config.kv_cache_groups)
+            if layer in group.layer_names
+        )
+        spec = group.kv_cache_spec
+        specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        if specs:
+            spec = specs[layer]
+        if not spec.has_layer_views:
+            caches.update((name, raw) for name in tensor.layers)
+            continue
+        kernel_block_size = None
+        if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
+            kernel_block_size = kernel_block_sizes[group_id]
+        views = create_kv_cache_views(
+            raw,
+            spec,
+            kv_cache_config.num_blocks_of(tensor),
+            layout,
+            tensor,
+            kernel_block_size=kernel_block_size,
+        )
+        caches.update(zip(tensor.layers, views))
     return caches

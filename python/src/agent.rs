@@ -258,31 +258,37 @@ impl ReadAuthorizer for HandoffAuthorizer {
         offset: u64,
         len: u64,
     ) -> Result<(), ReadDenied> {
-        let inside = |placement: &&LayerRegion| {
-            let end = placement.base_offset + placement.bytes_per_block * u64::from(placement.num_blocks);
-            placement.region == region && offset >= placement.base_offset && offset < end
-        };
-        let (layer, placement) = self
-            .regions
-            .layers
-            .iter()
-            .enumerate()
-            .find(|(_, placement)| inside(placement))
-            .ok_or(ReadDenied::NotInsideBlock { region, offset, len })?;
-        let end = placement.base_offset + placement.bytes_per_block * u64::from(placement.num_blocks);
-        if len == 0 || offset.checked_add(len).is_none_or(|last| last > end) {
-            return Err(ReadDenied::NotInsideBlock { region, offset, len });
-        }
-        let group = self.layer_groups[layer];
-        let first = (offset - placement.base_offset) / placement.bytes_per_block;
-        let last = (offset - placement.base_offset + len - 1) / placement.bytes_per_block;
+        let outside = ReadDenied::NotInsideBlock { region, offset, len };
+        let end = offset
+            .checked_add(len)
+            .filter(|_| len > 0)
+            .ok_or(outside.clone())?;
         let now = self.serving.clock.now_ms();
         let handoffs = lock(&self.serving.handoffs);
-        for block in first..=last {
-            let block = u32::try_from(block).map_err(|_| ReadDenied::BlockOutOfRange(block))?;
-            handoffs.check_read(grant, peer, group, block, now)?;
+        // vLLM's groups overlay one another in memory (a block id belongs to one group at a
+        // time): the range is granted if the planes of one group holding it cover its blocks.
+        let mut denied = outside;
+        for (layer, placement) in self.regions.layers.iter().enumerate() {
+            let plane_end =
+                placement.base_offset + placement.bytes_per_block * u64::from(placement.num_blocks);
+            if placement.region != region || offset < placement.base_offset || end > plane_end {
+                continue;
+            }
+            let group = self.layer_groups[layer];
+            let first = (offset - placement.base_offset) / placement.bytes_per_block;
+            let last = (end - 1 - placement.base_offset) / placement.bytes_per_block;
+            let granted = (first..=last).try_for_each(|block| {
+                let block = u32::try_from(block).map_err(|_| ReadDenied::BlockOutOfRange(block))?;
+                handoffs
+                    .check_read(grant, peer, group, block, now)
+                    .map_err(ReadDenied::from)
+            });
+            match granted {
+                Ok(()) => return Ok(()),
+                Err(error) => denied = error,
+            }
         }
-        Ok(())
+        Err(denied)
     }
 
     fn authorize_words(
@@ -359,6 +365,21 @@ pub struct Loaded {
     pub runs: usize,
 }
 
+/// Memory holding KV tensors.
+#[derive(Debug, Clone, Copy)]
+pub enum Memory {
+    /// An open memfd (readable by a same-host peer through shared memory, and over the network).
+    Memfd(i32),
+    /// Plain host memory of this process, `len` bytes at address `ptr` (network READs only). The
+    /// caller keeps it alive and in place while the agent lives.
+    Borrowed {
+        /// Its address.
+        ptr: usize,
+        /// Its length.
+        len: usize,
+    },
+}
+
 /// Everything an agent is built from.
 pub struct AgentSetup {
     /// This worker's node name (its certificate's name).
@@ -371,8 +392,8 @@ pub struct AgentSetup {
     pub peers: Vec<String>,
     /// The model's KV groups.
     pub groups: Vec<GroupSpec>,
-    /// Open memfds holding the KV tensors.
-    pub region_fds: Vec<i32>,
+    /// The memory holding the KV tensors.
+    pub memory: Vec<Memory>,
     /// Where each K/V/state plane lies in them.
     pub planes: Vec<Plane>,
     /// Blocks in vLLM's pool.
@@ -416,16 +437,28 @@ impl Agent {
         if setup.num_blocks == 0 {
             return Err(config("the KV cache has no blocks"));
         }
-        if setup.region_fds.is_empty() || setup.planes.is_empty() {
+        if setup.memory.is_empty() || setup.planes.is_empty() {
             return Err(config("no KV memory was registered"));
         }
         let layer_groups = setup.planes.iter().map(|plane| plane.group).collect();
         let layout = KvLayout::new(setup.groups, layer_groups).map_err(config)?;
         let memory = setup
-            .region_fds
+            .memory
             .iter()
-            .map(|&fd| adopt(fd).map(Arc::new))
+            .map(|&memory| match memory {
+                Memory::Memfd(fd) => adopt(fd).map(Arc::new),
+                // SAFETY: the caller (the connector, which holds the tensors for the agent's
+                // life) guarantees the memory stays valid and in place.
+                Memory::Borrowed { ptr, len } => unsafe { Region::borrowed(ptr as *mut u8, len) }
+                    .map(Arc::new)
+                    .map_err(|error| config(format!("KV memory: {error}"))),
+            })
             .collect::<Result<Vec<_>, _>>()?;
+        // Shared memory is offered only when every KV region is in a memfd.
+        let shareable = setup
+            .memory
+            .iter()
+            .all(|memory| matches!(memory, Memory::Memfd(_)));
         for (index, plane) in setup.planes.iter().enumerate() {
             let region = memory.get(plane.region as usize).ok_or_else(|| {
                 config(format!(
@@ -519,12 +552,25 @@ impl Agent {
         let net = Arc::new(
             NetEngine::new(key, runtime.handle(), data_address).with_connect_wait(setup.limits.connect),
         );
-        let mut shm_regions = Vec::with_capacity(all.len());
+        let mut engines = Vec::with_capacity(2);
+        if shareable {
+            let mut regions = Vec::with_capacity(all.len());
+            for (id, region) in all.iter().enumerate() {
+                regions.push(engine.register(id as u32, region.clone()).map_err(config)?);
+            }
+            engines.push(EngineAdvert {
+                engine: engine.descriptor(),
+                regions,
+            });
+        }
         let mut net_regions = Vec::with_capacity(all.len());
         for (id, region) in all.iter().enumerate() {
-            shm_regions.push(engine.register(id as u32, region.clone()).map_err(config)?);
             net_regions.push(net.register(id as u32, region.clone()).map_err(config)?);
         }
+        engines.push(EngineAdvert {
+            engine: net.descriptor(),
+            regions: net_regions,
+        });
         let identity = NodeIdentity::load(&setup.certs_dir, &setup.node).map_err(|error| {
             config(format!(
                 "certificates of {} in {}: {error}",
@@ -540,16 +586,7 @@ impl Agent {
             regions: regions.clone(),
             protocol_version: PROTOCOL_VERSION,
             layout_hash: layout.compat_hash(),
-            engines: vec![
-                EngineAdvert {
-                    engine: engine.descriptor(),
-                    regions: shm_regions,
-                },
-                EngineAdvert {
-                    engine: net.descriptor(),
-                    regions: net_regions,
-                },
-            ],
+            engines,
             host: host::host_id(),
         };
         let server = match (setup.role, setup.listen) {
@@ -797,15 +834,24 @@ impl Agent {
                 found: theirs.incarnation.0,
             });
         }
-        let same_host = host::same_host(&self.hello.host, &theirs.host);
+        let offers = |kind: EngineKind| theirs.engines.iter().any(|advert| advert.engine.kind == kind);
+        let shm_possible = host::same_host(&self.hello.host, &theirs.host)
+            && offers(EngineKind::Shm)
+            && self
+                .hello
+                .engines
+                .iter()
+                .any(|advert| advert.engine.kind == EngineKind::Shm);
         let kind = match self.choice {
-            EngineChoice::Auto if same_host => EngineKind::Shm,
+            EngineChoice::Auto if shm_possible => EngineKind::Shm,
             EngineChoice::Auto | EngineChoice::Net => EngineKind::Net,
-            EngineChoice::Shm if same_host => EngineKind::Shm,
+            EngineChoice::Shm if shm_possible => EngineKind::Shm,
             EngineChoice::Shm => {
                 connection.close();
                 return Err(unreachable(
-                    "it runs on another host and read_engine is \"shm\" (same host only)".into(),
+                    "read_engine is \"shm\", but it runs on another host or either side's KV is \
+                     not in shared memory"
+                        .into(),
                 ));
             }
         };
@@ -1094,7 +1140,7 @@ mod tests {
             certs_dir: dir.to_path_buf(),
             peers: peers.iter().map(|peer| peer.to_string()).collect(),
             groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
-            region_fds: vec![memory.as_raw_fd()],
+            memory: vec![Memory::Memfd(memory.as_raw_fd())],
             planes,
             num_blocks: BLOCKS,
             listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
@@ -1340,6 +1386,77 @@ mod tests {
         assert!(foreign.contains("does not belong to peer stranger"), "{foreign}");
         let forged = read(&owner.agent, GrantId(999), 3).unwrap_err().to_string();
         assert!(forged.contains("not live"), "{forged}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn plain_memory_is_read_over_the_network_and_never_through_shared_memory() {
+        let dir = certs();
+        let prefill = leg(&dir, "p0", Role::Prefill, &["d0", "stranger"]);
+        fill(&prefill, 1, 6, 42);
+        prefill.agent.announce("r5", vec![vec![6]]).unwrap();
+        prefill.agent.announce("r6", vec![vec![6]]).unwrap();
+        let mut plain = vec![0u8; 2 * (PAGE * u64::from(BLOCKS)) as usize];
+        let (ptr, len) = (plain.as_mut_ptr() as usize, plain.len());
+        let start = |engine| {
+            Agent::start(AgentSetup {
+                node: if engine == EngineChoice::Shm {
+                    "stranger"
+                } else {
+                    "d0"
+                }
+                .into(),
+                role: Role::Decode,
+                certs_dir: dir.clone(),
+                peers: vec!["p0".into()],
+                groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
+                memory: vec![Memory::Borrowed { ptr, len }],
+                planes: (0..2)
+                    .map(|plane| Plane {
+                        region: 0,
+                        offset: plane * PAGE * u64::from(BLOCKS),
+                        bytes_per_block: PAGE,
+                        group: 0,
+                    })
+                    .collect(),
+                num_blocks: BLOCKS,
+                listen: None,
+                data_listen: None,
+                engine,
+                limits: limits(),
+            })
+            .unwrap()
+        };
+        let auto = start(EngineChoice::Auto);
+        auto.load(
+            "r5",
+            "p0",
+            &address(&prefill),
+            prefill.agent.incarnation(),
+            pairs(&[(6, 1)]),
+        )
+        .unwrap();
+        assert_eq!(auto.engines_in_use(), vec!["net".to_string()]);
+        drop(auto);
+        let offset = (PAGE * u64::from(BLOCKS) + PAGE) as usize;
+        assert!(
+            plain[offset..offset + PAGE as usize]
+                .iter()
+                .all(|&byte| byte == 42)
+        );
+        let shm_only = start(EngineChoice::Shm);
+        let refused = shm_only.load(
+            "r6",
+            "p0",
+            &address(&prefill),
+            prefill.agent.incarnation(),
+            pairs(&[(6, 1)]),
+        );
+        assert!(
+            matches!(&refused, Err(AgentError::Unreachable { reason, .. }) if reason.contains("not in shared memory")),
+            "{refused:?}"
+        );
+        drop(shm_only);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -12,7 +12,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, Plane};
+use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, Memory, Plane};
 use crate::exchange::parse_groups;
 
 create_exception!(
@@ -83,14 +83,16 @@ type PairTuple = (u64, u64, u32, u32);
 
 #[pymethods]
 impl KvAgent {
-    /// `region_fds`: open memfds holding the KV tensors; `planes`: `(region, offset,
+    /// `memory`: the KV memory regions, each `(fd, address, length)`: an open memfd (address
+    /// and length unused), or `fd = -1` for plain memory of this process that the caller keeps
+    /// alive and in place while the agent lives (network READs only); `planes`: `(region, offset,
     /// bytes_per_block, group)` for every K, V or state plane, in the same order on both legs;
     /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one);
     /// `data_listen`: its memory server's (default: `listen`'s host, any port); `read_engine`:
     /// `"auto"` (shared memory on one host, the network elsewhere), `"shm"` or `"net"`.
     #[new]
     #[pyo3(signature = (
-        node, role, certs_dir, peers, groups_json, region_fds, planes, num_blocks,
+        node, role, certs_dir, peers, groups_json, memory, planes, num_blocks,
         listen=None, data_listen=None, read_engine="auto", lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
         connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000,
     ))]
@@ -102,7 +104,7 @@ impl KvAgent {
         certs_dir: std::path::PathBuf,
         peers: Vec<String>,
         groups_json: &str,
-        region_fds: Vec<i32>,
+        memory: Vec<(i32, usize, usize)>,
         planes: Vec<(u32, u64, u64, usize)>,
         num_blocks: u32,
         listen: Option<&str>,
@@ -140,7 +142,16 @@ impl KvAgent {
             certs_dir,
             peers,
             groups: parse_groups(groups_json)?,
-            region_fds,
+            memory: memory
+                .into_iter()
+                .map(|(fd, ptr, len)| {
+                    if fd >= 0 {
+                        Memory::Memfd(fd)
+                    } else {
+                        Memory::Borrowed { ptr, len }
+                    }
+                })
+                .collect(),
             planes: planes
                 .into_iter()
                 .map(|(region, offset, bytes_per_block, group)| Plane {

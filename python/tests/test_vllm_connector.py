@@ -50,14 +50,13 @@ class Pd:
     checks at every load."""
 
     def __init__(self, root, layout, p_lookahead=0, d_lookahead=0, p_extra=None, d_extra=None, nodes=("p0", "d0"),
-                 prefill=None, prefix_caching=False):
+                 prefill=None, prefix_caching=False, kv_layout="LBHNC", alloc="memfd"):
         p, d = nodes
+        memory = {"prefix_caching": prefix_caching, "kv_layout": kv_layout, "alloc": alloc}
         self.prefill = prefill or LocalPrefill(
-            Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, prefix_caching=prefix_caching)
+            Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, **memory)
         )
-        self.decode = Leg(
-            root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, prefix_caching=prefix_caching
-        )
+        self.decode = Leg(root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, **memory)
         self.decode.on_loaded = self.check_loaded
         self.layout = layout
         self.expected = {}  # decode request id -> (n, seed, prefill pages per rank/plane/position)
@@ -74,15 +73,19 @@ class Pd:
         n, seed, pages = self.expected[did]
         ids = self.decode.scheduler.kv_cache_manager.get_block_ids(did)
         dcp = LAYOUTS[self.layout]["dcp"]
+        # Groups overlay one memory (a block id is one group's at a time): the blocks any group
+        # loads are the only ones whose bytes may change, in every layer.
+        touched = set()
+        for group, (kind, _, window) in enumerate(LAYOUTS[self.layout]["groups"]):
+            positions = oracle_positions(kind, self.decode.block_tokens(group), window, n)
+            touched |= {ids[group][position] for position in positions}
         for rank, planes in enumerate(self.decode.planes):
             for plane in planes:
                 kind, _, window = LAYOUTS[self.layout]["groups"][plane.group]
                 block_tokens = self.decode.block_tokens(plane.group)
                 positions = oracle_positions(kind, block_tokens, window, n)
-                touched = set()
                 for position in positions:
                     block = ids[plane.group][position]
-                    touched.add(block)
                     got = plane.view[block]
                     # Byte-exact against what the prefill wrote for this position ...
                     assert torch.equal(got, pages[rank, plane.index][position]), (
@@ -97,7 +100,7 @@ class Pd:
                     for slot in range(slots):
                         token = position * block_tokens + slot * dcp + rank
                         if first <= token <= n - 2:
-                            assert int(got[slot, 0]) == tag(seed, plane.index, token), (
+                            assert bool((got[slot] == tag(seed, plane.index, token)).all()), (
                                 f"{self.layout} n={n} token {token} plane {plane.index}"
                             )
                 # Nothing but the paired blocks changed in the decode's memory.
@@ -178,6 +181,43 @@ class LocalPrefill:
 
     def shutdown(self):
         self.leg.shutdown()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kv_allocated_by_vllm_itself_is_read_over_the_network(certs, layout):
+    """KV caches allocated by vLLM's own worker code (plain memory, not a memfd): the workers
+    offer no shared memory, so the automatic choice is the network, byte-exact all the same."""
+    for kv_layout in ("LBNHC", "BLHNC"):
+        pd = Pd(certs, layout, 1, 5, kv_layout=kv_layout, alloc="vllm")
+        try:
+            for index, n in enumerate(LENGTHS[::3]):
+                did = pd.run(f"plain-{kv_layout}-{n}", n, seed=900 + index)
+                assert did in pd.checked and did not in pd.decode.failed_loads, f"{kv_layout} n={n}"
+            assert pd.decode.workers[0]._worker.agent.engines_in_use() == ["net"]
+            pd.assert_no_leaks()
+        finally:
+            pd.close()
+
+
+@pytest.mark.parametrize("kv_layout", ["BLNHC", "LBNHC"])
+def test_other_kv_layouts_load_byte_exact_kv_through_shared_memory(certs, kv_layout):
+    for layout in LAYOUTS:
+        pd = Pd(certs, layout, 2, 3, kv_layout=kv_layout)
+        try:
+            for index, n in enumerate(LENGTHS[1::3]):
+                did = pd.run(f"{kv_layout}-{n}", n, seed=700 + index)
+                assert did in pd.checked and did not in pd.decode.failed_loads, f"{layout} n={n}"
+            assert pd.decode.workers[0]._worker.agent.engines_in_use() == ["shm"]
+            pd.assert_no_leaks()
+        finally:
+            pd.close()
+
+
+def test_a_layout_whose_blocks_are_not_contiguous_is_refused_by_name(certs):
+    from pdkv_vllm.connector import ConnectorConfigError
+
+    with pytest.raises(ConnectorConfigError, match="not one contiguous run of memory"):
+        Leg(certs, "prefill", "p0", ["d0"], "full", kv_layout="LHBNC")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

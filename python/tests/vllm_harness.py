@@ -42,6 +42,8 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -107,10 +109,16 @@ def model_dir(root: Path) -> str:
     return str(path)
 
 
-def kv_cache_config(layout: str, num_blocks: int) -> KVCacheConfig:
-    """A hand-built ``KVCacheConfig``: one allocation per layer, layer-outermost."""
+BLOCK_OUTERMOST = ("BLHNC", "BLNHC")
+
+
+def kv_cache_config(layout: str, num_blocks: int, kv_layout: str = "LBHNC") -> KVCacheConfig:
+    """A hand-built ``KVCacheConfig`` as vLLM 0.33 builds them: one backing allocation, one
+    ``KVCacheTensor`` per group placing its layers, groups overlaid at the same offsets (equal
+    page sizes; a block id belongs to one group at a time). ``kv_layout`` decides whether layers
+    (``LB..``) or blocks (``BL..``) are outermost."""
     spec = LAYOUTS[layout]
-    groups, tensors = [], []
+    groups, specs = [], []
     attention_page = None
     for (kind, block_size, window), layers in zip(spec["groups"], spec["layers"]):
         if kind == "full":
@@ -129,66 +137,54 @@ def kv_cache_config(layout: str, num_blocks: int) -> KVCacheConfig:
         if kind != "mamba":
             attention_page = kv.page_size_bytes
         groups.append(KVCacheGroupSpec(list(layers), kv))
-        page = kv.page_size_bytes
-        for layer in layers:
-            tensors.append(
-                KVCacheTensor(size=num_blocks * page, layers=[layer], layer_stride=num_blocks * page, block_stride=page)
-            )
+        specs.append(kv)
+    page = specs[0].page_size_bytes
+    assert all(kv.page_size_bytes == page for kv in specs), "overlaid groups need one page size"
+    most = max(len(layers) for layers in spec["layers"])
+    size = most * num_blocks * page
+    tensors = []
+    for layers in spec["layers"]:
+        if kv_layout in BLOCK_OUTERMOST:
+            strides = {"layer_stride": page, "block_stride": most * page}
+        elif kv_layout == "LHBNC":  # heads outside blocks: a block is HEADS separate pieces
+            strides = {"layer_stride": num_blocks * page, "block_stride": page // HEADS}
+        else:
+            strides = {"layer_stride": num_blocks * page, "block_stride": page}
+        tensors.append(KVCacheTensor(size=size, layers=list(layers), offset=0, **strides))
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
 @dataclasses.dataclass
 class Plane:
-    """One K, V or state plane of a layer as the harness model writes it."""
+    """One layer's cache as the harness model writes it: ``view[block, slot]`` is a token's
+    slot (attention, ``[blocks, block_size, heads, words]``), ``view[block]`` a page; a mamba
+    layer's ``view[block]`` is its state."""
 
     index: int
     group: int
     kind: str
-    view: torch.Tensor  # [num_blocks, slots, words] (attention) or [num_blocks, words] (state)
+    view: torch.Tensor
 
 
-def cache_views(config: KVCacheConfig):
-    """KV tensors over shared memory, in shapes a model runner gives vLLM layers: even attention
-    layers blocks-first ``[blocks, block_size, 2, heads, head]``, odd ones K/V-first
-    ``[2, blocks, block_size, heads, head]``, mamba layers a list of state tensors. Returns the
-    caches and the harness's planes (where the model writes tags)."""
-    kinds = {}
-    for index, group in enumerate(config.kv_cache_groups):
-        for layer in group.layer_names:
-            kinds[layer] = (index, group.kv_cache_spec)
-    order = sorted(kinds)
-    blocks = config.num_blocks
-
-    def views(layer, raw):
-        spec = kinds[layer][1]
-        if isinstance(spec, MambaSpec):
-            words = raw.view(torch.int32).view(blocks, -1)
-            states, start = [], 0
-            for shape in spec.shapes:
-                size = shape[0] * shape[1]
-                states.append(words[:, start : start + size])
-                start += size
-            return states
-        words = raw.view(torch.float32)
-        if order.index(layer) % 2 == 0:
-            return words.view(blocks, spec.block_size, 2, HEADS, HEAD)
-        return words.view(2, blocks, spec.block_size, HEADS, HEAD)
-
-    caches = memory.allocate_kv_caches(config, views)
-    planes: list[Plane] = []
-    for layer in order:
-        group, spec = kinds[layer]
-        cache = caches[layer]
-        if isinstance(spec, MambaSpec):
-            for state in cache:
-                planes.append(Plane(len(planes), group, "mamba", state))
-        elif order.index(layer) % 2 == 1:
-            for half in (0, 1):
-                view = cache[half].reshape(blocks, spec.block_size, -1).view(torch.int32)
-                planes.append(Plane(len(planes), group, "attention", view))
-        else:
-            view = cache.reshape(blocks, spec.block_size, -1).view(torch.int32)
-            planes.append(Plane(len(planes), group, "attention", view))
+def allocate(config: KVCacheConfig, kv_layout: str, alloc: str):
+    """KV caches as a vLLM worker allocates them: in shared memory (``pdkv_vllm.memory``, READ
+    through shared memory or the network), or with vLLM's own ``allocate_kv_cache`` (plain
+    memory: network only). Returns the caches and the harness's planes, in layer order."""
+    layout = KVCacheLayout[kv_layout]
+    if alloc == "memfd":
+        caches = memory.allocate_kv_caches(config, layout)
+    else:
+        caches = allocate_kv_cache(config, torch.device("cpu"), layout)
+    group_of = {layer: index for index, group in enumerate(config.kv_cache_groups) for layer in group.layer_names}
+    planes = []
+    for placement in config.kv_cache_tensors:
+        for layer in placement.layers:
+            group = group_of[layer]
+            cache = caches[layer]
+            if isinstance(config.kv_cache_groups[group].kv_cache_spec, MambaSpec):
+                planes.append(Plane(len(planes), group, "mamba", cache.view(torch.int32)))
+            else:  # [B, H, N, C] -> [B, N, H, C]: a block's token slots
+                planes.append(Plane(len(planes), group, "attention", cache.view(torch.int32).permute(0, 2, 1, 3)))
     return caches, planes
 
 
@@ -206,12 +202,14 @@ class Leg:
         lookahead: int = 0,
         extra: dict | None = None,
         prefix_caching: bool = False,
+        kv_layout: str = "LBHNC",
+        alloc: str = "memfd",
     ):
         self.layout = layout
         self.role = role
         self.spec = LAYOUTS[layout]
         dcp = self.spec["dcp"]
-        self.config = kv_cache_config(layout, num_blocks)
+        self.config = kv_cache_config(layout, num_blocks, kv_layout)
         settings = {"node": node, "certs": str(root / "certs"), "peers": peers}
         settings.update(extra or {})
         vllm_config = VllmConfig(
@@ -255,13 +253,14 @@ class Leg:
             worker_settings = dict(settings, rank=rank)
             vllm_config.kv_transfer_config.kv_connector_extra_config = worker_settings
             worker = PdkvConnector(vllm_config, KVConnectorRole.WORKER, self.config)
-            caches, planes = cache_views(self.config)
+            caches, planes = allocate(self.config, kv_layout, alloc)
             worker.register_kv_caches(caches)
             self.workers.append(worker)
             self.planes.append(planes)
         vllm_config.kv_transfer_config.kv_connector_extra_config = settings
-        self.scheduler.connector.set_xfer_handshake_metadata(
-            {rank: worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
+        # As vLLM's engine core does: every worker's handshake, keyed by (pp rank, tp rank).
+        self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, rank): worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
         )
         self.finished: dict[str, object] = {}
         self.loaded: set[str] = set()

@@ -37,6 +37,8 @@ pub enum Backing {
     },
     /// A peer's shared memory mapped read-only.
     PeerMapping(memmap2::Mmap),
+    /// Host memory someone else owns and keeps alive (see [`Region::borrowed`]).
+    Borrowed,
     /// AMD GPU memory (`hipMalloc`): reached by staging copies, never by pointer.
     #[cfg(feature = "hip")]
     Device(crate::gpu::device::DeviceMemory),
@@ -156,6 +158,25 @@ impl Region {
             len,
             read_only: false,
             backing: Backing::Shared { map, file },
+        })
+    }
+
+    /// Host memory this process owns elsewhere (KV tensors another runtime allocated), used in
+    /// place: engines copy into and out of it, and the network engine serves it.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + len` must be valid, writable host memory of this process for as long as the
+    /// region (or any clone of its `Arc`) lives, and nothing may free or remap it meanwhile.
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> Result<Self, RegionError> {
+        let ptr = NonNull::new(ptr).ok_or_else(|| RegionError::Io("borrowed memory at null".into()))?;
+        if len == 0 {
+            return Err(RegionError::Io("borrowed memory of 0 bytes".into()));
+        }
+        Ok(Region {
+            ptr,
+            len,
+            read_only: false,
+            backing: Backing::Borrowed,
         })
     }
 
@@ -468,6 +489,23 @@ pub enum RegionError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn borrowed_memory_is_used_in_place() {
+        let mut owner = vec![0u8; 64];
+        // SAFETY: `owner` outlives the region and is not touched while the region is used.
+        let region = unsafe { Region::borrowed(owner.as_mut_ptr(), owner.len()) }.unwrap();
+        region.write(10, &[1, 2, 3]).unwrap();
+        let mut out = [0u8; 3];
+        region.read(10, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        assert!(region.shared_fd().is_none(), "borrowed memory cannot be mapped by a peer");
+        assert!(region.write(62, &[0; 3]).is_err(), "bounds hold");
+        drop(region);
+        assert_eq!(&owner[10..13], &[1, 2, 3], "the bytes landed in the owner's memory");
+        // SAFETY: rejected before use.
+        assert!(unsafe { Region::borrowed(std::ptr::null_mut(), 8) }.is_err());
+    }
 
     #[test]
     fn an_adopted_memfd_shares_its_bytes_and_other_files_are_refused() {
