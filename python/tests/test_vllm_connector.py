@@ -183,34 +183,33 @@ class LocalPrefill:
         self.leg.shutdown()
 
 
+def sweep(certs, layout, lengths, seed, engine, **legs):
+    """Every length through a fresh pair of legs built with ``legs``: byte-exact loads (checked
+    in ``Pd.check_loaded``), read with ``engine``, nothing left held."""
+    pd = Pd(certs, layout, **legs)
+    try:
+        for index, n in enumerate(lengths):
+            did = pd.run(f"{seed}-{n}", n, seed=seed + index)
+            assert did in pd.checked and did not in pd.decode.failed_loads, f"{layout} {legs} n={n}"
+        assert pd.decode.workers[0]._worker.agent.engines_in_use() == [engine]
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_kv_allocated_by_vllm_itself_is_read_over_the_network(certs, layout):
     """KV caches allocated by vLLM's own worker code (plain memory, not a memfd): the workers
     offer no shared memory, so the automatic choice is the network, byte-exact all the same."""
-    for kv_layout in ("LBNHC", "BLHNC"):
-        pd = Pd(certs, layout, 1, 5, kv_layout=kv_layout, alloc="vllm")
-        try:
-            for index, n in enumerate(LENGTHS[::3]):
-                did = pd.run(f"plain-{kv_layout}-{n}", n, seed=900 + index)
-                assert did in pd.checked and did not in pd.decode.failed_loads, f"{kv_layout} n={n}"
-            assert pd.decode.workers[0]._worker.agent.engines_in_use() == ["net"]
-            pd.assert_no_leaks()
-        finally:
-            pd.close()
+    for seed, kv_layout in ((900, "LBNHC"), (950, "BLHNC")):
+        legs = {"p_lookahead": 1, "d_lookahead": 5, "kv_layout": kv_layout, "alloc": "vllm"}
+        sweep(certs, layout, LENGTHS[::3], seed, "net", **legs)
 
 
 @pytest.mark.parametrize("kv_layout", ["BLNHC", "LBNHC"])
 def test_other_kv_layouts_load_byte_exact_kv_through_shared_memory(certs, kv_layout):
     for layout in LAYOUTS:
-        pd = Pd(certs, layout, 2, 3, kv_layout=kv_layout)
-        try:
-            for index, n in enumerate(LENGTHS[1::3]):
-                did = pd.run(f"{kv_layout}-{n}", n, seed=700 + index)
-                assert did in pd.checked and did not in pd.decode.failed_loads, f"{layout} n={n}"
-            assert pd.decode.workers[0]._worker.agent.engines_in_use() == ["shm"]
-            pd.assert_no_leaks()
-        finally:
-            pd.close()
+        sweep(certs, layout, LENGTHS[1::3], 700, "shm", p_lookahead=2, d_lookahead=3, kv_layout=kv_layout)
 
 
 def test_a_layout_whose_blocks_are_not_contiguous_is_refused_by_name(certs):
@@ -222,17 +221,11 @@ def test_a_layout_whose_blocks_are_not_contiguous_is_refused_by_name(certs):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_network_reads_load_byte_exact_kv(certs, layout):
-    """The same checks with the decoder reading over the network engine (as across hosts): the
-    prefill's memory server serves only the claimed hand-off's blocks to their owner."""
-    for p_lookahead, d_lookahead in ((0, 9), (2, 0)):
-        pd = Pd(certs, layout, p_lookahead, d_lookahead, d_extra={"read_engine": "net"})
-        try:
-            for index, n in enumerate(LENGTHS):
-                did = pd.run(f"net{d_lookahead}-{n}", n, seed=500 + index)
-                assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
-            pd.assert_no_leaks()
-        finally:
-            pd.close()
+    """The decoder reading over the network engine (as across hosts): the prefill's memory
+    server serves only the claimed hand-off's blocks to their owner."""
+    for seed, (p_lookahead, d_lookahead) in ((500, (0, 9)), (550, (2, 0))):
+        legs = {"p_lookahead": p_lookahead, "d_lookahead": d_lookahead, "d_extra": {"read_engine": "net"}}
+        sweep(certs, layout, LENGTHS, seed, "net", **legs)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
