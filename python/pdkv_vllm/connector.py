@@ -86,6 +86,8 @@ class Settings:
     listen: str
     data_listen: str | None
     read_engine: str
+    mori_host: str | None
+    mori_port: int
     lease_ms: int
     claim_wait_ms: int
     connect_timeout_ms: int
@@ -96,7 +98,7 @@ class Settings:
     rank: int | None
 
     KNOWN = {
-        "node", "certs", "peers", "listen", "data_listen", "read_engine", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
+        "node", "certs", "peers", "listen", "data_listen", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
         "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank",
     }
 
@@ -123,10 +125,17 @@ class Settings:
             return value
 
         read_engine = extra.get("read_engine", "auto")
-        if read_engine not in ("auto", "shm", "net"):
+        if read_engine not in ("auto", "shm", "net", "mori"):
             raise ConnectorConfigError(
-                f"kv_connector_extra_config.read_engine must be \"auto\", \"shm\" or \"net\", not {read_engine!r}"
+                "kv_connector_extra_config.read_engine must be \"auto\", \"shm\", \"net\" or \"mori\", "
+                f"not {read_engine!r}"
             )
+        mori_host = extra.get("mori_host")
+        if mori_host is not None and not isinstance(mori_host, str):
+            raise ConnectorConfigError(f"kv_connector_extra_config.mori_host must be a host address, not {mori_host!r}")
+        mori_port = extra.get("mori_port", 0)
+        if isinstance(mori_port, bool) or not isinstance(mori_port, int) or not 0 <= mori_port < 65536:
+            raise ConnectorConfigError(f"kv_connector_extra_config.mori_port must be a port, not {mori_port!r}")
         data_listen = extra.get("data_listen")
         for key, value in (("listen", extra.get("listen", "127.0.0.1:0")), ("data_listen", data_listen)):
             if value is not None and (not isinstance(value, str) or not value.rpartition(":")[2].isdigit()):
@@ -141,6 +150,8 @@ class Settings:
             listen=str(extra.get("listen", "127.0.0.1:0")),
             data_listen=data_listen,
             read_engine=read_engine,
+            mori_host=mori_host,
+            mori_port=mori_port,
             lease_ms=positive("lease_ms", 30_000),
             claim_wait_ms=positive("claim_wait_ms", 5_000),
             connect_timeout_ms=positive("connect_timeout_ms", 5_000),
@@ -437,9 +448,9 @@ def _tensor_of(cache) -> torch.Tensor:
 def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
     """Where vLLM's KV cache lies, as pdkv registers it: ``(regions, planes)``.
 
-    ``regions`` holds one ``(fd, address, length)`` per backing allocation: a memfd
-    (``pdkv_vllm.memory``; same-host peers map it) or, with ``fd = -1``, plain memory of this
-    process (READ over the network only). ``planes`` holds ``(region, offset, bytes_per_block,
+    ``regions`` holds one ``(fd, address, length, device)`` per backing allocation: a memfd
+    (``pdkv_vllm.memory``; same-host peers map it), or with ``fd = -1`` plain memory of this
+    process (READ over the network) or, with ``device >= 0``, GPU memory (READ by mori). ``planes`` holds ``(region, offset, bytes_per_block,
     group)`` for every layer page, in ``kv_cache_tensors`` order (the same on both legs), from
     vLLM's own placement: layer ``l`` of block ``b`` at ``offset + l * layer_stride + b *
     block_stride``. A block-outermost layout whose blocks pack every layer's page becomes one plane
@@ -452,7 +463,7 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
         specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         return specs[layer] if specs else spec
 
-    regions: list[tuple[int, int, int]] = []
+    regions: list[tuple[int, int, int, int]] = []
     region_of: dict[int, tuple[int, int]] = {}  # storage address -> (region, offset in region)
     planes = []
     for placement in kv_cache_config.kv_cache_tensors:
@@ -464,16 +475,20 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
                 raise ConnectorConfigError(f"layer {layer} has no KV cache")
             if layer not in group_of:
                 raise ConnectorConfigError(f"layer {layer} is in no KV group")
-        storage = _tensor_of(kv_caches[placement.layers[0]]).untyped_storage()
+        first = _tensor_of(kv_caches[placement.layers[0]])
+        storage = first.untyped_storage()
         address = storage.data_ptr()
         if address not in region_of:
             allocation = memory.find(address)
-            if allocation is not None:
+            if first.device.type == "cuda":  # ROCm's torch names HIP devices "cuda"
+                region_of[address] = (len(regions), 0)
+                regions.append((-1, address, storage.nbytes(), first.device.index or 0))
+            elif allocation is not None:
                 region_of[address] = (len(regions), address - allocation.base)
-                regions.append((allocation.fd, 0, 0))
+                regions.append((allocation.fd, 0, 0, -1))
             else:
                 region_of[address] = (len(regions), 0)
-                regions.append((-1, address, storage.nbytes()))
+                regions.append((-1, address, storage.nbytes(), -1))
         region, base = region_of[address]
         block_stride, layer_stride = placement.block_stride, placement.layer_stride
         pages = {spec_of(layer).page_size_bytes for layer in placement.layers}
@@ -561,6 +576,8 @@ class _WorkerSide:
             listen=listen,
             data_listen=data_listen,
             read_engine=self.settings.read_engine,
+            mori_host=self.settings.mori_host,
+            mori_port=self.settings.mori_port + self.rank if self.settings.mori_port else 0,
             lease_ms=self.settings.lease_ms,
             max_handoffs=self.settings.max_handoffs,
             claim_wait_ms=self.settings.claim_wait_ms,

@@ -318,6 +318,8 @@ pub enum EngineChoice {
     Shm,
     /// The network, even on the same host.
     Net,
+    /// mori (RDMA), which both workers must offer.
+    Mori,
 }
 
 /// A prefill worker as a decode worker knows it.
@@ -340,6 +342,8 @@ pub struct Agent {
     engine: Arc<MappedEngine>,
     /// READs over the network (decode), and the descriptor of the memory server (prefill).
     net: Arc<NetEngine>,
+    /// mori, when configured.
+    mori: Option<Arc<dyn ReadEngine>>,
     choice: EngineChoice,
     /// Serves network READs (prefill); dropped on close.
     memory_server: Mutex<Option<MemoryServer>>,
@@ -370,14 +374,34 @@ pub struct Loaded {
 pub enum Memory {
     /// An open memfd (readable by a same-host peer through shared memory, and over the network).
     Memfd(i32),
-    /// Plain host memory of this process, `len` bytes at address `ptr` (network READs only). The
-    /// caller keeps it alive and in place while the agent lives.
+    /// Plain host memory of this process, `len` bytes at address `ptr` (network and mori READs).
+    /// The caller keeps it alive and in place while the agent lives.
     Borrowed {
         /// Its address.
         ptr: usize,
         /// Its length.
         len: usize,
     },
+    /// Memory of AMD GPU `device` (HIP index) another runtime allocated (mori READs it in place;
+    /// the network engine through staging copies). Needs the `hip` feature. The caller keeps it
+    /// alive while the agent lives.
+    Device {
+        /// Its device address.
+        ptr: usize,
+        /// Its length.
+        len: usize,
+        /// The HIP device.
+        device: u32,
+    },
+}
+
+/// A worker's mori engine: the address its control plane listens on, and its settings.
+#[derive(Debug, Clone)]
+pub struct MoriSetup {
+    /// The host (IP) mori's own control plane binds (the NIC's host).
+    pub host: String,
+    /// mori's settings (`[transport.mori]` in a cluster.toml).
+    pub settings: pdkv_transport::mori::MoriSettings,
 }
 
 /// Everything an agent is built from.
@@ -405,6 +429,8 @@ pub struct AgentSetup {
     pub data_listen: Option<SocketAddr>,
     /// How a decode worker READs.
     pub engine: EngineChoice,
+    /// A mori engine, if this worker offers or uses one.
+    pub mori: Option<MoriSetup>,
     /// Bounds.
     pub limits: AgentLimits,
 }
@@ -415,6 +441,25 @@ fn config(message: impl std::fmt::Display) -> AgentError {
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The worker's mori engine (the `mori` feature), or why there is none.
+fn start_mori(node: &str, mori: &MoriSetup) -> Result<Arc<dyn ReadEngine>, AgentError> {
+    #[cfg(feature = "mori")]
+    {
+        let engine =
+            pdkv_transport::mori::MoriEngine::new(EngineKey(node.to_string()), &mori.host, mori.settings)
+                .map_err(|error| config(format!("mori engine of {node}: {error}")))?;
+        Ok(Arc::new(engine))
+    }
+    #[cfg(not(feature = "mori"))]
+    {
+        let _ = (&mori.host, mori.settings);
+        Err(config(format!(
+            "mori engine of {node}: {}",
+            pdkv_transport::mori::MoriError::NotBuilt
+        )))
+    }
 }
 
 /// Adopts an open memfd: duplicates the descriptor (close-on-exec), so the caller's stays its own.
@@ -452,13 +497,25 @@ impl Agent {
                 Memory::Borrowed { ptr, len } => unsafe { Region::borrowed(ptr as *mut u8, len) }
                     .map(Arc::new)
                     .map_err(|error| config(format!("KV memory: {error}"))),
+                // SAFETY: as above, on the GPU.
+                Memory::Device { ptr, len, device } => {
+                    unsafe { Region::borrowed_device(ptr as *mut u8, len, device) }
+                        .map(Arc::new)
+                        .map_err(|error| config(format!("KV memory on GPU {device}: {error}")))
+                }
             })
             .collect::<Result<Vec<_>, _>>()?;
-        // Shared memory is offered only when every KV region is in a memfd.
+        // Shared memory is offered only when every KV region is in a memfd, network READs only
+        // when every region is host memory (GPU memory is mori's: the memory server and the
+        // network engine reach memory by pointer).
         let shareable = setup
             .memory
             .iter()
             .all(|memory| matches!(memory, Memory::Memfd(_)));
+        let host_memory = !setup
+            .memory
+            .iter()
+            .any(|memory| matches!(memory, Memory::Device { .. }));
         for (index, plane) in setup.planes.iter().enumerate() {
             let region = memory.get(plane.region as usize).ok_or_else(|| {
                 config(format!(
@@ -514,7 +571,7 @@ impl Agent {
         let all: Vec<Arc<Region>> = memory.iter().chain([&serving.generations]).cloned().collect();
         let tickets = Arc::new(TicketBook::new(TICKET_TTL, MAX_TICKETS));
         let memory_server = match (setup.role, setup.data_listen.or(setup.listen)) {
-            (Role::Prefill, Some(bind)) => {
+            (Role::Prefill, Some(bind)) if host_memory => {
                 let bind = if setup.data_listen.is_some() {
                     bind
                 } else {
@@ -563,14 +620,31 @@ impl Agent {
                 regions,
             });
         }
-        let mut net_regions = Vec::with_capacity(all.len());
-        for (id, region) in all.iter().enumerate() {
-            net_regions.push(net.register(id as u32, region.clone()).map_err(config)?);
+        if host_memory {
+            let mut regions = Vec::with_capacity(all.len());
+            for (id, region) in all.iter().enumerate() {
+                regions.push(net.register(id as u32, region.clone()).map_err(config)?);
+            }
+            engines.push(EngineAdvert {
+                engine: net.descriptor(),
+                regions,
+            });
         }
-        engines.push(EngineAdvert {
-            engine: net.descriptor(),
-            regions: net_regions,
-        });
+        let mori = match &setup.mori {
+            Some(mori) => {
+                let engine = start_mori(&setup.node, mori)?;
+                let mut regions = Vec::with_capacity(all.len());
+                for (id, region) in all.iter().enumerate() {
+                    regions.push(engine.register(id as u32, region.clone()).map_err(config)?);
+                }
+                engines.push(EngineAdvert {
+                    engine: engine.descriptor(),
+                    regions,
+                });
+                Some(engine)
+            }
+            None => None,
+        };
         let identity = NodeIdentity::load(&setup.certs_dir, &setup.node).map_err(|error| {
             config(format!(
                 "certificates of {} in {}: {error}",
@@ -617,6 +691,7 @@ impl Agent {
             regions,
             engine,
             net,
+            mori,
             choice: setup.engine,
             memory_server: Mutex::new(memory_server),
             hello,
@@ -835,14 +910,27 @@ impl Agent {
             });
         }
         let offers = |kind: EngineKind| theirs.engines.iter().any(|advert| advert.engine.kind == kind);
+        let ours = |kind: EngineKind| self.hello.engines.iter().any(|advert| advert.engine.kind == kind);
         let shm_possible = host::same_host(&self.hello.host, &theirs.host)
             && offers(EngineKind::Shm)
-            && self
-                .hello
-                .engines
-                .iter()
-                .any(|advert| advert.engine.kind == EngineKind::Shm);
+            && ours(EngineKind::Shm);
+        let mori_possible = self.mori.is_some() && offers(EngineKind::Mori);
+        if !mori_possible && !ours(EngineKind::Net) {
+            connection.close();
+            return Err(unreachable(
+                "this worker's KV is on a GPU and mori is not offered on both sides: only mori READs GPU memory".into(),
+            ));
+        }
         let kind = match self.choice {
+            EngineChoice::Auto if mori_possible => EngineKind::Mori,
+            EngineChoice::Mori if mori_possible => EngineKind::Mori,
+            EngineChoice::Mori => {
+                connection.close();
+                return Err(unreachable(
+                    "read_engine is \"mori\", but this worker or the prefill worker has no mori engine"
+                        .into(),
+                ));
+            }
             EngineChoice::Auto if shm_possible => EngineKind::Shm,
             EngineChoice::Auto | EngineChoice::Net => EngineKind::Net,
             EngineChoice::Shm if shm_possible => EngineKind::Shm,
@@ -859,8 +947,13 @@ impl Agent {
             connection.close();
             return Err(unreachable(format!("it offers no {kind:?} READ engine")));
         };
-        let reader: Arc<dyn ReadEngine> = match kind {
-            EngineKind::Shm => {
+        let reader: Arc<dyn ReadEngine> = match (kind, &self.mori) {
+            (EngineKind::Mori, Some(mori)) => {
+                mori.register_remote(&advert.engine, &advert.regions)
+                    .map_err(|error| unreachable(format!("its mori engine: {error}")))?;
+                mori.clone()
+            }
+            (EngineKind::Shm, _) => {
                 self.engine
                     .register_remote(&advert.engine, &advert.regions)
                     .map_err(|error| unreachable(format!("its shared memory: {error}")))?;
@@ -1146,6 +1239,7 @@ mod tests {
             listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
             data_listen: None,
             engine,
+            mori: None,
             limits: limits(),
         })
         .unwrap();
@@ -1423,6 +1517,7 @@ mod tests {
                 listen: None,
                 data_listen: None,
                 engine,
+                mori: None,
                 limits: limits(),
             })
             .unwrap()
@@ -1457,6 +1552,135 @@ mod tests {
             "{refused:?}"
         );
         drop(shm_only);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// GPU KV registered by device pointer, READ by mori: over the loopback stand-in of pdkv's
+    /// mori shim (a READ is a copy in this process) and a HIP stand-in whose GPU is host memory,
+    /// so everything of the connector's mori path runs except mori and the hardware.
+    #[cfg(all(feature = "mori", feature = "hip"))]
+    #[test]
+    fn gpu_kv_is_read_by_mori_when_both_workers_offer_it() {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        // SAFETY: set once, before any shim is loaded; the other tests load no shim.
+        ONCE.call_once(|| unsafe {
+            std::env::set_var("PDKV_MORI_SHIM", pdkv_transport::mori::LOOPBACK_SHIM);
+            std::env::set_var("PDKV_HIP_SHIM", pdkv_transport::gpu::HOST_MEMORY_SHIM);
+        });
+        let dir = certs();
+        let bytes = 2 * (PAGE * u64::from(BLOCKS)) as usize;
+        let v_plane = PAGE * u64::from(BLOCKS);
+        let on_gpu = |region: &Region| Memory::Device {
+            ptr: region.as_ptr() as usize,
+            len: bytes,
+            device: 0,
+        };
+        let start = |node: &str, role: Role, memory: Memory, engine: EngineChoice| {
+            Agent::start(AgentSetup {
+                node: node.into(),
+                role,
+                certs_dir: dir.clone(),
+                peers: vec![if role == Role::Prefill { "d0" } else { "p0" }.into()],
+                groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
+                memory: vec![memory],
+                planes: (0..2)
+                    .map(|plane| Plane {
+                        region: 0,
+                        offset: plane * v_plane,
+                        bytes_per_block: PAGE,
+                        group: 0,
+                    })
+                    .collect(),
+                num_blocks: BLOCKS,
+                listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
+                data_listen: None,
+                engine,
+                mori: Some(MoriSetup {
+                    host: "127.0.0.1".into(),
+                    settings: Default::default(),
+                }),
+                limits: limits(),
+            })
+            .unwrap()
+        };
+        let prefill_memory = Region::gpu(0, bytes).unwrap();
+        let decode_memory = Region::gpu(0, bytes).unwrap();
+        prefill_memory.write(5 * PAGE, &[11; PAGE as usize]).unwrap();
+        prefill_memory
+            .write(v_plane + 5 * PAGE, &[22; PAGE as usize])
+            .unwrap();
+        let prefill = start("p0", Role::Prefill, on_gpu(&prefill_memory), EngineChoice::Auto);
+        let decode = start("d0", Role::Decode, on_gpu(&decode_memory), EngineChoice::Auto);
+        prefill.announce("r7", vec![vec![5]]).unwrap();
+        let at = prefill.address().unwrap().to_string();
+        decode
+            .load("r7", "p0", &at, prefill.incarnation(), pairs(&[(5, 3)]))
+            .unwrap();
+        assert_eq!(
+            decode.engines_in_use(),
+            vec!["mori".to_string()],
+            "both offer mori: mori is chosen"
+        );
+        let mut page = vec![0u8; PAGE as usize];
+        decode_memory.read(3 * PAGE, &mut page).unwrap();
+        assert!(page.iter().all(|&byte| byte == 11));
+        decode_memory.read(v_plane + 3 * PAGE, &mut page).unwrap();
+        assert!(page.iter().all(|&byte| byte == 22));
+        decode_memory.read(5 * PAGE, &mut page).unwrap();
+        assert!(page.iter().all(|&byte| byte == 0), "only the paired block");
+        assert_eq!(prefill.finished(), vec!["r7".to_string()]);
+        drop(decode);
+        // GPU memory is mori's alone: a decoder asking for network READs is refused by name.
+        prefill.announce("r8", vec![vec![5]]).unwrap();
+        let mut host = vec![0u8; bytes];
+        let plain = Memory::Borrowed {
+            ptr: host.as_mut_ptr() as usize,
+            len: bytes,
+        };
+        let net = start("d0", Role::Decode, plain, EngineChoice::Net);
+        let refused = net.load("r8", "p0", &at, prefill.incarnation(), pairs(&[(5, 6)]));
+        assert!(
+            matches!(&refused, Err(AgentError::Unreachable { reason, .. }) if reason.contains("offers no Net")),
+            "{refused:?}"
+        );
+        drop((net, prefill));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[cfg(not(feature = "mori"))]
+    #[test]
+    fn a_mori_engine_without_the_feature_is_refused_naming_it() {
+        let dir = certs();
+        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
+        memory.set_len(PAGE * u64::from(BLOCKS)).unwrap();
+        let refused = Agent::start(AgentSetup {
+            node: "p0".into(),
+            role: Role::Prefill,
+            certs_dir: dir.clone(),
+            peers: vec!["d0".into()],
+            groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
+            memory: vec![Memory::Memfd(memory.as_raw_fd())],
+            planes: vec![Plane {
+                region: 0,
+                offset: 0,
+                bytes_per_block: PAGE,
+                group: 0,
+            }],
+            num_blocks: BLOCKS,
+            listen: Some("127.0.0.1:0".parse().unwrap()),
+            data_listen: None,
+            engine: EngineChoice::Auto,
+            mori: Some(MoriSetup {
+                host: "127.0.0.1".into(),
+                settings: Default::default(),
+            }),
+            limits: limits(),
+        });
+        assert!(
+            matches!(&refused, Err(AgentError::Config(message)) if message.contains("--features mori")),
+            "{:?}",
+            refused.err()
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

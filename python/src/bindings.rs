@@ -12,7 +12,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, Memory, Plane};
+use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, Memory, MoriSetup, Plane};
 use crate::exchange::parse_groups;
 
 create_exception!(
@@ -83,9 +83,11 @@ type PairTuple = (u64, u64, u32, u32);
 
 #[pymethods]
 impl KvAgent {
-    /// `memory`: the KV memory regions, each `(fd, address, length)`: an open memfd (address
-    /// and length unused), or `fd = -1` for plain memory of this process that the caller keeps
-    /// alive and in place while the agent lives (network READs only); `planes`: `(region, offset,
+    /// `memory`: the KV memory regions, each `(fd, address, length, device)`: an open memfd
+    /// (address and length unused), or `fd = -1` for memory of this process the caller keeps
+    /// alive and in place while the agent lives: host memory (`device = -1`) or memory of GPU
+    /// `device`; `mori_host`: offer (and READ with) a mori engine whose control plane binds that
+    /// host; `planes`: `(region, offset,
     /// bytes_per_block, group)` for every K, V or state plane, in the same order on both legs;
     /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one);
     /// `data_listen`: its memory server's (default: `listen`'s host, any port); `read_engine`:
@@ -93,7 +95,7 @@ impl KvAgent {
     #[new]
     #[pyo3(signature = (
         node, role, certs_dir, peers, groups_json, memory, planes, num_blocks,
-        listen=None, data_listen=None, read_engine="auto", lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
+        listen=None, data_listen=None, read_engine="auto", mori_host=None, mori_port=0, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
         connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -104,12 +106,14 @@ impl KvAgent {
         certs_dir: std::path::PathBuf,
         peers: Vec<String>,
         groups_json: &str,
-        memory: Vec<(i32, usize, usize)>,
+        memory: Vec<(i32, usize, usize, i64)>,
         planes: Vec<(u32, u64, u64, usize)>,
         num_blocks: u32,
         listen: Option<&str>,
         data_listen: Option<&str>,
         read_engine: &str,
+        mori_host: Option<String>,
+        mori_port: u16,
         lease_ms: u64,
         max_handoffs: usize,
         claim_wait_ms: u64,
@@ -130,12 +134,20 @@ impl KvAgent {
             "auto" => EngineChoice::Auto,
             "shm" => EngineChoice::Shm,
             "net" => EngineChoice::Net,
+            "mori" => EngineChoice::Mori,
             other => {
                 return Err(AgentConfigError::new_err(format!(
-                    "read_engine {other:?}: \"auto\", \"shm\" or \"net\""
+                    "read_engine {other:?}: \"auto\", \"shm\", \"net\" or \"mori\""
                 )));
             }
         };
+        let mori = mori_host.map(|host| MoriSetup {
+            host,
+            settings: pdkv_transport::mori::MoriSettings {
+                port: mori_port,
+                ..Default::default()
+            },
+        });
         let setup = AgentSetup {
             node,
             role: parse_role(role)?,
@@ -144,12 +156,10 @@ impl KvAgent {
             groups: parse_groups(groups_json)?,
             memory: memory
                 .into_iter()
-                .map(|(fd, ptr, len)| {
-                    if fd >= 0 {
-                        Memory::Memfd(fd)
-                    } else {
-                        Memory::Borrowed { ptr, len }
-                    }
+                .map(|(fd, ptr, len, device)| match (fd, u32::try_from(device)) {
+                    (0.., _) => Memory::Memfd(fd),
+                    (_, Ok(device)) => Memory::Device { ptr, len, device },
+                    (_, Err(_)) => Memory::Borrowed { ptr, len },
                 })
                 .collect(),
             planes: planes
@@ -165,6 +175,7 @@ impl KvAgent {
             listen,
             data_listen,
             engine,
+            mori,
             limits: AgentLimits {
                 lease: Duration::from_millis(lease_ms),
                 max_handoffs,

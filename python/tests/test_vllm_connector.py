@@ -320,10 +320,12 @@ def test_a_prefill_in_another_process_hands_off_byte_exact_kv_and_a_killed_one_f
 
 
 def test_a_lapsed_lease_gives_a_load_error_and_a_recompute(certs):
-    pd = Pd(certs, "full+window", p_extra={"lease_ms": 20})
+    # Long enough for a decoder to claim a hand-off on its next step even on a loaded machine
+    # (the second request), short enough to wait out (the first).
+    pd = Pd(certs, "full+window", p_extra={"lease_ms": 500})
 
     def lapse():
-        # The prefill announces the hand-off on its next step; 20 ms later the lease lapses and
+        # The prefill announces the hand-off on its next step; 500 ms later the lease lapses and
         # the prefill frees the blocks, before any decoder claimed them.
         deadline = time.monotonic() + 10
         while pd.prefill.busy():

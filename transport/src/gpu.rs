@@ -115,6 +115,8 @@ pub mod device {
         shim: Arc<Shim>,
         pub(crate) ptr: *mut c_void,
         pub(crate) device: i32,
+        /// Allocated here (freed on drop), or another runtime's (left alone).
+        owned: bool,
     }
 
     // SAFETY: device memory is an address on the GPU; every access is a synchronous HIP copy
@@ -150,6 +152,20 @@ pub mod device {
                 shim,
                 ptr,
                 device: index,
+                owned: true,
+            })
+        }
+
+        /// Device memory another runtime allocated (vLLM's KV tensors) on HIP device `device`,
+        /// used in place and never freed here.
+        pub(crate) fn borrow(ptr: *mut c_void, device: u32) -> Result<Self, GpuError> {
+            let shim = shim()?;
+            let device = i32::try_from(device).map_err(|_| GpuError::NoSuchDevice { device, count: 0 })?;
+            Ok(DeviceMemory {
+                shim,
+                ptr,
+                device,
+                owned: false,
             })
         }
 
@@ -190,8 +206,10 @@ pub mod device {
 
     impl Drop for DeviceMemory {
         fn drop(&mut self) {
-            // SAFETY: allocated by the shim on this device, freed once.
-            unsafe { (self.shim.free)(self.device, self.ptr) };
+            if self.owned {
+                // SAFETY: allocated by the shim on this device, freed once.
+                unsafe { (self.shim.free)(self.device, self.ptr) };
+            }
         }
     }
 }

@@ -202,6 +202,34 @@ impl Region {
         }
     }
 
+    /// Memory on AMD GPU `device` that another runtime allocated (vLLM's KV tensors), used in
+    /// place: mori registers it, other engines reach it by staging copies.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + len` must be device memory of HIP device `device`, valid for as long as the
+    /// region (or any clone of its `Arc`) lives.
+    pub unsafe fn borrowed_device(ptr: *mut u8, len: usize, device: u32) -> Result<Self, RegionError> {
+        #[cfg(feature = "hip")]
+        {
+            let ptr = NonNull::new(ptr).ok_or_else(|| RegionError::Io("device memory at null".into()))?;
+            if len == 0 {
+                return Err(RegionError::Io("device memory of 0 bytes".into()));
+            }
+            let memory = crate::gpu::device::DeviceMemory::borrow(ptr.as_ptr().cast(), device)?;
+            Ok(Region {
+                ptr,
+                len,
+                read_only: false,
+                backing: Backing::Device(memory),
+            })
+        }
+        #[cfg(not(feature = "hip"))]
+        {
+            let _ = (ptr, len, device);
+            Err(GpuError::NotBuilt.into())
+        }
+    }
+
     /// Maps a peer's shared region read-only from `path` (`/proc/<pid>/fd/<fd>`), checking it
     /// holds at least `len` bytes.
     pub fn map_peer(path: &Path, len: usize) -> Result<Self, RegionError> {
@@ -499,10 +527,17 @@ mod tests {
         let mut out = [0u8; 3];
         region.read(10, &mut out).unwrap();
         assert_eq!(out, [1, 2, 3]);
-        assert!(region.shared_fd().is_none(), "borrowed memory cannot be mapped by a peer");
+        assert!(
+            region.shared_fd().is_none(),
+            "borrowed memory cannot be mapped by a peer"
+        );
         assert!(region.write(62, &[0; 3]).is_err(), "bounds hold");
         drop(region);
-        assert_eq!(&owner[10..13], &[1, 2, 3], "the bytes landed in the owner's memory");
+        assert_eq!(
+            &owner[10..13],
+            &[1, 2, 3],
+            "the bytes landed in the owner's memory"
+        );
         // SAFETY: rejected before use.
         assert!(unsafe { Region::borrowed(std::ptr::null_mut(), 8) }.is_err());
     }

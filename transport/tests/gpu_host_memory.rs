@@ -74,3 +74,25 @@ fn gpu_memory_is_bounds_checked_and_never_reached_by_pointer() {
         RegionError::Gpu(GpuError::NoSuchDevice { device: 3, count: 1 })
     );
 }
+
+#[test]
+fn borrowed_device_memory_is_reached_in_place_and_left_to_its_owner() {
+    let owner = gpu(4096);
+    // SAFETY: `owner` outlives `borrowed` and is the device memory of GPU 0.
+    let borrowed = unsafe { Region::borrowed_device(owner.as_ptr().cast_mut(), 4096, 0) }.unwrap();
+    assert_eq!(borrowed.gpu_device(), Some(0));
+    borrowed.write(300, &[5, 6, 7]).unwrap();
+    let mut out = [0u8; 3];
+    owner.read(300, &mut out).unwrap();
+    assert_eq!(out, [5, 6, 7], "one memory seen through both regions");
+    drop(borrowed);
+    owner.read(300, &mut out).unwrap();
+    assert_eq!(
+        out,
+        [5, 6, 7],
+        "dropping the borrow did not free the owner's memory"
+    );
+    // SAFETY: rejected before use.
+    let null = unsafe { Region::borrowed_device(std::ptr::null_mut(), 8, 0) };
+    assert!(matches!(null, Err(RegionError::Io(_))));
+}
