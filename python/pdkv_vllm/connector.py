@@ -317,6 +317,25 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
 
 
+def malformed(ours: Any) -> str | None:
+    """What is wrong with pdkv's part of a decode request's ``kv_transfer_params``, if anything
+    (they come from a router: anything may arrive)."""
+    if not isinstance(ours, dict):
+        return f"is {type(ours).__name__}, not an object"
+    expected = {"request": str, "num_prompt_tokens": int, "offer": dict, "workers": list}
+    for key, kind in expected.items():
+        if not isinstance(ours.get(key), kind) or isinstance(ours.get(key), bool):
+            return f"has no {kind.__name__} {key!r}"
+    for index, worker in enumerate(ours["workers"]):
+        if not isinstance(worker, dict) or not isinstance(worker.get("node"), str):
+            return f"workers[{index}] names no node"
+        if not isinstance(worker.get("incarnation"), int) or not 0 <= worker["incarnation"] < 1 << 64:
+            return f"workers[{index}] has no incarnation"
+        if worker.get("address") is not None and not isinstance(worker["address"], str):
+            return f"workers[{index}].address is not a string"
+    return None
+
+
 class _SchedulerSide:
     """The connector in vLLM's scheduler process: pairs blocks, never touches memory."""
 
@@ -357,10 +376,15 @@ class _SchedulerSide:
         if self.is_prefill:
             return 0, False
         params = request.kv_transfer_params or {}
-        ours = params.get(PARAMS_KEY)
-        if not params.get("do_remote_prefill") or not ours:
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
-        n = ours.get("num_prompt_tokens")
+        ours = params.get(PARAMS_KEY)
+        problem = malformed(ours)
+        if problem is not None:
+            logger.error("request %s: kv_transfer_params.%s %s; computing it here", request.request_id, PARAMS_KEY, problem)
+            params["do_remote_prefill"] = False
+            return 0, False
+        n = ours["num_prompt_tokens"]
         if n != request.num_prompt_tokens:
             logger.error(
                 "request %s: its KV was computed for %s prompt tokens, it has %d; computing it here",
@@ -390,7 +414,7 @@ class _SchedulerSide:
         try:
             wanted = need(self.layout, ours["num_prompt_tokens"], blocks.get_block_ids(), cached)
             pairs = pair(self.layout, ours["offer"], wanted)
-        except (ExchangeError, KeyError, TypeError) as error:
+        except (ExchangeError, KeyError, TypeError, ValueError) as error:
             logger.error("request %s: pdkv refuses to pair its blocks (%s); recomputing", request_id, error)
             self.failed.add(request_id)
             return

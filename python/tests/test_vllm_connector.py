@@ -530,3 +530,48 @@ def test_a_prefill_on_another_host_is_read_over_the_network(certs):
             pd.close()
     finally:
         namespace.close()
+
+
+MALFORMED = [
+    "not a dict",
+    {},
+    {"request": 7, "num_prompt_tokens": 33, "offer": {}, "workers": []},
+    {"request": "p-x", "num_prompt_tokens": "33", "offer": {}, "workers": []},
+    {"request": "p-x", "num_prompt_tokens": 33, "offer": {"groups": "junk"}, "workers": []},
+    {"request": "p-x", "num_prompt_tokens": 33, "offer": {}, "workers": [{"node": 1}]},
+    {"request": "p-x", "num_prompt_tokens": 33, "offer": {}, "workers": [{"node": "p0", "incarnation": -1}]},
+    {"request": "p-x", "num_prompt_tokens": 32, "offer": {}, "workers": []},
+]
+
+
+def test_malformed_transfer_params_are_refused_and_the_prompt_computed_locally(certs):
+    pd = Pd(certs, "full+window")
+    try:
+        prompt = [(3 * 7 + i) % 997 + 1 for i in range(33)]
+        for index, ours in enumerate(MALFORMED):
+            did = f"d-bad{index}"
+            pd.decode.add(did, prompt, 2, {"do_remote_prefill": True, "pdkv": ours}, 3)
+            deadline = time.monotonic() + 30
+            while did not in pd.decode.finished:
+                assert time.monotonic() < deadline, (ours, pd.state())
+                pd.decode.step()
+            assert pd.decode.computed[did] == 33, f"{ours!r}: the prompt is computed here"
+            assert len(pd.decode.tokens[did]) == 2
+        # A well-formed offer whose pairing pdkv refuses (its prompt length disagrees with its
+        # offer) is a failed load, recomputed.
+        params, _ = pd.prefill.prefill("p-real", prompt, 3, 33)
+        forged = json.loads(json.dumps(params))
+        forged["pdkv"]["offer"]["num_prompt_tokens"] = 34
+        pd.decode.add("d-mismatch", prompt, 2, forged, 3)
+        deadline = time.monotonic() + 30
+        while "d-mismatch" not in pd.decode.finished or pd.prefill.busy():
+            assert time.monotonic() < deadline, pd.state()
+            pd.decode.step()
+            pd.prefill.step()
+            if "d-mismatch" in pd.decode.finished:
+                pd.prefill.leg.workers[0]._worker.agent.revoke("p-real")
+        assert "d-mismatch" in pd.decode.failed_loads
+        assert pd.decode.computed["d-mismatch"] == 33
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
