@@ -476,8 +476,9 @@ fn adopt(fd: i32) -> Result<Region, AgentError> {
 }
 
 impl Agent {
-    /// Adopts the worker's KV memory, registers it with a shared-memory READ engine and, on a
-    /// prefill worker, starts serving hand-offs on `setup.listen`.
+    /// Adopts the worker's KV memory, registers it with the READ engines that can reach it
+    /// (shared memory, the network, mori) and, on a prefill worker, starts serving hand-offs on
+    /// `setup.listen`.
     pub fn start(setup: AgentSetup) -> Result<Self, AgentError> {
         if setup.num_blocks == 0 {
             return Err(config("the KV cache has no blocks"));

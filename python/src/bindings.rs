@@ -70,9 +70,13 @@ fn parse_role(text: &str) -> PyResult<Role> {
     }
 }
 
-/// One (prefill or decode) worker's pdkv agent: its KV memory registered with a shared-memory
-/// READ engine, and (prefill) a control-plane server that hands finished requests' blocks to
-/// decode workers.
+/// One (prefill or decode) worker's pdkv agent: its KV memory registered with pdkv's READ
+/// engines, and (prefill) a control-plane server that hands finished requests' blocks to decode
+/// workers.
+///
+/// Memory given by address is used in place, as ctypes would: it must be this process's memory
+/// (KV tensors the caller keeps alive for the agent's life); anything else is undefined
+/// behaviour.
 #[pyclass(frozen, module = "pdkv_vllm._native")]
 struct KvAgent {
     agent: Agent,
