@@ -575,3 +575,25 @@ def test_malformed_transfer_params_are_refused_and_the_prompt_computed_locally(c
         pd.assert_no_leaks()
     finally:
         pd.close()
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"certs": "/c"}, "node"),
+        ({"node": "p0"}, "certs"),
+        ({"node": "p0", "certs": "/c", "lease": 5}, "unknown keys ['lease']"),
+        ({"node": "p0", "certs": "/c", "lease_ms": 0}, "lease_ms"),
+        ({"node": "p0", "certs": "/c", "lease_ms": True}, "lease_ms"),
+        ({"node": "p0", "certs": "/c", "peers": "d0"}, "peers"),
+        ({"node": "p0", "certs": "/c", "read_engine": "rdma"}, "read_engine"),
+        ({"node": "p0", "certs": "/c", "listen": "10.0.0.5"}, "listen"),
+        ({"node": "p0", "certs": "/c", "mori_port": 70000}, "mori_port"),
+        ({"node": "p0", "certs": "/c", "rank": -1}, "rank"),
+    ],
+)
+def test_bad_connector_settings_are_refused_by_name(extra, named):
+    from pdkv_vllm.connector import ConnectorConfigError, Settings
+
+    with pytest.raises(ConnectorConfigError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        Settings.parse(extra)
