@@ -597,3 +597,30 @@ def test_bad_connector_settings_are_refused_by_name(extra, named):
 
     with pytest.raises(ConnectorConfigError, match=named.replace("[", r"\[").replace("]", r"\]")):
         Settings.parse(extra)
+
+
+def test_a_decode_rank_without_a_prefill_peer_fails_the_load(certs):
+    """Heterogeneous TP is not supported: transfer params naming fewer prefill workers than the
+    decoder has ranks make the load fail (rank 1 has no peer) and vLLM recompute, while rank 0's
+    hand-off is still released."""
+    pd = Pd(certs, "dcp2")
+    try:
+        n = 70
+        prompt = [(8 * 7 + i) % 997 + 1 for i in range(n)]
+        params, _ = pd.prefill.prefill("p-hetero", prompt, 8, n)
+        assert len(params["pdkv"]["workers"]) == 2
+        params["pdkv"]["workers"] = params["pdkv"]["workers"][:1]
+        pd.decode.add("d-hetero", prompt, 2, params, 8)
+        deadline = time.monotonic() + 30
+        while "d-hetero" not in pd.decode.finished or pd.prefill.busy():
+            assert time.monotonic() < deadline, pd.state()
+            pd.decode.step()
+            pd.prefill.step()
+            if "d-hetero" in pd.decode.finished and pd.prefill.busy():
+                # Prefill rank 1's hand-off was never claimed: end it as its lease would.
+                pd.prefill.leg.workers[1]._worker.agent.revoke("p-hetero")
+        assert "d-hetero" in pd.decode.failed_loads
+        assert pd.decode.computed["d-hetero"] == n
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
