@@ -127,13 +127,22 @@ class Pd:
         if before_decode is not None:
             before_decode()
         self.decode.add(did, prompt, max_tokens, params, seed)
-        deadline = time.monotonic() + 30
-        while did not in self.decode.finished or self.prefill.busy():
-            assert time.monotonic() < deadline, f"{rid} did not finish: {self.state()}"
-            self.decode.step()
-            self.prefill.step()
+        self.drive(did)
         assert len(self.decode.tokens[did]) == max_tokens, "the decoder generated every token"
         return did
+
+    def drive(self, did, unclaimed=None):
+        """Steps both legs until ``did`` finished on the decoder and the prefill holds nothing.
+        ``unclaimed`` names a prefill request whose hand-off no decoder will claim: it is revoked
+        once ``did`` finished, as its lease would end it (on every prefill rank)."""
+        deadline = time.monotonic() + 30
+        while did not in self.decode.finished or self.prefill.busy():
+            assert time.monotonic() < deadline, self.state()
+            self.decode.step()
+            self.prefill.step()
+            if unclaimed is not None and did in self.decode.finished:
+                for worker in self.prefill.leg.workers:
+                    worker._worker.agent.revoke(unclaimed)
 
     def state(self):
         return {
@@ -381,11 +390,7 @@ def test_forged_and_foreign_transfers_are_refused_and_recomputed(certs):
         prompt = [(11 * 7 + i) % 997 + 1 for i in range(prompt_n)]
         params, _ = pd.prefill.prefill("p-real", prompt, 11, prompt_n)
         pd.decode.add("d-forged", prompt, 2, forge(params), 11)
-        deadline = time.monotonic() + 30
-        while "d-forged" not in pd.decode.finished or pd.prefill.busy():
-            assert time.monotonic() < deadline, pd.state()
-            pd.decode.step()
-            pd.prefill.step()
+        pd.drive("d-forged")
         assert "d-forged" in pd.decode.failed_loads
         assert pd.decode.computed["d-forged"] == prompt_n
         pd.assert_no_leaks()
@@ -563,13 +568,7 @@ def test_malformed_transfer_params_are_refused_and_the_prompt_computed_locally(c
         forged = json.loads(json.dumps(params))
         forged["pdkv"]["offer"]["num_prompt_tokens"] = 34
         pd.decode.add("d-mismatch", prompt, 2, forged, 3)
-        deadline = time.monotonic() + 30
-        while "d-mismatch" not in pd.decode.finished or pd.prefill.busy():
-            assert time.monotonic() < deadline, pd.state()
-            pd.decode.step()
-            pd.prefill.step()
-            if "d-mismatch" in pd.decode.finished:
-                pd.prefill.leg.workers[0]._worker.agent.revoke("p-real")
+        pd.drive("d-mismatch", unclaimed="p-real")
         assert "d-mismatch" in pd.decode.failed_loads
         assert pd.decode.computed["d-mismatch"] == 33
         pd.assert_no_leaks()
@@ -611,14 +610,8 @@ def test_a_decode_rank_without_a_prefill_peer_fails_the_load(certs):
         assert len(params["pdkv"]["workers"]) == 2
         params["pdkv"]["workers"] = params["pdkv"]["workers"][:1]
         pd.decode.add("d-hetero", prompt, 2, params, 8)
-        deadline = time.monotonic() + 30
-        while "d-hetero" not in pd.decode.finished or pd.prefill.busy():
-            assert time.monotonic() < deadline, pd.state()
-            pd.decode.step()
-            pd.prefill.step()
-            if "d-hetero" in pd.decode.finished and pd.prefill.busy():
-                # Prefill rank 1's hand-off was never claimed: end it as its lease would.
-                pd.prefill.leg.workers[1]._worker.agent.revoke("p-hetero")
+        # Prefill rank 1's hand-off is never claimed.
+        pd.drive("d-hetero", unclaimed="p-hetero")
         assert "d-hetero" in pd.decode.failed_loads
         assert pd.decode.computed["d-hetero"] == n
         pd.assert_no_leaks()
