@@ -188,12 +188,7 @@ impl Region {
             let memory = crate::gpu::device::DeviceMemory::allocate(device, len)?;
             let ptr = NonNull::new(memory.ptr.cast::<u8>())
                 .ok_or(GpuError::Hip("hipMalloc returned null".into()))?;
-            Ok(Region {
-                ptr,
-                len,
-                read_only: false,
-                backing: Backing::Device(memory),
-            })
+            Ok(Self::on_device(ptr, len, memory))
         }
         #[cfg(not(feature = "hip"))]
         {
@@ -216,17 +211,22 @@ impl Region {
                 return Err(RegionError::Io("device memory of 0 bytes".into()));
             }
             let memory = crate::gpu::device::DeviceMemory::borrow(ptr.as_ptr().cast(), device)?;
-            Ok(Region {
-                ptr,
-                len,
-                read_only: false,
-                backing: Backing::Device(memory),
-            })
+            Ok(Self::on_device(ptr, len, memory))
         }
         #[cfg(not(feature = "hip"))]
         {
             let _ = (ptr, len, device);
             Err(GpuError::NotBuilt.into())
+        }
+    }
+
+    #[cfg(feature = "hip")]
+    fn on_device(ptr: NonNull<u8>, len: usize, memory: crate::gpu::device::DeviceMemory) -> Self {
+        Region {
+            ptr,
+            len,
+            read_only: false,
+            backing: Backing::Device(memory),
         }
     }
 
