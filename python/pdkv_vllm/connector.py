@@ -601,7 +601,7 @@ class _WorkerSide:
             data_listen=data_listen,
             read_engine=self.settings.read_engine,
             mori_host=self.settings.mori_host,
-            mori_port=self.settings.mori_port + self.rank if self.settings.mori_port else 0,
+            mori_port=self._rank_port(self.settings.mori_port),
             lease_ms=self.settings.lease_ms,
             max_handoffs=self.settings.max_handoffs,
             claim_wait_ms=self.settings.claim_wait_ms,
@@ -610,10 +610,13 @@ class _WorkerSide:
             read_timeout_ms=self.settings.read_timeout_ms,
         )
 
-    def _rank_address(self, address: str) -> str:
+    def _rank_port(self, port: int) -> int:
         # Rank r of a fixed port p listens on p + r; port 0 picks a free one per rank.
+        return port + self.rank if port else 0
+
+    def _rank_address(self, address: str) -> str:
         host, _, port = address.rpartition(":")
-        return f"{host}:{int(port) + self.rank if int(port) else 0}"
+        return f"{host}:{self._rank_port(int(port))}"
 
     def handshake(self) -> PdkvHandshake | None:
         if self.agent is None:
