@@ -1212,6 +1212,41 @@ mod tests {
         }
     }
 
+    /// An agent of one full group (block size 4) whose memory holds two planes (K and V) of
+    /// `BLOCKS` pages each; a prefill listens on loopback.
+    fn setup(
+        dir: &std::path::Path,
+        node: &str,
+        role: Role,
+        peers: &[&str],
+        memory: Memory,
+        engine: EngineChoice,
+        mori: Option<MoriSetup>,
+    ) -> AgentSetup {
+        AgentSetup {
+            node: node.into(),
+            role,
+            certs_dir: dir.to_path_buf(),
+            peers: peers.iter().map(|peer| peer.to_string()).collect(),
+            groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
+            memory: vec![memory],
+            planes: (0..2)
+                .map(|plane| Plane {
+                    region: 0,
+                    offset: plane * PAGE * u64::from(BLOCKS),
+                    bytes_per_block: PAGE,
+                    group: 0,
+                })
+                .collect(),
+            num_blocks: BLOCKS,
+            listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
+            data_listen: None,
+            engine,
+            mori,
+            limits: limits(),
+        }
+    }
+
     /// A leg with one memfd of two planes (K and V) of `BLOCKS` pages each, one full group.
     fn leg(dir: &std::path::Path, node: &str, role: Role, peers: &[&str]) -> Leg {
         leg_with(dir, node, role, peers, EngineChoice::Auto)
@@ -1220,29 +1255,15 @@ mod tests {
     fn leg_with(dir: &std::path::Path, node: &str, role: Role, peers: &[&str], engine: EngineChoice) -> Leg {
         let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
         memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
-        let planes = (0..2)
-            .map(|plane| Plane {
-                region: 0,
-                offset: plane * PAGE * u64::from(BLOCKS),
-                bytes_per_block: PAGE,
-                group: 0,
-            })
-            .collect();
-        let agent = Agent::start(AgentSetup {
-            node: node.into(),
+        let agent = Agent::start(setup(
+            dir,
+            node,
             role,
-            certs_dir: dir.to_path_buf(),
-            peers: peers.iter().map(|peer| peer.to_string()).collect(),
-            groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
-            memory: vec![Memory::Memfd(memory.as_raw_fd())],
-            planes,
-            num_blocks: BLOCKS,
-            listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
-            data_listen: None,
+            peers,
+            Memory::Memfd(memory.as_raw_fd()),
             engine,
-            mori: None,
-            limits: limits(),
-        })
+            None,
+        ))
         .unwrap();
         Leg { agent, memory }
     }
@@ -1494,33 +1515,20 @@ mod tests {
         let mut plain = vec![0u8; 2 * (PAGE * u64::from(BLOCKS)) as usize];
         let (ptr, len) = (plain.as_mut_ptr() as usize, plain.len());
         let start = |engine| {
-            Agent::start(AgentSetup {
-                node: if engine == EngineChoice::Shm {
-                    "stranger"
-                } else {
-                    "d0"
-                }
-                .into(),
-                role: Role::Decode,
-                certs_dir: dir.clone(),
-                peers: vec!["p0".into()],
-                groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
-                memory: vec![Memory::Borrowed { ptr, len }],
-                planes: (0..2)
-                    .map(|plane| Plane {
-                        region: 0,
-                        offset: plane * PAGE * u64::from(BLOCKS),
-                        bytes_per_block: PAGE,
-                        group: 0,
-                    })
-                    .collect(),
-                num_blocks: BLOCKS,
-                listen: None,
-                data_listen: None,
+            let node = if engine == EngineChoice::Shm {
+                "stranger"
+            } else {
+                "d0"
+            };
+            Agent::start(setup(
+                &dir,
+                node,
+                Role::Decode,
+                &["p0"],
+                Memory::Borrowed { ptr, len },
                 engine,
-                mori: None,
-                limits: limits(),
-            })
+                None,
+            ))
             .unwrap()
         };
         let auto = start(EngineChoice::Auto);
@@ -1577,32 +1585,12 @@ mod tests {
             device: 0,
         };
         let start = |node: &str, role: Role, memory: Memory, engine: EngineChoice| {
-            Agent::start(AgentSetup {
-                node: node.into(),
-                role,
-                certs_dir: dir.clone(),
-                peers: vec![if role == Role::Prefill { "d0" } else { "p0" }.into()],
-                groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
-                memory: vec![memory],
-                planes: (0..2)
-                    .map(|plane| Plane {
-                        region: 0,
-                        offset: plane * v_plane,
-                        bytes_per_block: PAGE,
-                        group: 0,
-                    })
-                    .collect(),
-                num_blocks: BLOCKS,
-                listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
-                data_listen: None,
-                engine,
-                mori: Some(MoriSetup {
-                    host: "127.0.0.1".into(),
-                    settings: Default::default(),
-                }),
-                limits: limits(),
-            })
-            .unwrap()
+            let peer = if role == Role::Prefill { "d0" } else { "p0" };
+            let mori = MoriSetup {
+                host: "127.0.0.1".into(),
+                settings: Default::default(),
+            };
+            Agent::start(setup(&dir, node, role, &[peer], memory, engine, Some(mori))).unwrap()
         };
         let prefill_memory = Region::gpu(0, bytes).unwrap();
         let decode_memory = Region::gpu(0, bytes).unwrap();
@@ -1653,30 +1641,21 @@ mod tests {
     fn a_mori_engine_without_the_feature_is_refused_naming_it() {
         let dir = certs();
         let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
-        memory.set_len(PAGE * u64::from(BLOCKS)).unwrap();
-        let refused = Agent::start(AgentSetup {
-            node: "p0".into(),
-            role: Role::Prefill,
-            certs_dir: dir.clone(),
-            peers: vec!["d0".into()],
-            groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
-            memory: vec![Memory::Memfd(memory.as_raw_fd())],
-            planes: vec![Plane {
-                region: 0,
-                offset: 0,
-                bytes_per_block: PAGE,
-                group: 0,
-            }],
-            num_blocks: BLOCKS,
-            listen: Some("127.0.0.1:0".parse().unwrap()),
-            data_listen: None,
-            engine: EngineChoice::Auto,
-            mori: Some(MoriSetup {
-                host: "127.0.0.1".into(),
-                settings: Default::default(),
-            }),
-            limits: limits(),
-        });
+        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let mori = MoriSetup {
+            host: "127.0.0.1".into(),
+            settings: Default::default(),
+        };
+        let memory = Memory::Memfd(memory.as_raw_fd());
+        let refused = Agent::start(setup(
+            &dir,
+            "p0",
+            Role::Prefill,
+            &["d0"],
+            memory,
+            EngineChoice::Auto,
+            Some(mori),
+        ));
         assert!(
             matches!(&refused, Err(AgentError::Config(message)) if message.contains("--features mori")),
             "{:?}",
