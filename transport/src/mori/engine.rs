@@ -296,15 +296,19 @@ impl MoriEngine {
         peer: &EngineKey,
         remote_region: u32,
     ) -> Result<(Arc<Region>, u64), EngineError> {
-        let region = self
-            .local
+        let region = self.local_region(local, |entry| entry.region.clone())?;
+        let remote_len = self.remote_region(peer, remote_region)?.0;
+        Ok((region, remote_len))
+    }
+
+    /// `part` of registered local region `local`.
+    fn local_region<T>(&self, local: u32, part: impl FnOnce(&LocalRegion) -> T) -> Result<T, EngineError> {
+        self.local
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&local)
-            .map(|entry| entry.region.clone())
-            .ok_or(EngineError::UnknownLocalRegion(local))?;
-        let remote_len = self.remote_region(peer, remote_region)?.0;
-        Ok((region, remote_len))
+            .map(part)
+            .ok_or(EngineError::UnknownLocalRegion(local))
     }
 
     /// Length and packed descriptor of `remote_region` of `peer`.
@@ -335,13 +339,7 @@ impl MoriEngine {
             return Ok(session);
         }
         // No lock is held from here on: `register_remote` takes `remotes` before `sessions`.
-        let local_packed = self
-            .local
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&local)
-            .map(|entry| entry.packed.clone())
-            .ok_or(EngineError::UnknownLocalRegion(local))?;
+        let local_packed = self.local_region(local, |entry| entry.packed.clone())?;
         let (_, remote_packed) = self.remote_region(peer, remote_region)?;
         let ptr = self
             .engine
