@@ -17,7 +17,7 @@ use pdkv_core::wire::{Body, Envelope, Incarnation, LegLoad, NodeId, RequestId, R
 use pdkv_transport::control::{Hello, check_compat};
 
 use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest, Stats};
-use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink};
+use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink, log_refusal};
 use crate::transfer::{AddPeer, TransferActor};
 
 /// A message for the scheduler from a peer, already checked by the exchange.
@@ -204,10 +204,17 @@ impl Handler<Inbound> for ExchangeActor {
     type Result = ResponseActFuture<Self, Result<(), Refusal>>;
 
     fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
-        match self.route(msg, ctx) {
+        let (peer, request, kind) = (msg.peer.clone(), msg.envelope.request, msg.envelope.body.kind());
+        let answer = match self.route(msg, ctx) {
             Ok(answer) => answer,
             Err(refusal) => Box::pin(actix::fut::ready(Err(refusal))),
-        }
+        };
+        Box::pin(answer.map(move |result, _, _| {
+            if let Err(refusal) = &result {
+                log_refusal(&peer, request, kind, refusal);
+            }
+            result
+        }))
     }
 }
 

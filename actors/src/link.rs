@@ -14,12 +14,14 @@
 //! incarnation is not the one the peer said hello with.
 
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use actix::{Message, Recipient};
 use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId};
-use pdkv_transport::control::{ControlService, FrameSender, Hello};
+use pdkv_transport::control::{ControlError, ControlService, FrameSender, Hello};
 
 /// An envelope that arrived at a door over a link from `peer` (the name the link
 /// authenticated, not the one the envelope claims).
@@ -179,6 +181,12 @@ pub enum LinkError {
     },
 }
 
+/// Logs a door's refusal of an envelope: a link's sender does not wait for the answer, so this
+/// line is where a refusal shows.
+pub fn log_refusal(peer: &NodeId, request: RequestId, kind: &'static str, refusal: &Refusal) {
+    tracing::warn!(%peer, %request, kind, %refusal, "refused a message");
+}
+
 /// Carries envelopes to one peer.
 pub trait Link: Send + Sync + 'static {
     /// Hands `envelope` to the link without waiting for delivery; refuses at once when the link
@@ -218,8 +226,9 @@ impl Link for LocalLink {
 
 /// A link over an admitted QUIC connection: one long-lived stream of frames. A send takes a
 /// place among at most `in_flight` and writes its frame from the sender's own thread, in order
-/// (the stream sits behind a fair lock); quinn's driver on the transport runtime puts it on the
-/// wire. The peer's door handles frames in order; a refusal is logged on its side (the
+/// (the stream sits behind a fair lock): at once when the stream can take it, else from a task
+/// on that thread; quinn's driver on the transport runtime puts it on the wire. The peer's door
+/// takes frames in order without answering them; a refusal is logged on its side (the
 /// protocol's deadlines cover it).
 pub struct QuicLink {
     to: NodeId,
@@ -248,21 +257,39 @@ impl Link for QuicLink {
             .clone()
             .try_acquire_owned()
             .map_err(|_| LinkError::Full { to: self.to.clone() })?;
-        let (frames, to, timeout) = (self.frames.clone(), self.to.clone(), self.timeout);
-        // Lock before spawning, in send order: the lock is fair, so frames leave in that order.
-        let locked = frames.lock_owned();
+        let (to, request, kind) = (self.to.clone(), envelope.request, envelope.body.kind());
+        let locked = self.frames.clone().lock_owned();
+        let mut write: Pin<Box<dyn Future<Output = Result<(), ControlError>>>> =
+            Box::pin(async move { locked.await.send(envelope).await });
+        // Polled once here: the frame takes its place in the (fair) lock's queue in send order,
+        // and when no earlier frame is still being written and the stream has credit, it is
+        // written now, with no task to spawn and no wake-up. A later poll registers its own
+        // waker in place of the no-op one.
+        if let Poll::Ready(written) = write.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            report_write(&to, request, kind, Ok(written));
+            return Ok(());
+        }
+        let timeout = self.timeout;
         tokio::task::spawn_local(async move {
             let _permit = permit;
-            let (request, kind) = (envelope.request, envelope.body.kind());
-            let written =
-                tokio::time::timeout(timeout, async move { locked.await.send(envelope).await }).await;
-            match written {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => tracing::warn!(%to, %request, kind, %error, "message not delivered"),
-                Err(_) => tracing::warn!(%to, %request, kind, "link write timed out"),
-            }
+            let written = tokio::time::timeout(timeout, write).await;
+            report_write(&to, request, kind, written);
         });
         Ok(())
+    }
+}
+
+/// Logs a frame the link could not put on its stream (the protocol's deadlines cover its loss).
+fn report_write(
+    to: &NodeId,
+    request: RequestId,
+    kind: &'static str,
+    written: Result<Result<(), ControlError>, tokio::time::error::Elapsed>,
+) {
+    match written {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) => tracing::warn!(%to, %request, kind, %error, "message not delivered"),
+        Err(_) => tracing::warn!(%to, %request, kind, "link write timed out"),
     }
 }
 
@@ -325,6 +352,25 @@ impl ControlService for DoorService {
             Ok(result) => result.map_err(|refusal| refusal.to_string()),
             Err(error) => Err(format!("node unavailable: {error}")),
         }
+    }
+
+    /// Hands a link's frame to the door without awaiting its answer (the door logs a refusal
+    /// itself), so the transport thread need not wake again for it; waits only while the door's
+    /// mailbox is full.
+    async fn deliver(&self, peer: &NodeId, envelope: Envelope) {
+        let message = Inbound {
+            peer: peer.clone(),
+            envelope,
+        };
+        let unavailable = match self.inbound.try_send(message) {
+            Ok(()) => return,
+            Err(actix::prelude::SendError::Full(message)) => match self.inbound.send(message).await {
+                Ok(_) => return,
+                Err(error) => error.to_string(),
+            },
+            Err(actix::prelude::SendError::Closed(_)) => "its actors stopped".to_string(),
+        };
+        tracing::warn!(%peer, reason = %unavailable, "message not taken: node unavailable");
     }
 }
 

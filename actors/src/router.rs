@@ -24,7 +24,7 @@ use tokio::sync::oneshot;
 use crate::config::{PromptLimit, PromptTooLong};
 use crate::deployment::Selection;
 use crate::error::RequestError;
-use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink};
+use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink, log_refusal};
 use crate::scheduler::Output;
 use crate::timer::{self, MachineTimer};
 
@@ -481,6 +481,18 @@ impl Handler<Inbound> for Router {
     type Result = Result<(), Refusal>;
 
     fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
+        let (peer, request, kind) = (msg.peer.clone(), msg.envelope.request, msg.envelope.body.kind());
+        let taken = self.take(msg, ctx);
+        if let Err(refusal) = &taken {
+            log_refusal(&peer, request, kind, refusal);
+        }
+        taken
+    }
+}
+
+impl Router {
+    /// Checks an inbound envelope and acts on it; the error is why it was refused.
+    fn take(&mut self, msg: Inbound, ctx: &mut Context<Self>) -> Result<(), Refusal> {
         self.peers.check(&msg)?;
         let Envelope {
             request,

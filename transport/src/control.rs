@@ -159,6 +159,18 @@ pub trait ControlService: Send + Sync + 'static {
         peer: &NodeId,
         request: Self::Request,
     ) -> impl std::future::Future<Output = Result<Self::Response, String>> + Send;
+
+    /// Takes one frame of a peer's one-way stream of requests. Nobody waits for an answer, so a
+    /// refusal is only logged. By default the frame is handled as a request; a service that can
+    /// hand a message on without awaiting its outcome overrides this, so the stream's next frame
+    /// is read at once.
+    fn deliver(&self, peer: &NodeId, request: Self::Request) -> impl std::future::Future<Output = ()> + Send {
+        async move {
+            if let Err(reason) = self.handle(peer, request).await {
+                tracing::warn!(%peer, %reason, "refused a message");
+            }
+        }
+    }
 }
 
 /// Bounds of a control server.
@@ -400,8 +412,8 @@ async fn serve_connection<S: ControlService>(
     }
 }
 
-/// Serves a one-way stream of request frames in order; a refusal is logged (nobody waits for
-/// an answer), a malformed frame closes the connection.
+/// Serves a one-way stream of request frames in order ([`ControlService::deliver`]); a malformed
+/// frame closes the connection.
 async fn serve_frames<S: ControlService>(
     mut recv: quinn::RecvStream,
     shared: Arc<ServerShared<S>>,
@@ -415,11 +427,7 @@ async fn serve_frames<S: ControlService>(
             Err(error) => Err(error),
         };
         match frame {
-            Ok(Frame::Request(request)) => {
-                if let Err(reason) = shared.service.handle(&peer, request).await {
-                    tracing::warn!(%peer, %reason, "refused a message");
-                }
-            }
+            Ok(Frame::Request(request)) => shared.service.deliver(&peer, request).await,
             Ok(_) => {
                 tracing::warn!(%peer, "only requests travel on a stream of frames, closing the connection");
                 connection.close(CLOSE_PROTOCOL.into(), b"unexpected frame on a stream of frames");
