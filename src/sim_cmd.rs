@@ -37,8 +37,19 @@ const SHOWN_VIOLATIONS: usize = 20;
 /// Runs the scenarios and prints a summary; exits 1 on any violation.
 pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
     let seeds = match args.seed {
-        Some(seed) => seed..seed + 1,
-        None => args.first_seed..args.first_seed.saturating_add(args.seeds),
+        Some(seed) => seed..=seed,
+        None => {
+            // `seeds` is at least 1 (clap checks the range).
+            let last = args.first_seed.checked_add(args.seeds - 1).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--first-seed {} with --seeds {} runs past the last seed, {}",
+                    args.first_seed,
+                    args.seeds,
+                    u64::MAX
+                )
+            })?;
+            args.first_seed..=last
+        }
     };
     let started = Instant::now();
     let (mut scenarios, mut requests, mut ok, mut failed, mut steps) = (0u64, 0u64, 0u64, 0u64, 0u64);

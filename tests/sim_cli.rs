@@ -66,3 +66,31 @@ fn a_seed_replays_exactly() {
     let (code, _) = sim(&["--seed", "1", "--seeds", "5"]);
     assert_eq!(code, 2, "--seed and --seeds conflict");
 }
+
+/// The last seeds there are run like any other; a range past them is refused by name, never
+/// run as an empty range that reports no violations.
+#[test]
+fn the_last_seed_runs_and_a_range_past_it_is_refused() {
+    let last = u64::MAX.to_string();
+    let (code, stdout) = sim(&["--seed", &last, "--json"]);
+    assert_eq!(code, 0, "{stdout}");
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(summary["scenarios"], 1);
+    let second_last = (u64::MAX - 1).to_string();
+    let (code, stdout) = sim(&["--first-seed", &second_last, "--seeds", "2", "--json"]);
+    assert_eq!(code, 0, "{stdout}");
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(summary["scenarios"], 2);
+    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["sim", "--first-seed", &second_last, "--seeds", "3"])
+        .output()
+        .expect("pdkv runs");
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(
+        stderr.contains(&format!(
+            "--first-seed {second_last} with --seeds 3 runs past the last seed"
+        )),
+        "{stderr}"
+    );
+}
