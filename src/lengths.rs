@@ -27,7 +27,8 @@ pub fn parse_lengths(spec: &str) -> Result<Vec<u64>, String> {
                 if range.is_empty() {
                     return Err(format!("range {part:?} is empty"));
                 }
-                let count = range.end() - range.start() + 1;
+                // The whole u64 range holds 2^64 lengths: one more than u64 counts.
+                let count = (range.end() - range.start()).checked_add(1).unwrap_or(u64::MAX);
                 if count > MAX_LENGTHS - lengths.len() as u64 {
                     return Err(too_many());
                 }
@@ -82,6 +83,11 @@ mod tests {
             "\"18446744073709551616\" is not a prompt length (a whole number)"
         );
         assert_eq!(parse_lengths("1..1000001").unwrap().len(), 1_000_000);
+        // Every u64: the count itself does not fit a u64.
+        assert_eq!(
+            parse_lengths("0..=18446744073709551615").unwrap_err(),
+            "the spec names more than 1000000 lengths in all"
+        );
         assert_eq!(
             parse_lengths("1..1000002").unwrap_err(),
             "the spec names more than 1000000 lengths in all"
