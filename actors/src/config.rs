@@ -429,6 +429,18 @@ impl ClusterConfig {
                 ));
             }
         }
+        for (key, value_ms) in [
+            ("request_timeout_ms", limits.request_timeout_ms),
+            ("lease_ms", limits.lease_ms),
+            ("alloc_wait_ms", limits.alloc_wait_ms),
+        ] {
+            if value_ms > MAX_TIME_LIMIT_MS {
+                return Err(ConfigError::invalid(
+                    format!("limits.{key}"),
+                    format!("{value_ms} ms is more than a day ({MAX_TIME_LIMIT_MS} ms)"),
+                ));
+            }
+        }
         if limits.inline_compute_us > MAX_INLINE_COMPUTE_US {
             return Err(ConfigError::invalid(
                 "limits.inline_compute_us",
@@ -768,6 +780,10 @@ pub const MAX_COMPUTE_WORKERS: usize = 256;
 /// Longest computation a leg may run on its arbiter, in microseconds: lease renewals and
 /// releases wait behind it.
 pub const MAX_INLINE_COMPUTE_US: u64 = 10_000;
+
+/// Longest request timeout, lease or wait for blocks a cluster.toml may set: a day. Longer ones
+/// are mistakes (a unit slip, a "never"), and deadlines this far out stay clear of overflow.
+pub const MAX_TIME_LIMIT_MS: u64 = 86_400_000;
 
 /// The router's node name on links, in certificates and in logs.
 pub const ROUTER_NODE: &str = "router";
@@ -1142,6 +1158,21 @@ mod tests {
             (
                 with("mailbox = 64", "mailbox = 64\ninline_compute_us = 10001"),
                 "limits.inline_compute_us: 10001 would let one computation hold a leg's arbiter for more than 10000 us",
+            ),
+            (
+                with(
+                    "request_timeout_ms = 30000",
+                    "request_timeout_ms = 18446744073709551615",
+                ),
+                "limits.request_timeout_ms: 18446744073709551615 ms is more than a day (86400000 ms)",
+            ),
+            (
+                with("lease_ms = 10000", "lease_ms = 86400001"),
+                "limits.lease_ms: 86400001 ms is more than a day (86400000 ms)",
+            ),
+            (
+                with("alloc_wait_ms = 5000", "alloc_wait_ms = 100000000"),
+                "limits.alloc_wait_ms: 100000000 ms is more than a day (86400000 ms)",
             ),
             (
                 with("mailbox = 64", "mailbox = 64\nlink_in_flight = 0"),

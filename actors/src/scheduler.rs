@@ -973,7 +973,7 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
             tokens: num_tokens,
             lookahead_tokens: leg.config.lookahead_tokens,
         })?;
-    let deadline_ms = leg.clock.now_ms() + leg.limits.request_timeout_ms;
+    let deadline_ms = leg.clock.now_ms().saturating_add(leg.limits.request_timeout_ms);
     let allocation = allocate_waiting(&leg, request, &prompt, slots).await?;
     let result = async {
         let lists = allocation.blocks.clone();

@@ -803,6 +803,26 @@ async fn a_request_timing_out_in_decode_releases_its_grant_by_the_deadline(links
     cluster.shutdown();
 }
 
+/// The largest time limits a cluster.toml may set (a day) serve on every path, P/D and one leg
+/// alone: no deadline wraps around into the past.
+async fn the_largest_time_limits_serve(links: LinkKind) {
+    let most = pdkv_actors::config::MAX_TIME_LIMIT_MS.to_string();
+    let cluster = start(
+        config(&[
+            (
+                "request_timeout_ms = 30000",
+                &format!("request_timeout_ms = {most}"),
+            ),
+            ("lease_ms = 10000", &format!("lease_ms = {most}")),
+            ("alloc_wait_ms = 5000", &format!("alloc_wait_ms = {most}")),
+        ]),
+        links,
+    )
+    .await;
+    assert_all_match(&cluster, &[1, 65, 129, 449]).await;
+    cluster.shutdown();
+}
+
 /// Every scenario above, once on in-process links and once on QUIC links.
 macro_rules! on_both_links {
     ($($name:ident),* $(,)?) => {
@@ -849,4 +869,5 @@ on_both_links!(
     a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer,
     a_request_timing_out_in_prefill_leaves_no_grant_pinned,
     a_request_timing_out_in_decode_releases_its_grant_by_the_deadline,
+    the_largest_time_limits_serve,
 );

@@ -71,6 +71,16 @@ logger = logging.getLogger("pdkv_vllm")
 #: The key under which pdkv's part of ``kv_transfer_params`` travels.
 PARAMS_KEY = "pdkv"
 
+#: Longest lease, wait or timeout a setting may name: a day (as pdkv's cluster.toml). Longer
+#: ones are unit slips, and deadlines this far out stay clear of overflow.
+MAX_TIME_LIMIT_MS = 86_400_000
+
+#: Most live hand-offs a prefill worker may be set to track (each is a small table entry).
+MAX_HANDOFFS = 1 << 20
+
+#: Most loads a decode worker may be set to run at once (each is a thread).
+MAX_LOAD_THREADS = 256
+
 
 class ConnectorConfigError(ValueError):
     """The connector cannot work with this vLLM configuration; the message says why."""
@@ -116,11 +126,11 @@ class Settings:
         if not isinstance(peers, (list, tuple)) or not all(isinstance(p, str) for p in peers):
             raise ConnectorConfigError("kv_connector_extra_config.peers must be a list of node names")
 
-        def positive(key: str, default: int) -> int:
+        def positive(key: str, default: int, most: int) -> int:
             value = extra.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= most:
                 raise ConnectorConfigError(
-                    f"kv_connector_extra_config.{key} must be a positive integer, not {value!r}"
+                    f"kv_connector_extra_config.{key} must be an integer in 1..={most}, not {value!r}"
                 )
             return value
 
@@ -152,13 +162,13 @@ class Settings:
             read_engine=read_engine,
             mori_host=mori_host,
             mori_port=mori_port,
-            lease_ms=positive("lease_ms", 30_000),
-            claim_wait_ms=positive("claim_wait_ms", 5_000),
-            connect_timeout_ms=positive("connect_timeout_ms", 5_000),
-            request_timeout_ms=positive("request_timeout_ms", 5_000),
-            read_timeout_ms=positive("read_timeout_ms", 30_000),
-            max_handoffs=positive("max_handoffs", 4096),
-            load_threads=positive("load_threads", 4),
+            lease_ms=positive("lease_ms", 30_000, MAX_TIME_LIMIT_MS),
+            claim_wait_ms=positive("claim_wait_ms", 5_000, MAX_TIME_LIMIT_MS),
+            connect_timeout_ms=positive("connect_timeout_ms", 5_000, MAX_TIME_LIMIT_MS),
+            request_timeout_ms=positive("request_timeout_ms", 5_000, MAX_TIME_LIMIT_MS),
+            read_timeout_ms=positive("read_timeout_ms", 30_000, MAX_TIME_LIMIT_MS),
+            max_handoffs=positive("max_handoffs", 4096, MAX_HANDOFFS),
+            load_threads=positive("load_threads", 4, MAX_LOAD_THREADS),
             rank=rank,
         )
 
