@@ -28,7 +28,7 @@ pub fn parse_lengths(spec: &str) -> Result<Vec<u64>, String> {
                     return Err(format!("range {part:?} is empty"));
                 }
                 // The whole u64 range holds 2^64 lengths: one more than u64 counts.
-                let count = (range.end() - range.start()).checked_add(1).unwrap_or(u64::MAX);
+                let count = (range.end() - range.start()).saturating_add(1);
                 if count > MAX_LENGTHS - lengths.len() as u64 {
                     return Err(too_many());
                 }
