@@ -258,6 +258,10 @@ impl Link for QuicLink {
             .try_acquire_owned()
             .map_err(|_| LinkError::Full { to: self.to.clone() })?;
         let (to, request, kind) = (self.to.clone(), envelope.request, envelope.body.kind());
+        let telemetry = matches!(
+            envelope.body,
+            Body::Load(_) | Body::Ping { .. } | Body::Pong { .. }
+        );
         let locked = self.frames.clone().lock_owned();
         let mut write: Pin<Box<dyn Future<Output = Result<(), ControlError>>>> =
             Box::pin(async move { locked.await.send(envelope).await });
@@ -266,30 +270,38 @@ impl Link for QuicLink {
         // written now, with no task to spawn and no wake-up. A later poll registers its own
         // waker in place of the no-op one.
         if let Poll::Ready(written) = write.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-            report_write(&to, request, kind, Ok(written));
+            report_write(&to, request, kind, telemetry, Ok(written));
             return Ok(());
         }
         let timeout = self.timeout;
         tokio::task::spawn_local(async move {
             let _permit = permit;
             let written = tokio::time::timeout(timeout, write).await;
-            report_write(&to, request, kind, written);
+            report_write(&to, request, kind, telemetry, written);
         });
         Ok(())
     }
 }
 
 /// Logs a frame the link could not put on its stream (the protocol's deadlines cover its loss).
+/// A lost load report or heartbeat is routine when a peer goes away (its loss is logged as such),
+/// so only a request's messages are warned about.
 fn report_write(
     to: &NodeId,
     request: RequestId,
     kind: &'static str,
+    telemetry: bool,
     written: Result<Result<(), ControlError>, tokio::time::error::Elapsed>,
 ) {
-    match written {
-        Ok(Ok(())) => {}
-        Ok(Err(error)) => tracing::warn!(%to, %request, kind, %error, "message not delivered"),
-        Err(_) => tracing::warn!(%to, %request, kind, "link write timed out"),
+    let failure = match written {
+        Ok(Ok(())) => return,
+        Ok(Err(error)) => error.to_string(),
+        Err(_) => "the write timed out".to_string(),
+    };
+    if telemetry {
+        tracing::debug!(%to, kind, %failure, "message not delivered");
+    } else {
+        tracing::warn!(%to, %request, kind, %failure, "message not delivered");
     }
 }
 
