@@ -364,9 +364,9 @@ fn main() {
         );
         // A request crosses four links on its critical path (router -> prefill -> router ->
         // decode -> router): two request/response round trips' worth of one-way messages.
-        let ratio = |figures: &Figures, rtt: Duration| {
-            figures.p50.saturating_sub(engine_p50).as_secs_f64() / (rtt * 2).as_secs_f64()
-        };
+        let overhead = |figures: &Figures| figures.p50.saturating_sub(engine_p50);
+        let ratio =
+            |figures: &Figures, rtt: Duration| overhead(figures).as_secs_f64() / (rtt * 2).as_secs_f64();
         rounds.sort_by(|a, b| ratio(&a.per_leg, a.rtt).total_cmp(&ratio(&b.per_leg, b.rtt)));
         let median = &rounds[rounds.len() / 2];
         print_figures(
@@ -396,9 +396,9 @@ fn main() {
             println!(
                 "    bare round trip p50 {:>6.1} us; overhead {:>6.1} us = {:.2}x with a thread per leg, {:>6.1} us = {:.2}x with one shared thread",
                 micros(round.rtt),
-                micros(round.per_leg.p50.saturating_sub(engine_p50)),
+                micros(overhead(&round.per_leg)),
                 ratio(&round.per_leg, round.rtt),
-                micros(round.shared.p50.saturating_sub(engine_p50)),
+                micros(overhead(&round.shared)),
                 ratio(&round.shared, round.rtt),
             );
         }
