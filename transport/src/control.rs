@@ -560,9 +560,15 @@ async fn dial(
         .open_bi()
         .await
         .map_err(|error| ControlError::Connect(error.to_string()))?;
-    codec::write_message(&mut send, &Frame::<()>::Hello(hello.clone())).await?;
-    let _ = send.finish();
-    let reply = codec::read_message::<_, Reply<()>>(&mut recv, MAX_FRAME_BYTES)
+    let hello_round_trip = async {
+        codec::write_message(&mut send, &Frame::<()>::Hello(hello.clone())).await?;
+        let _ = send.finish();
+        codec::read_message::<_, Reply<()>>(&mut recv, MAX_FRAME_BYTES).await
+    };
+    // A peer that refuses us closes the connection with its reason, which can arrive while our
+    // hello is still being written (TLS 1.3 lets the client finish its handshake before the
+    // server has checked the client's certificate): either half failing reports that reason.
+    let reply = hello_round_trip
         .await
         .map_err(|error| match connection.close_reason() {
             Some(reason) => ControlError::Refused(close_reason(&reason)),
@@ -774,4 +780,60 @@ pub enum ControlError {
     /// A configuration value was refused.
     #[error("configuration: {0}")]
     Config(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::ClusterCa;
+
+    fn hello(node: &str) -> Hello {
+        Hello {
+            node: NodeId(node.into()),
+            role: Role::Decode,
+            incarnation: Incarnation(1),
+            regions: RegionLayout::default(),
+            protocol_version: codec::PROTOCOL_VERSION,
+            layout_hash: 0,
+            engines: vec![],
+            host: "test".into(),
+        }
+    }
+
+    /// A server that closes a connection with its reason while the client is still writing its
+    /// hello: the client is stuck behind an 8-byte stream window, so its write (not its read)
+    /// is what fails. The refusal must still reach the dialler with the reason, the way a TLS
+    /// refusal of a missing client certificate can land mid-hello.
+    #[test]
+    fn a_close_during_the_hello_write_reports_the_peers_reason() {
+        let runtime = TransportRuntime::new(1).unwrap();
+        let ca = ClusterCa::generate("race").unwrap();
+        let server_identity = ca.identity("prefill-0").unwrap();
+        let mut server_config = server_identity.server_config().unwrap();
+        let mut transport = quinn::TransportConfig::default();
+        transport.stream_receive_window(8u32.into());
+        server_config.transport_config(Arc::new(transport));
+        let server = {
+            let _guard = runtime.handle().enter();
+            quinn::Endpoint::server(server_config, "127.0.0.1:0".parse().unwrap()).unwrap()
+        };
+        let addr = server.local_addr().unwrap();
+        let accept = server.clone();
+        runtime.handle().spawn(async move {
+            let connection = accept.accept().await.unwrap().await.unwrap();
+            // The client's stream shows up once its first 8 bytes arrive; it is blocked then.
+            let _streams = connection.accept_bi().await.unwrap();
+            connection.close(CLOSE_REFUSED.into(), b"go away");
+            connection.closed().await;
+        });
+        let client = ControlClient::new(
+            &runtime.handle(),
+            "127.0.0.1:0".parse().unwrap(),
+            &ca.identity("decode-0").unwrap(),
+        )
+        .unwrap();
+        let result =
+            runtime.block_on(client.connect(addr, "prefill-0", &hello("decode-0"), Duration::from_secs(10)));
+        assert_eq!(result.unwrap_err(), ControlError::Refused("go away".into()));
+    }
 }
