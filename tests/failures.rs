@@ -167,8 +167,8 @@ fn a_killed_decode_leg_is_restarted_and_linked_under_a_new_incarnation() {
 }
 
 /// A streaming client that goes away after its first token cancels its request: the router
-/// aborts both legs (counted as `cancelled`) instead of decoding to the end for nobody, and every
-/// block is back afterwards.
+/// aborts both legs (counted as `cancelled`), the decode leg stops generating instead of decoding
+/// its 4000 tokens to the end for nobody, and every block is back afterwards.
 #[test]
 fn a_client_that_goes_away_mid_stream_cancels_its_request() {
     use std::io::{BufRead, BufReader, Write};
@@ -213,6 +213,25 @@ fn a_client_that_goes_away_mid_stream_cancels_its_request() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // The decode leg frees the request's blocks only once its generation has stopped; by then
+    // it has generated far fewer than the 4000 tokens asked (every one of them, before the stop).
+    let decode_metrics = format!("{}/metrics", launched.admin("decode-0"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let generated = loop {
+        let (_, metrics) = get(&decode_metrics);
+        if sample(&metrics, "pdkv_requests_active") == Some(0.0) {
+            break sample(&metrics, "pdkv_generated_tokens_total").unwrap_or(0.0);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the decode leg still holds the cancelled request: {metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        (1.0..4000.0).contains(&generated),
+        "the decode leg generated {generated} tokens for a request cancelled after its first"
+    );
     let legs: Vec<String> = ["prefill-0", "decode-0"]
         .iter()
         .map(|name| format!("{name}={}", launched.admin(name)))

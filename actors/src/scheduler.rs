@@ -17,6 +17,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::{
@@ -201,6 +202,8 @@ struct Job {
     timer: MachineTimer,
     /// The router to send each generated token to (a streaming decode request).
     stream_to: Option<NodeId>,
+    /// Set by [`DecodeCommand::StopGenerating`]; the generation checks it between tokens.
+    stop: Arc<AtomicBool>,
 }
 
 /// The scheduler actor of one leg.
@@ -584,6 +587,7 @@ impl Scheduler {
                     windows_released_for: Some(prompt.len() as u64 - 1),
                     deadline_ms,
                     sink,
+                    stop: job.stop.clone(),
                 };
                 let work = generate(self.leg.clone(), prompt, run);
                 ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
@@ -593,6 +597,11 @@ impl Scheduler {
                         }
                     });
                 }));
+            }
+            DecodeCommand::StopGenerating => {
+                if let Some(job) = self.jobs.get(&request) {
+                    job.stop.store(true, Ordering::Relaxed);
+                }
             }
             DecodeCommand::Finish { cache_prompt } => {
                 let prompt = self.jobs.get(&request).map(|job| job.prompt.clone());
@@ -760,6 +769,7 @@ impl Scheduler {
             deadline_ms,
             timer: None,
             stream_to: None,
+            stop: Arc::new(AtomicBool::new(false)),
         };
         self.jobs.insert(request, job);
         self.drive(request, ctx);
@@ -827,6 +837,8 @@ struct Generation {
     deadline_ms: u64,
     /// Told each token as it is generated (a streaming request), from the compute thread.
     sink: Option<TokenSink>,
+    /// The request was aborted: stop before the next token.
+    stop: Arc<AtomicBool>,
 }
 
 /// Hands generated tokens to the router as they come.
@@ -845,7 +857,7 @@ struct StepRun {
 /// Computes the last prompt token and `max_tokens - 1` more, greedily, on the compute pool.
 /// Steps run in batches: a batch ends where the allocator must act (more blocks as decoding
 /// passes the allocation, window blocks freed as the window moves). Stops between tokens once
-/// the deadline has passed.
+/// the deadline has passed or the request was aborted ([`Generation::stop`]).
 async fn generate(
     leg: Arc<LegContext>,
     prompt: Arc<[u32]>,
@@ -863,6 +875,7 @@ async fn generate(
     };
     let alloc = |error: AllocError| Failure::Alloc(error.to_string());
     let mailbox = |error: actix::MailboxError| Failure::Engine(format!("allocator unreachable: {error}"));
+    let generated = metrics::counter!("pdkv_generated_tokens_total");
     while state.position < end {
         if state.position >= run.slots {
             run.slots = state.position + 1;
@@ -877,13 +890,15 @@ async fn generate(
                 .map_err(mailbox)?
                 .map_err(alloc)?;
         }
-        let (batch_leg, lists, slots, released_for, deadline_ms, sink) = (
+        let (batch_leg, lists, slots, released_for, deadline_ms, sink, stop, generated) = (
             leg.clone(),
             run.lists.clone(),
             run.slots,
             run.windows_released_for,
             run.deadline_ms,
             run.sink.clone(),
+            run.stop.clone(),
+            generated.clone(),
         );
         let steps = end.min(slots).saturating_sub(state.position).max(1);
         state = leg
@@ -892,6 +907,9 @@ async fn generate(
                 let mut state = state;
                 state.window_moved = false;
                 while state.position < end && state.position < slots {
+                    if stop.load(Ordering::Relaxed) {
+                        return Err(Failure::Cancelled);
+                    }
                     if batch_leg.clock.now_ms() >= deadline_ms {
                         return Err(Failure::DeadlinePassed);
                     }
@@ -902,6 +920,7 @@ async fn generate(
                     state.digest.update(&logits);
                     state.token = argmax(&logits);
                     state.tokens.push(state.token);
+                    generated.increment(1);
                     if let Some(sink) = &sink {
                         sink(state.token);
                     }
@@ -991,6 +1010,8 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
             windows_released_for: None,
             deadline_ms,
             sink: None,
+            // A direct run is never aborted: it ends by its deadline.
+            stop: Arc::new(AtomicBool::new(false)),
         };
         generate(leg.clone(), prompt.clone(), run).await
     }

@@ -545,6 +545,11 @@ pub enum DecodeCommand {
         /// When to stop.
         deadline_ms: u64,
     },
+    /// The request was aborted while [`DecodeCommand::Generate`] runs: stop it at the next token
+    /// boundary instead of decoding to the end for nobody, and answer with
+    /// [`DecodeMachine::handle_generated`] once it has stopped (the blocks stay held until then:
+    /// the computation still writes into them).
+    StopGenerating,
     /// The request's hold on its blocks ends; with `cache_prompt` its full prompt blocks may be
     /// kept as prefix-cache entries.
     Finish {
@@ -864,14 +869,16 @@ impl DecodeMachine {
     }
 
     /// The router aborted the request: stop and give everything back. A READ in flight is let
-    /// finish first.
+    /// finish first; a generation under way is told to stop at its next token.
     pub fn handle_abort(&mut self) {
-        if self.state == DecodeState::Done {
+        if self.state == DecodeState::Done || self.aborted {
             return;
         }
         self.aborted = true;
-        if let DecodeState::WaitingForBlocks { .. } = self.state {
-            self.end_quietly();
+        match self.state {
+            DecodeState::WaitingForBlocks { .. } => self.end_quietly(),
+            DecodeState::Generating => self.commands.push_back(DecodeCommand::StopGenerating),
+            DecodeState::Allocating | DecodeState::Reading | DecodeState::Done => {}
         }
     }
 

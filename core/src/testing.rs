@@ -342,10 +342,12 @@ enum Event {
         pairing: Pairing,
         checks: Vec<GenerationCheck>,
     },
-    /// A decode leg's generation finished.
+    /// A decode leg's generation finished, or stopped early when told to
+    /// ([`DecodeCommand::StopGenerating`]).
     Generated {
         incarnation: Incarnation,
         request: RequestId,
+        stopped: bool,
     },
     /// A leg is frozen until `until_ms`.
     Freeze {
@@ -847,15 +849,28 @@ impl Sim {
                 }
                 self.drain_leg(&NodeId(DECODE.into()), request);
             }
-            Event::Generated { incarnation, request } => {
+            Event::Generated {
+                incarnation,
+                request,
+                stopped,
+            } => {
                 if self.decode.incarnation != incarnation {
                     return;
                 }
                 if self.decode.frozen_until_ms > now {
                     let until = self.decode.frozen_until_ms;
-                    return self.schedule(until, Event::Generated { incarnation, request });
+                    let event = Event::Generated {
+                        incarnation,
+                        request,
+                        stopped,
+                    };
+                    return self.schedule(until, event);
                 }
-                let result = self.generate(request);
+                let result = if stopped {
+                    Err(Failure::Cancelled)
+                } else {
+                    self.generate(request)
+                };
                 if let Some(machine) = self.decode.decodes.get_mut(&request) {
                     machine.handle_generated(result);
                 }
@@ -1264,7 +1279,22 @@ impl Sim {
             DecodeCommand::Generate { max_tokens, .. } => {
                 let incarnation = leg.incarnation;
                 let at = now + 1 + TOKEN_MS * u64::from(max_tokens);
-                self.schedule(at, Event::Generated { incarnation, request });
+                let event = Event::Generated {
+                    incarnation,
+                    request,
+                    stopped: false,
+                };
+                self.schedule(at, event);
+            }
+            DecodeCommand::StopGenerating => {
+                // The token under way finishes, then the generation answers; the event it was
+                // due to answer with later finds the request gone.
+                let event = Event::Generated {
+                    incarnation: leg.incarnation,
+                    request,
+                    stopped: true,
+                };
+                self.schedule(now + 1 + TOKEN_MS, event);
             }
             DecodeCommand::Finish { cache_prompt } => {
                 let cache = cache_prompt.then_some(prompt.as_slice());

@@ -814,9 +814,51 @@ mod allocation_bounds {
         machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 6);
         drain_decode(&mut machine);
         machine.handle_abort();
+        assert_eq!(drain_decode(&mut machine), vec![DecodeCommand::StopGenerating]);
         machine.handle_generated(Ok((vec![1], 7)));
         let commands = drain_decode(&mut machine);
         assert_eq!(commands, vec![DecodeCommand::Finish { cache_prompt: false }]);
+        assert!(machine.is_done());
+    }
+
+    /// An abort while the decode leg generates stops the generation at its next token instead
+    /// of decoding to the end for nobody; the blocks stay held until the generation has
+    /// stopped (it still writes into them), then are freed without caching and without an
+    /// answer. A second abort asks nothing more.
+    #[test]
+    fn an_abort_stops_a_generation_and_frees_its_blocks_once_it_has_stopped() {
+        let mut machine = decode_to_read(5);
+        machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 6);
+        drain_decode(&mut machine);
+        machine.handle_abort();
+        assert_eq!(drain_decode(&mut machine), vec![DecodeCommand::StopGenerating]);
+        assert!(!machine.is_done(), "the generation still runs in the blocks");
+        machine.handle_abort();
+        assert_eq!(drain_decode(&mut machine), vec![], "a second abort");
+        machine.handle_generated(Err(Failure::Cancelled));
+        assert_eq!(
+            drain_decode(&mut machine),
+            vec![DecodeCommand::Finish { cache_prompt: false }]
+        );
+        assert!(machine.is_done());
+    }
+
+    /// An abort before the generation starts asks no stop: there is nothing to stop yet.
+    #[test]
+    fn an_abort_during_the_read_asks_no_stop() {
+        let mut machine = decode_to_read(5);
+        machine.handle_abort();
+        assert_eq!(drain_decode(&mut machine), vec![]);
+        machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 6);
+        let commands = drain_decode(&mut machine);
+        assert!(
+            !commands.iter().any(|command| matches!(
+                command,
+                DecodeCommand::Generate { .. } | DecodeCommand::StopGenerating
+            )),
+            "{commands:?}"
+        );
+        assert!(commands.contains(&DecodeCommand::Finish { cache_prompt: false }));
         assert!(machine.is_done());
     }
 }
