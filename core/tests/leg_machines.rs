@@ -808,13 +808,19 @@ mod allocation_bounds {
         );
     }
 
-    #[test]
-    fn an_aborted_decode_answers_nothing_after_generating() {
+    /// A decode machine aborted while it generates: it has asked its generation to stop.
+    fn aborted_while_generating() -> DecodeMachine {
         let mut machine = decode_to_read(5);
         machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 6);
         drain_decode(&mut machine);
         machine.handle_abort();
         assert_eq!(drain_decode(&mut machine), vec![DecodeCommand::StopGenerating]);
+        machine
+    }
+
+    #[test]
+    fn an_aborted_decode_answers_nothing_after_generating() {
+        let mut machine = aborted_while_generating();
         machine.handle_generated(Ok((vec![1], 7)));
         let commands = drain_decode(&mut machine);
         assert_eq!(commands, vec![DecodeCommand::Finish { cache_prompt: false }]);
@@ -827,11 +833,7 @@ mod allocation_bounds {
     /// answer. A second abort asks nothing more.
     #[test]
     fn an_abort_stops_a_generation_and_frees_its_blocks_once_it_has_stopped() {
-        let mut machine = decode_to_read(5);
-        machine.handle_read_done(Ok(ReadDone { bytes: 1, runs: 1 }), 6);
-        drain_decode(&mut machine);
-        machine.handle_abort();
-        assert_eq!(drain_decode(&mut machine), vec![DecodeCommand::StopGenerating]);
+        let mut machine = aborted_while_generating();
         assert!(!machine.is_done(), "the generation still runs in the blocks");
         machine.handle_abort();
         assert_eq!(drain_decode(&mut machine), vec![], "a second abort");
