@@ -10,7 +10,7 @@ use serde_json::Value;
 
 mod support;
 
-use support::{Launched, agent, cluster_toml, get, sample, sweep_running, temp_dir};
+use support::{Launched, agent, cluster_toml, get, sample, sweep_running, temp_dir, wait_for_metrics};
 
 /// Heartbeats every 100 ms, a peer down after 3 missed; one retry; short leases so anything a
 /// frozen leg pinned lapses quickly.
@@ -201,33 +201,19 @@ fn a_client_that_goes_away_mid_stream_cancels_its_request() {
     }
     drop(reader);
     drop(stream);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, metrics) = get(&format!("{router}/metrics"));
-        if sample(&metrics, r#"pdkv_requests_total{outcome="cancelled"}"#) == Some(1.0) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the request was not cancelled: {metrics}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_metrics(
+        &format!("{router}/metrics"),
+        "the request was not cancelled",
+        |metrics| sample(metrics, r#"pdkv_requests_total{outcome="cancelled"}"#) == Some(1.0),
+    );
     // The decode leg frees the request's blocks only once its generation has stopped; by then
     // it has generated far fewer than the 4000 tokens asked (every one of them, before the stop).
-    let decode_metrics = format!("{}/metrics", launched.admin("decode-0"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let generated = loop {
-        let (_, metrics) = get(&decode_metrics);
-        if sample(&metrics, "pdkv_requests_active") == Some(0.0) {
-            break sample(&metrics, "pdkv_generated_tokens_total").unwrap_or(0.0);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the decode leg still holds the cancelled request: {metrics}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let decode_metrics = wait_for_metrics(
+        &format!("{}/metrics", launched.admin("decode-0")),
+        "the decode leg still holds the cancelled request",
+        |metrics| sample(metrics, "pdkv_requests_active") == Some(0.0),
+    );
+    let generated = sample(&decode_metrics, "pdkv_generated_tokens_total").unwrap_or(0.0);
     assert!(
         (1.0..4000.0).contains(&generated),
         "the decode leg generated {generated} tokens for a request cancelled after its first"

@@ -153,6 +153,20 @@ pub fn get(url: &str) -> (u16, String) {
     )
 }
 
+/// Polls `url` (a `/metrics` page) every 20 ms until `ready` holds for its text, which it
+/// returns; fails naming `what` after 10 s.
+pub fn wait_for_metrics(url: &str, what: &str, ready: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, metrics) = get(url);
+        if ready(&metrics) {
+            return metrics;
+        }
+        assert!(Instant::now() < deadline, "{what}: {metrics}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A Prometheus sample's value.
 pub fn sample(metrics: &str, key: &str) -> Option<f64> {
     metrics
