@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
+import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +97,7 @@ class Settings:
     peers: tuple[str, ...]
     listen: str
     data_listen: str | None
+    advertise_host: str | None
     read_engine: str
     mori_host: str | None
     mori_port: int
@@ -108,7 +111,7 @@ class Settings:
     rank: int | None
 
     KNOWN = {
-        "node", "certs", "peers", "listen", "data_listen", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
+        "node", "certs", "peers", "listen", "data_listen", "advertise_host", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
         "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank",
     }
 
@@ -150,6 +153,16 @@ class Settings:
         for key, value in (("listen", extra.get("listen", "127.0.0.1:0")), ("data_listen", data_listen)):
             if value is not None and (not isinstance(value, str) or not value.rpartition(":")[2].isdigit()):
                 raise ConnectorConfigError(f"kv_connector_extra_config.{key} must be \"host:port\", not {value!r}")
+        advertise_host = extra.get("advertise_host")
+        if advertise_host is not None:
+            import ipaddress
+
+            try:
+                ipaddress.ip_address(advertise_host)
+            except (TypeError, ValueError):
+                raise ConnectorConfigError(
+                    f"kv_connector_extra_config.advertise_host must be an IP address, not {advertise_host!r}"
+                ) from None
         rank = extra.get("rank")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ConnectorConfigError(f"kv_connector_extra_config.rank must be >= 0, not {rank!r}")
@@ -159,6 +172,7 @@ class Settings:
             peers=tuple(peers),
             listen=str(extra.get("listen", "127.0.0.1:0")),
             data_listen=data_listen,
+            advertise_host=advertise_host,
             read_engine=read_engine,
             mori_host=mori_host,
             mori_port=mori_port,
@@ -230,12 +244,62 @@ class LoadSpec:
 
 
 @dataclasses.dataclass
+class ReleaseSpec:
+    """A hand-off the decoder gives back unread: it needs none of its KV."""
+
+    remote_request: str
+    workers: list[dict]
+
+
+@dataclasses.dataclass
 class PdkvMetadata(KVConnectorMetadata):
     """Scheduler to worker, per step."""
 
     announce: dict[str, list[list[int]]] = dataclasses.field(default_factory=dict)
     loads: dict[str, LoadSpec] = dataclasses.field(default_factory=dict)
     failed: set[str] = dataclasses.field(default_factory=set)
+    releases: dict[str, ReleaseSpec] = dataclasses.field(default_factory=dict)
+
+
+def prompt_digest(request: "Request", token_ids: "list[int] | None" = None) -> str | None:
+    """What binds KV to the prompt it was computed for: SHA-256 over the prompt's token ids (each
+    a little-endian u32) and everything else vLLM lets change a prompt's KV (its LoRA adapter,
+    cache salt and multimodal inputs). None for a prompt given as embeddings: its KV is never
+    handed off."""
+    ids = request.prompt_token_ids if token_ids is None else token_ids
+    if ids is None:
+        return None
+    digest = hashlib.sha256(struct.pack(f"<{len(ids)}I", *ids))
+    lora = getattr(request, "lora_request", None)
+    extras = {
+        "lora": getattr(lora, "lora_name", None),
+        "cache_salt": getattr(request, "cache_salt", None),
+        "mm": [getattr(feature, "identifier", None) for feature in getattr(request, "mm_features", None) or []],
+    }
+    digest.update(json.dumps(extras, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def model_identity(vllm_config: "VllmConfig", groups: list[dict]) -> str:
+    """What a decoder's KV must share with the prefill's to be read at all: the served model's
+    name and architecture, its shapes, the KV dtype and pdkv's view of the KV groups. Equal on
+    two legs serving the same model the same way; a digest, so it travels in every
+    ``kv_transfer_params``."""
+    model = vllm_config.model_config
+    text = model.hf_text_config
+    served = model.served_model_name
+    identity = {
+        "served_model_name": served[0] if isinstance(served, (list, tuple)) else served,
+        "architectures": list(getattr(model.hf_config, "architectures", None) or []),
+        "dtype": str(model.dtype),
+        "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "layers": getattr(text, "num_hidden_layers", None),
+        "hidden_size": getattr(text, "hidden_size", None),
+        "kv_heads": model.get_total_num_kv_heads(),
+        "head_size": model.get_head_size(),
+        "groups": groups,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
@@ -261,6 +325,7 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.groups = kv_groups(vllm_config, kv_cache_config)
         self.layout = Layout(self.groups)
+        self.model_identity = model_identity(vllm_config, self.groups)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
 
@@ -332,7 +397,7 @@ def malformed(ours: Any) -> str | None:
     (they come from a router: anything may arrive)."""
     if not isinstance(ours, dict):
         return f"is {type(ours).__name__}, not an object"
-    expected = {"request": str, "num_prompt_tokens": int, "offer": dict, "workers": list}
+    expected = {"request": str, "num_prompt_tokens": int, "prompt": str, "model": str, "offer": dict, "workers": list}
     for key, kind in expected.items():
         if not isinstance(ours.get(key), kind) or isinstance(ours.get(key), bool):
             return f"has no {kind.__name__} {key!r}"
@@ -360,6 +425,7 @@ class _SchedulerSide:
         self.workers: list[dict] = []
         self.to_announce: dict[str, list[list[int]]] = {}
         self.to_load: dict[str, LoadSpec] = {}
+        self.to_release: dict[str, ReleaseSpec] = {}
         self.failed: set[str] = set()
         self.local_hits: dict[str, int] = {}
 
@@ -376,6 +442,8 @@ class _SchedulerSide:
         if "pdkv_num_prompt_tokens" in params:
             return  # seen before (a preempted request comes back)
         params["pdkv_num_prompt_tokens"] = request.num_prompt_tokens
+        # Bound to the whole prompt, before its last token is dropped below.
+        params["pdkv_prompt_digest"] = prompt_digest(request)
         if self.stops_before_last and request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
             request.prompt_token_ids.pop()
             request._all_token_ids.pop()
@@ -389,22 +457,39 @@ class _SchedulerSide:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return 0, False
         ours = params.get(PARAMS_KEY)
-        problem = malformed(ours)
-        if problem is not None:
-            logger.error("request %s: kv_transfer_params.%s %s; computing it here", request.request_id, PARAMS_KEY, problem)
-            params["do_remote_prefill"] = False
-            return 0, False
-        n = ours["num_prompt_tokens"]
-        if n != request.num_prompt_tokens:
-            logger.error(
-                "request %s: its KV was computed for %s prompt tokens, it has %d; computing it here",
-                request.request_id, n, request.num_prompt_tokens,
-            )
+        refusal = self.refusal(request, ours)
+        if refusal is not None:
+            # Nothing is read and nothing offered for another prompt or model reaches this leg's
+            # blocks or prefix cache: the prompt is computed here. The offer's lease ends it.
+            logger.error("request %s: kv_transfer_params.%s %s; computing the prompt here", request.request_id, PARAMS_KEY, refusal)
             params["do_remote_prefill"] = False
             return 0, False
         self.local_hits[request.request_id] = num_computed_tokens
-        # The decoder recomputes token N-1 itself (pdkv reads tokens 0 ..= N-2).
-        return max(n - 1 - num_computed_tokens, 0), True
+        # The decoder recomputes token N-1 itself (pdkv reads tokens 0 ..= N-2). With nothing to
+        # read (N = 1, or a local prefix hit covering N-1 tokens) there is no load: vLLM refuses
+        # an asynchronous load of 0 tokens, and update_state_after_alloc gives the hand-off back.
+        wanted = ours["num_prompt_tokens"] - 1 - num_computed_tokens
+        if wanted <= 0:
+            return 0, False
+        return wanted, True
+
+    def refusal(self, request: "Request", ours: Any) -> str | None:
+        """Why this decode request must not read the KV its ``kv_transfer_params`` offer, if it
+        must not: malformed, or computed for another model or another prompt."""
+        problem = malformed(ours)
+        if problem is not None:
+            return problem
+        if ours["model"] != self.connector.model_identity:
+            return (
+                f"were made by a prefill serving another model or KV layout (identity {ours['model']}, "
+                f"this leg's {self.connector.model_identity})"
+            )
+        n = ours["num_prompt_tokens"]
+        if n != request.num_prompt_tokens:
+            return f"were computed for {n} prompt tokens, this request has {request.num_prompt_tokens}"
+        if ours["prompt"] != prompt_digest(request):
+            return "were computed for another prompt (its digest differs from this prompt's)"
+        return None
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         params = request.kv_transfer_params or {}
@@ -412,10 +497,15 @@ class _SchedulerSide:
             return
         # One transfer per request, even if the request comes back after a failed load.
         params["do_remote_prefill"] = False
-        if num_external_tokens == 0:
-            return
-        ours = params[PARAMS_KEY]
+        ours = params.get(PARAMS_KEY)
         request_id = request.request_id
+        if malformed(ours) is not None:
+            return
+        if num_external_tokens == 0:
+            # Nothing to read (see get_num_new_matched_tokens): the prefill may free it now.
+            self.local_hits.pop(request_id, None)
+            self.give_back(request_id, ours)
+            return
         hits = self.local_hits.pop(request_id, 0)
         cached = [
             0 if group["kind"] == "mamba" else hits // (group["block_size"] * group.get("dcp", 1))
@@ -434,9 +524,18 @@ class _SchedulerSide:
             pairs=[[tuple(p) for p in group] for group in pairs],
         )
 
+    def give_back(self, request_id: str, ours: dict) -> None:
+        """Asks the workers to release an offer this leg reads nothing of. An offer of no blocks
+        (a one-token prompt) was never announced: there is nothing to release."""
+        groups = ours["offer"].get("groups")
+        if isinstance(groups, list) and any(isinstance(group, dict) and group.get("blocks") for group in groups):
+            self.to_release[request_id] = ReleaseSpec(ours["request"], list(ours["workers"]))
+
     def build_connector_meta(self) -> PdkvMetadata:
-        meta = PdkvMetadata(announce=self.to_announce, loads=self.to_load, failed=self.failed)
-        self.to_announce, self.to_load, self.failed = {}, {}, set()
+        meta = PdkvMetadata(
+            announce=self.to_announce, loads=self.to_load, failed=self.failed, releases=self.to_release
+        )
+        self.to_announce, self.to_load, self.failed, self.to_release = {}, {}, set(), {}
         return meta
 
     def request_finished(
@@ -445,7 +544,13 @@ class _SchedulerSide:
         request_id = request.request_id
         self.local_hits.pop(request_id, None)
         params = request.kv_transfer_params
-        if not self.is_prefill or not params or not params.get("do_remote_decode"):
+        if not self.is_prefill:
+            # Ended before it was scheduled (aborted while waiting): nobody reads the offer.
+            if isinstance(params, dict) and params.get("do_remote_prefill") and self.refusal(request, params.get(PARAMS_KEY)) is None:
+                params["do_remote_prefill"] = False
+                self.give_back(request_id, params[PARAMS_KEY])
+            return False, None
+        if not params or not params.get("do_remote_decode"):
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None  # aborted or stopped: nothing to hand off
@@ -453,6 +558,10 @@ class _SchedulerSide:
             logger.error("request %s: no prefill worker handshake known; not handing off", request_id)
             return False, None
         n = params.get("pdkv_num_prompt_tokens", request.num_prompt_tokens)
+        digest = params.get("pdkv_prompt_digest")
+        if digest is None:
+            logger.error("request %s: its prompt has no token ids to bind KV to; not handing off", request_id)
+            return False, None
         try:
             offered = offer(self.layout, n, [list(group) for group in block_ids])
         except ExchangeError as error:
@@ -465,6 +574,8 @@ class _SchedulerSide:
             PARAMS_KEY: {
                 "request": request_id,
                 "num_prompt_tokens": n,
+                "prompt": digest,
+                "model": self.connector.model_identity,
                 "offer": offered,
                 "workers": self.workers,
             },
@@ -609,6 +720,7 @@ class _WorkerSide:
             config.num_blocks,
             listen=listen,
             data_listen=data_listen,
+            advertise=self.settings.advertise_host,
             read_engine=self.settings.read_engine,
             mori_host=self.settings.mori_host,
             mori_port=self._rank_port(self.settings.mori_port),
@@ -653,6 +765,8 @@ class _WorkerSide:
             future = self.pool.submit(self._load, request_id, spec)
             with self.lock:
                 self.pending[request_id] = future
+        for request_id, spec in meta.releases.items():
+            self.pool.submit(self._release, request_id, spec)
 
     def _load(self, request_id: str, spec: LoadSpec) -> None:
         ok = False
@@ -678,6 +792,18 @@ class _WorkerSide:
             self.done.add(request_id)
             if not ok:
                 self.failed.add(request_id)
+
+    def _release(self, request_id: str, spec: ReleaseSpec) -> None:
+        """Gives back a hand-off this leg needs nothing of; when that fails its lease ends it."""
+        try:
+            if self.rank >= len(spec.workers) or not spec.workers[self.rank].get("address"):
+                return
+            worker = spec.workers[self.rank]
+            self.agent.release(spec.remote_request, worker["node"], worker["address"], worker["incarnation"])
+        except LoadError as error:
+            logger.info("request %s: hand-off not given back (%s); its lease will end it", request_id, error)
+        except Exception:  # never let a bug escape a pool thread unseen
+            logger.exception("request %s: giving back the hand-off crashed; its lease will end it", request_id)
 
     def results(self) -> KVConnectorTransferResults:
         sending = set(self.agent.finished()) if self.is_prefill and self.agent is not None else set()

@@ -337,6 +337,8 @@ struct Peer {
 pub struct Agent {
     node: NodeId,
     role: Role,
+    /// The address peers reach this worker at, when its listeners bind another.
+    advertise: Option<IpAddr>,
     layout: KvLayout,
     regions: RegionLayout,
     engine: Arc<MappedEngine>,
@@ -427,12 +429,21 @@ pub struct AgentSetup {
     /// Where the prefill worker's memory server listens (default: the control address's host,
     /// any port).
     pub data_listen: Option<SocketAddr>,
+    /// The address peers reach this worker at when its listeners bind another (every
+    /// interface, in a container): put in its handshake and its memory server's advertisement
+    /// instead of the bound address, with the bound ports.
+    pub advertise: Option<IpAddr>,
     /// How a decode worker READs.
     pub engine: EngineChoice,
     /// A mori engine, if this worker offers or uses one.
     pub mori: Option<MoriSetup>,
     /// Bounds.
     pub limits: AgentLimits,
+}
+
+/// `bound` as peers reach it: the advertised address, if any, with the bound port.
+fn advertised(bound: SocketAddr, advertise: Option<IpAddr>) -> SocketAddr {
+    advertise.map_or(bound, |ip| SocketAddr::new(ip, bound.port()))
 }
 
 fn config(message: impl std::fmt::Display) -> AgentError {
@@ -605,7 +616,7 @@ impl Agent {
         };
         let data_address = memory_server
             .as_ref()
-            .map(|server| server.local_addr().to_string())
+            .map(|server| advertised(server.local_addr(), setup.advertise).to_string())
             .unwrap_or_default();
         let net = Arc::new(
             NetEngine::new(key, runtime.handle(), data_address).with_connect_wait(setup.limits.connect),
@@ -688,6 +699,7 @@ impl Agent {
         Ok(Agent {
             node: NodeId(setup.node),
             role: setup.role,
+            advertise: setup.advertise,
             layout,
             regions,
             engine,
@@ -712,11 +724,12 @@ impl Agent {
         self.hello.incarnation.0
     }
 
-    /// Where a prefill worker serves hand-offs.
+    /// Where a prefill worker serves hand-offs, as its peers reach it.
     pub fn address(&self) -> Option<SocketAddr> {
         lock(&self.server)
             .as_ref()
             .and_then(|server| server.local_addr().ok())
+            .map(|bound| advertised(bound, self.advertise))
     }
 
     /// This worker's node name.
@@ -822,20 +835,61 @@ impl Agent {
                 .await?;
             let claimed = self.claim(&peer, remote_node, request).await?;
             let result = self.read(&peer, request, claimed, pairs).await;
-            let released = peer
-                .connection
-                .request::<_, HandoffResponse>(
-                    HandoffRequest::Release {
-                        request: request.to_string(),
-                    },
-                    self.limits.request,
-                )
-                .await;
-            if let Err(error) = released {
+            if let Err(error) = self.release_claimed(&peer, remote_node, request).await {
                 tracing::warn!(request, node = remote_node, %error, "release not acknowledged; the lease will lapse");
             }
             result
         })
+    }
+
+    /// Decode: gives back request `request`'s hand-off at prefill worker `remote_node` without
+    /// reading it (the decoder needs none of its KV: a one-token prompt, or a prompt its prefix
+    /// cache already holds), so the prefill frees the blocks now instead of when the lease lapses.
+    /// Waits for the announcement as a load does (`claim_wait`), then claims and releases.
+    pub fn release(
+        &self,
+        request: &str,
+        remote_node: &str,
+        remote_address: &str,
+        remote_incarnation: u64,
+    ) -> Result<(), AgentError> {
+        self.require(Role::Decode, "release a hand-off")?;
+        let address: SocketAddr = remote_address
+            .parse()
+            .map_err(|error| config(format!("prefill address {remote_address:?}: {error}")))?;
+        self.runtime.block_on(async {
+            let peer = self
+                .peer(remote_node, address, Incarnation(remote_incarnation))
+                .await?;
+            self.claim(&peer, remote_node, request).await?;
+            self.release_claimed(&peer, remote_node, request).await
+        })
+    }
+
+    /// Ends a claimed hand-off.
+    async fn release_claimed(&self, peer: &Peer, node: &str, request: &str) -> Result<(), AgentError> {
+        let released = peer
+            .connection
+            .request::<_, HandoffResponse>(
+                HandoffRequest::Release {
+                    request: request.to_string(),
+                },
+                self.limits.request,
+            )
+            .await;
+        match released {
+            Ok(_) => Ok(()),
+            Err(ControlError::Refused(reason)) => Err(AgentError::HandoffRefused {
+                node: node.to_string(),
+                request: request.to_string(),
+                reason,
+            }),
+            Err(error) => Err(AgentError::Unreachable {
+                node: node.to_string(),
+                address: String::new(),
+                reason: error.to_string(),
+            }),
+        }
     }
 
     /// Stops serving: every live hand-off is revoked (generations move, requests are finished)
@@ -1241,6 +1295,7 @@ mod tests {
             num_blocks: BLOCKS,
             listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
             data_listen: None,
+            advertise: None,
             engine,
             mori,
             limits: limits(),
@@ -1363,6 +1418,97 @@ mod tests {
             matches!(again, Err(AgentError::HandoffRefused { .. })),
             "{again:?}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A prefill worker bound to every interface advertises the address it was given, for its
+    /// hand-offs and for its memory server, so a decoder reading over the network reaches it
+    /// there (a decoder dialling the bound 0.0.0.0 would reach itself).
+    #[test]
+    fn a_worker_bound_to_every_interface_is_reached_at_its_advertised_address() {
+        let dir = certs();
+        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
+        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let mut prefill_setup = setup(
+            &dir,
+            "p0",
+            Role::Prefill,
+            &["d0"],
+            Memory::Memfd(memory.as_raw_fd()),
+            EngineChoice::Auto,
+            None,
+        );
+        prefill_setup.listen = Some("0.0.0.0:0".parse().unwrap());
+        prefill_setup.advertise = Some("127.0.0.1".parse().unwrap());
+        let prefill = Leg {
+            agent: Agent::start(prefill_setup).unwrap(),
+            memory,
+        };
+        let advertised = prefill.agent.address().unwrap();
+        assert_eq!(advertised.ip().to_string(), "127.0.0.1");
+        let data = &prefill.agent.hello.engines;
+        let net = data
+            .iter()
+            .find(|advert| advert.engine.kind == EngineKind::Net)
+            .expect("a memory server");
+        assert!(
+            net.engine.address.starts_with("127.0.0.1:"),
+            "{}",
+            net.engine.address
+        );
+        let decode = leg_with(&dir, "d0", Role::Decode, &["p0"], EngineChoice::Net);
+        fill(&prefill, 0, 2, 7);
+        prefill.agent.announce("r5", vec![vec![2]]).unwrap();
+        decode
+            .agent
+            .load(
+                "r5",
+                "p0",
+                &advertised.to_string(),
+                prefill.agent.incarnation(),
+                pairs(&[(2, 4)]),
+            )
+            .unwrap();
+        assert_eq!(page(&decode, 0, 4), vec![7; PAGE as usize]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A decoder that needs none of a hand-off's KV gives it back unread: the prefill frees the
+    /// blocks (their generations move) at once, nothing is copied, and the hand-off cannot be
+    /// claimed again.
+    #[test]
+    fn a_handoff_released_unread_frees_its_blocks_and_copies_nothing() {
+        let dir = certs();
+        let prefill = leg(&dir, "p0", Role::Prefill, &["d0"]);
+        let decode = leg_with(&dir, "d0", Role::Decode, &["p0"], EngineChoice::Shm);
+        fill(&prefill, 0, 3, 9);
+        prefill.agent.announce("r9", vec![vec![3]]).unwrap();
+        decode
+            .agent
+            .release("r9", "p0", &address(&prefill), prefill.agent.incarnation())
+            .unwrap();
+        assert_eq!(prefill.agent.finished(), vec!["r9".to_string()]);
+        assert_eq!(prefill.agent.live_handoffs(), 0);
+        assert_eq!(prefill.agent.serving.generations.load_u32(3).unwrap(), 1);
+        for block in 0..BLOCKS {
+            assert_eq!(page(&decode, 0, block), vec![0; PAGE as usize], "block {block}");
+        }
+        let again = decode.agent.load(
+            "r9",
+            "p0",
+            &address(&prefill),
+            prefill.agent.incarnation(),
+            pairs(&[(3, 1)]),
+        );
+        assert!(
+            matches!(again, Err(AgentError::HandoffRefused { .. })),
+            "{again:?}"
+        );
+        // A hand-off another incarnation announced is not this one's to give back.
+        let stale = decode
+            .agent
+            .release("r9", "p0", &address(&prefill), prefill.agent.incarnation() ^ 1);
+        assert!(matches!(stale, Err(AgentError::Restarted { .. })), "{stale:?}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -94,12 +94,14 @@ impl KvAgent {
     /// host; `planes`: `(region, offset,
     /// bytes_per_block, group)` for every K, V or state plane, in the same order on both legs;
     /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one);
-    /// `data_listen`: its memory server's (default: `listen`'s host, any port); `read_engine`:
+    /// `data_listen`: its memory server's (default: `listen`'s host, any port); `advertise`: the
+    /// IP address peers reach it at when the listeners bind another (every interface);
+    /// `read_engine`:
     /// `"auto"` (shared memory on one host, the network elsewhere), `"shm"` or `"net"`.
     #[new]
     #[pyo3(signature = (
         node, role, certs_dir, peers, groups_json, memory, planes, num_blocks,
-        listen=None, data_listen=None, read_engine="auto", mori_host=None, mori_port=0, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
+        listen=None, data_listen=None, advertise=None, read_engine="auto", mori_host=None, mori_port=0, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
         connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -115,6 +117,7 @@ impl KvAgent {
         num_blocks: u32,
         listen: Option<&str>,
         data_listen: Option<&str>,
+        advertise: Option<&str>,
         read_engine: &str,
         mori_host: Option<String>,
         mori_port: u16,
@@ -134,6 +137,13 @@ impl KvAgent {
         };
         let listen = address("listen", listen)?;
         let data_listen = address("data_listen", data_listen)?;
+        let advertise = advertise
+            .map(|text| {
+                text.parse::<std::net::IpAddr>().map_err(|error| {
+                    AgentConfigError::new_err(format!("advertise address {text:?}: {error}"))
+                })
+            })
+            .transpose()?;
         let engine = match read_engine {
             "auto" => EngineChoice::Auto,
             "shm" => EngineChoice::Shm,
@@ -178,6 +188,7 @@ impl KvAgent {
             num_blocks,
             listen,
             data_listen,
+            advertise,
             engine,
             mori,
             limits: AgentLimits {
@@ -271,6 +282,24 @@ impl KvAgent {
             })
             .map_err(to_python)?;
         Ok((loaded.bytes, loaded.runs))
+    }
+
+    /// Decode: gives back request `request`'s hand-off at prefill worker `remote_node` without
+    /// reading it (nothing of it is needed), so its blocks are freed now rather than when its
+    /// lease lapses. Raises a `LoadError` subclass when it cannot (the lease then ends it).
+    fn release(
+        &self,
+        py: Python<'_>,
+        request: &str,
+        remote_node: &str,
+        remote_address: &str,
+        remote_incarnation: u64,
+    ) -> PyResult<()> {
+        py.detach(|| {
+            self.agent
+                .release(request, remote_node, remote_address, remote_incarnation)
+        })
+        .map_err(to_python)
     }
 
     /// Stops serving and closes connections; returns the hand-offs it revoked.

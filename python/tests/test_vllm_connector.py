@@ -22,7 +22,7 @@ if os.environ.get("PDKV_REQUIRE_VLLM") != "1":
 import torch  # noqa: E402
 
 import pdkv_vllm  # noqa: E402
-from vllm_harness import LAYOUTS, Leg, leg_state, run_prefill, tag  # noqa: E402
+from vllm_harness import BLOCK, LAYOUTS, Leg, leg_state, run_prefill, tag  # noqa: E402
 
 # Prompt lengths: around block edges, (N-1) % B == 0, and lengths where a lookahead tail of k
 # blocks exists on one leg only ((N-1) % B >= B - k), the seed's failing class.
@@ -593,6 +593,7 @@ def test_malformed_transfer_params_are_refused_and_the_prompt_computed_locally(c
         ({"node": "p0", "certs": "/c", "listen": "10.0.0.5"}, "listen"),
         ({"node": "p0", "certs": "/c", "mori_port": 70000}, "mori_port"),
         ({"node": "p0", "certs": "/c", "rank": -1}, "rank"),
+        ({"node": "p0", "certs": "/c", "advertise_host": "p0.example"}, "advertise_host"),
     ],
 )
 def test_bad_connector_settings_are_refused_by_name(extra, named):
@@ -618,6 +619,102 @@ def test_a_decode_rank_without_a_prefill_peer_fails_the_load(certs):
         pd.drive("d-hetero", unclaimed="p-hetero")
         assert "d-hetero" in pd.decode.failed_loads
         assert pd.decode.computed["d-hetero"] == n
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+def test_a_one_token_prompt_loads_nothing_and_the_decoder_computes_it(certs):
+    """N = 1: the decoder recomputes the only prompt token, so nothing is read. vLLM refuses an
+    asynchronous load of 0 tokens (it asserts, and the engine dies), so none is asked for."""
+    for layout in ("full", "full+window+mamba"):
+        pd = Pd(certs, layout, p_lookahead=1, d_lookahead=3)
+        try:
+            did = pd.run(f"one-{layout}", 1, seed=41)
+            assert did not in pd.decode.loaded and did not in pd.decode.failed_loads, "no load at all"
+            assert pd.decode.computed[did] == 1
+            pd.assert_no_leaks()
+            # The legs serve on.
+            did = pd.run(f"after-one-{layout}", 40, seed=42)
+            assert did in pd.checked
+        finally:
+            pd.close()
+
+
+@pytest.mark.parametrize("layout", ["full", "full+window"])
+def test_a_prompt_the_decoder_holds_already_is_not_read_and_its_handoff_is_given_back(certs, layout):
+    """The same prompt twice, prefix caching on the decoder: the second time its cache holds the
+    first N-1 tokens (N - 1 a multiple of the block size), so nothing is read, and the prefill's
+    hand-off is released at once: with an hour-long lease, ``drive`` (which waits for the
+    prefill to hold nothing) would time out otherwise."""
+    pd = Pd(certs, layout, p_extra={"lease_ms": 3_600_000}, prefix_caching=True)
+    try:
+        n = 4 * BLOCK + 1
+        first = pd.run("held-1", n, seed=51)
+        assert first in pd.checked
+        again = pd.run("held-2", n, seed=51)
+        assert again not in pd.decode.loaded and again not in pd.decode.failed_loads, "nothing read"
+        assert pd.decode.computed[again] == 1, "only the last prompt token is computed"
+        assert pd.prefill.live_handoffs() == 0
+        pd.assert_no_leaks_with_cache()
+    finally:
+        pd.close()
+
+
+def test_kv_offered_for_another_prompt_or_model_is_refused_and_never_cached(certs):
+    """A decode request carrying another prompt's ``kv_transfer_params`` (same length) is refused
+    before any byte moves, and so is one whose offer names another model: the prompt is computed
+    here. Its blocks then hold its own KV, so a later request sharing its prefix, which hits
+    them in the decoder's prefix cache, still checks byte-exact against the definition."""
+    pd = Pd(certs, "full", prefix_caching=True)
+    n = 3 * BLOCK + 7
+    try:
+        other = [(9 * 7 + i) % 997 + 1 for i in range(n)]
+        offered, _ = pd.prefill.prefill("p-other", other, 9, n)
+        ours = [(12 * 7 + i) % 997 + 1 for i in range(n)]
+        pd.decode.add("d-foreign", ours, 2, offered, 12)
+        pd.drive("d-foreign", unclaimed="p-other")
+        assert "d-foreign" not in pd.decode.loaded and "d-foreign" not in pd.decode.failed_loads, "no load began"
+        assert pd.decode.computed["d-foreign"] == n, "the prompt is computed here"
+        # An offer that names another model is refused the same way.
+        params, _ = pd.prefill.prefill("p-model", ours, 12, n)
+        forged = json.loads(json.dumps(params))
+        forged["pdkv"]["model"] = "0" * 32
+        pd.decode.add("d-model", ours, 2, forged, 12)
+        pd.drive("d-model", unclaimed="p-model")
+        assert "d-model" not in pd.decode.loaded and "d-model" not in pd.decode.failed_loads
+        # Its first 3 blocks hit the decoder's cache (d-foreign computed them here); the rest is
+        # computed here.
+        assert pd.decode.computed["d-model"] == n - 3 * BLOCK
+        # The same prompt, longer, through P/D: the decoder's cached prefix is this prompt's own
+        # KV (check_loaded compares every position with the definition's tags for seed 12).
+        longer = pd.run("longer", n + 2 * BLOCK, seed=12)
+        assert longer in pd.checked and longer not in pd.decode.failed_loads
+        pd.assert_no_leaks_with_cache()
+    finally:
+        pd.close()
+
+
+def test_a_request_aborted_before_its_load_gives_its_handoff_back(certs):
+    """A decode request aborted while it waits to be scheduled never reads its offer: the
+    prefill's hand-off is released at once, not when its (here, hour-long) lease lapses."""
+    from vllm.v1.request import RequestStatus
+
+    pd = Pd(certs, "full+window", p_extra={"lease_ms": 3_600_000})
+    try:
+        n = 70
+        prompt = [(6 * 7 + i) % 997 + 1 for i in range(n)]
+        params, _ = pd.prefill.prefill("p-gone", prompt, 6, n)
+        pd.prefill.step()  # the prefill worker announces the hand-off
+        assert pd.prefill.live_handoffs() == 1
+        pd.decode.add("d-gone", prompt, 2, params, 6)
+        pd.decode.scheduler.finish_requests("d-gone", RequestStatus.FINISHED_ABORTED)
+        deadline = time.monotonic() + 30
+        while pd.prefill.busy() or pd.prefill.live_handoffs():
+            assert time.monotonic() < deadline, pd.state()
+            pd.decode.step()
+            pd.prefill.step()
+        assert pd.decode.computed.get("d-gone", 0) == 0
         pd.assert_no_leaks()
     finally:
         pd.close()
