@@ -104,6 +104,60 @@ pub fn sample(text: &str, name: &str, labels: &str) -> Option<f64> {
         })
 }
 
+/// One sample line of a Prometheus text page: metric name, labels as written (without braces),
+/// value. `None` for comments, blank lines and lines that are not samples.
+pub fn parse_sample(line: &str) -> Option<(&str, &str, f64)> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = &line[..name_end];
+    let rest = &line[name_end..];
+    let (labels, rest) = match rest.strip_prefix('{') {
+        Some(inside) => {
+            // The closing brace is the first one outside a quoted label value.
+            let mut quoted = false;
+            let mut escaped = false;
+            let mut close = None;
+            for (at, c) in inside.char_indices() {
+                match c {
+                    _ if escaped => escaped = false,
+                    '\\' if quoted => escaped = true,
+                    '"' => quoted = !quoted,
+                    '}' if !quoted => {
+                        close = Some(at);
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            let close = close?;
+            (&inside[..close], &inside[close + 1..])
+        }
+        None => ("", rest),
+    };
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        other => other.parse().ok()?,
+    };
+    Some((name, labels, value))
+}
+
+/// The sum of metric `name`'s samples over all their labels (a vLLM with several engines
+/// labels each); `None` when the page has none.
+pub fn sample_sum(text: &str, name: &str) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter_map(parse_sample)
+        .filter(|(metric, _, _)| *metric == name)
+        .map(|(_, _, value)| value)
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
 /// A leg's block accounting from its `/metrics` at `admin_url`.
 pub fn leg_stats(node: &str, admin_url: &str, groups: usize) -> Result<LegStats, String> {
     let agent = http_agent(Duration::from_secs(2));
@@ -150,5 +204,29 @@ mod tests {
         assert_eq!(sample(text, "pdkv_blocks_free", "group=\"0\""), Some(64.0));
         assert_eq!(sample(text, "pdkv_grants_active", ""), Some(3.0));
         assert_eq!(sample(text, "pdkv_blocks_free", "group=\"2\""), None);
+    }
+
+    #[test]
+    fn sample_lines_parse_with_colons_quoted_braces_and_infinities() {
+        assert_eq!(
+            parse_sample("vllm:num_requests_running{engine=\"0\",model_name=\"a}b\"} 3.0"),
+            Some((
+                "vllm:num_requests_running",
+                "engine=\"0\",model_name=\"a}b\"",
+                3.0
+            ))
+        );
+        assert_eq!(parse_sample("up 1 1700000000"), Some(("up", "", 1.0)));
+        assert_eq!(
+            parse_sample("h_bucket{le=\"+Inf\"} 7"),
+            Some(("h_bucket", "le=\"+Inf\"", 7.0))
+        );
+        assert_eq!(parse_sample("g -Inf"), Some(("g", "", f64::NEG_INFINITY)));
+        for not_a_sample in ["# HELP x y", "", "x{a=\"1\" 2", "x", "x{} nan?"] {
+            assert_eq!(parse_sample(not_a_sample), None, "{not_a_sample:?}");
+        }
+        let page = "# TYPE v gauge\nv{engine=\"0\"} 2\nv{engine=\"1\"} 3.5\nvv 9\n";
+        assert_eq!(sample_sum(page, "v"), Some(5.5));
+        assert_eq!(sample_sum(page, "w"), None);
     }
 }

@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
-use pdkv_actors::deployment::{Launch, LogFormat};
+use pdkv_actors::config::{AnyCluster, ROUTER_NODE};
+use pdkv_actors::deployment::{Launch, LogFormat, TlsConfig};
+use pdkv_actors::engines::EngineKind;
 use pdkv_actors::node::{host_port, resolve};
 use pdkv_transport::tls::{Existing, write_cluster_certs};
 use std::os::unix::process::CommandExt;
@@ -33,6 +34,15 @@ const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
 /// Lines of a failed node's log quoted in its error.
 const LOG_TAIL_LINES: usize = 40;
 
+/// How the launcher tells that a process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// pdkv's `/ready`: 200 and every peer linked.
+    Ready,
+    /// vLLM's `/health`: 200 (its engine and the connector's worker started).
+    Health,
+}
+
 /// One process of a launched cluster.
 #[derive(Debug)]
 pub struct Member {
@@ -40,8 +50,12 @@ pub struct Member {
     pub name: String,
     /// Its log file (standard output and error).
     pub log: PathBuf,
-    /// Where its `/ready` and `/metrics` are served.
+    /// Where its `/ready` (or, for a vLLM leg, `/health`) and `/metrics` are served.
     pub admin_url: String,
+    /// How its readiness is probed.
+    pub probe: Probe,
+    /// Its role (`Router` for the router).
+    pub role: pdkv_core::wire::Role,
     /// The program started: `pdkv`, or `ssh` for a node on another host.
     program: PathBuf,
     args: Vec<String>,
@@ -80,7 +94,7 @@ pub struct LaunchOptions {
 #[derive(Debug)]
 pub struct Cluster {
     /// The resolved configuration the processes run.
-    pub config: ClusterConfig,
+    pub config: AnyCluster,
     /// Its path in the run directory.
     pub config_path: PathBuf,
     /// The router's API base URL.
@@ -195,10 +209,10 @@ fn fill_port(
     Ok(port)
 }
 
-/// Writes the run directory's cluster.toml (ports fixed, `[tls]` set) and returns its path.
+/// Writes the run directory's cluster.toml (ports fixed, `[tls]` set; for vLLM legs, the
+/// Python and model paths made absolute) and returns its path.
 pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> anyhow::Result<PathBuf> {
-    let config =
-        ClusterConfig::from_toml(config_text).with_context(|| format!("{config_name} is not valid"))?;
+    let config = AnyCluster::from_toml(config_text).with_context(|| format!("{config_name} is not valid"))?;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
     let run_dir = run_dir
         .canonicalize()
@@ -207,8 +221,9 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
         .parse()
         .with_context(|| format!("{config_name} is not TOML"))?;
     let mut reserved = Vec::new();
+    let placed = config.placed();
     if let Some(toml::Value::Array(nodes)) = doc.get_mut("nodes") {
-        for (node, checked) in nodes.iter_mut().zip(&config.nodes) {
+        for (node, checked) in nodes.iter_mut().zip(&placed) {
             let toml::Value::Table(table) = node else {
                 bail!("{config_name}: nodes must be tables");
             };
@@ -234,24 +249,19 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
     let toml::Value::Table(router) = router else {
         bail!("{config_name}: [router] must be a table");
     };
-    fill_port(
-        router,
-        "control_port",
-        config.router.bind_host(),
-        true,
-        &mut reserved,
-    )?;
-    fill_port(
-        router,
-        "http_port",
-        config.router.bind_host(),
-        false,
-        &mut reserved,
-    )?;
-    if config.tls.is_none() {
+    let router_host = config.router().bind_host().to_string();
+    if let AnyCluster::Reference(_) = &config {
+        // The router's QUIC links to the legs (a vLLM cluster's router speaks HTTP only).
+        fill_port(router, "control_port", &router_host, true, &mut reserved)?;
+    }
+    fill_port(router, "http_port", &router_host, false, &mut reserved)?;
+    if let AnyCluster::Vllm(_) = &config {
+        absolute_engine_paths(&mut doc)?;
+    }
+    if config.tls().is_none() {
         let certs = run_dir.join("certs");
-        let mut names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
-        names.push(ROUTER_NODE);
+        let names = certificate_names(&config);
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
         write_cluster_certs(&certs, "pdkv", &names, Existing::Replace)
             .with_context(|| format!("cannot write certificates to {}", certs.display()))?;
         let mut tls = toml::Table::new();
@@ -265,9 +275,48 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
     );
     std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     drop(reserved);
-    ClusterConfig::from_file(&path)
-        .with_context(|| format!("the resolved {} is not valid", path.display()))?;
+    AnyCluster::from_file(&path).with_context(|| format!("the resolved {} is not valid", path.display()))?;
     Ok(path)
+}
+
+/// Every name a certificate is written for: each node (each worker rank of a vLLM leg:
+/// `<node>-<rank>`) and the router.
+pub fn certificate_names(config: &AnyCluster) -> Vec<String> {
+    let mut names: Vec<String> = match config {
+        AnyCluster::Reference(config) => config.nodes.iter().map(|node| node.name.0.clone()).collect(),
+        AnyCluster::Vllm(cluster) => cluster
+            .nodes
+            .iter()
+            .flat_map(|node| node.rank_names(&cluster.engine))
+            .collect(),
+    };
+    names.push(ROUTER_NODE.into());
+    names
+}
+
+/// `[engines.vllm] python` and `model` made absolute where they name paths that exist from
+/// here (relative paths are the launcher's; a hub name stays as it is), so the run directory's
+/// cluster.toml works from any directory.
+fn absolute_engine_paths(doc: &mut toml::Table) -> anyhow::Result<()> {
+    let Some(toml::Value::Table(vllm)) = doc
+        .get_mut("engines")
+        .and_then(|engines| engines.as_table_mut())
+        .and_then(|engines| engines.get_mut("vllm"))
+    else {
+        return Ok(());
+    };
+    for key in ["python", "model"] {
+        if let Some(toml::Value::String(path)) = vllm.get_mut(key)
+            && Path::new(path.as_str()).is_relative()
+            && Path::new(path.as_str()).exists()
+        {
+            *path = std::path::absolute(path.as_str())
+                .with_context(|| format!("engines.vllm.{key}: cannot resolve {path}"))?
+                .display()
+                .to_string();
+        }
+    }
+    Ok(())
 }
 
 fn log_tail(path: &Path) -> String {
@@ -291,10 +340,10 @@ impl Cluster {
         config_path: PathBuf,
         views: &BTreeMap<String, PathBuf>,
     ) -> anyhow::Result<Cluster> {
-        let config = ClusterConfig::from_file(&config_path)?;
+        let config = AnyCluster::from_file(&config_path)?;
         let run_dir = config_path.parent().context("run directory")?.to_path_buf();
         let mut members = Vec::new();
-        let format = match config.logging.format {
+        let format = match config.logging().format {
             LogFormat::Text => "text",
             LogFormat::Json => "json",
         };
@@ -303,13 +352,18 @@ impl Cluster {
             config: options.ssh_config.clone(),
             control_path: run_dir.join("ssh-%C"),
         };
-        for node in &config.nodes {
+        let level = config.logging().level.clone();
+        for node in config.placed() {
             let log = run_dir.join(format!("{}.log", node.name));
             let admin_url = format!(
                 "http://{}",
                 host_port(&node.address.host, node.address.admin_port)
             );
-            if let Launch::Ssh { target } = &node.launch {
+            let probe = match node.engine {
+                EngineKind::Reference => Probe::Ready,
+                EngineKind::Vllm => Probe::Health,
+            };
+            if let Launch::Ssh { target } = node.launch {
                 let remote_dir = format!(
                     "pdkv-run-{}-{}",
                     run_dir
@@ -317,14 +371,19 @@ impl Cluster {
                         .map_or("run".into(), |name| name.to_string_lossy()),
                     std::process::id()
                 );
-                ssh.install(target, &remote_dir, &config_path, &config, &node.name.0)?;
+                let names = match &config {
+                    AnyCluster::Vllm(cluster) => cluster
+                        .node(&node.name.0)
+                        .map(|vllm| vllm.rank_names(&cluster.engine))
+                        .unwrap_or_default(),
+                    AnyCluster::Reference(_) => vec![node.name.0.clone()],
+                };
+                ssh.install(target, &remote_dir, &config_path, config.tls(), &names)?;
                 let command = format!(
                     "RUST_LOG={} exec {} --log-format {format} node --config {remote_dir}/cluster.toml --node {}",
                     shell_quote(
-                        &std::env::var("RUST_LOG").unwrap_or_else(|_| format!(
-                            "{},pdkv=info,pdkv_actors=info",
-                            config.logging.level
-                        ))
+                        &std::env::var("RUST_LOG")
+                            .unwrap_or_else(|_| format!("{level},pdkv=info,pdkv_actors=info"))
                     ),
                     shell_quote(&options.remote_binary),
                     node.name
@@ -336,6 +395,8 @@ impl Cluster {
                     name: node.name.0.clone(),
                     log,
                     admin_url,
+                    probe,
+                    role: node.role,
                     program: PathBuf::from("ssh"),
                     args,
                     child: None,
@@ -347,6 +408,8 @@ impl Cluster {
                 name: node.name.0.clone(),
                 log,
                 admin_url,
+                probe,
+                role: node.role,
                 program: options.binary.clone(),
                 args: vec![
                     "--log-format".into(),
@@ -363,12 +426,14 @@ impl Cluster {
         }
         let router_url = format!(
             "http://{}",
-            host_port(&config.router.host, config.router.http_port)
+            host_port(&config.router().host, config.router().http_port)
         );
         members.push(Member {
             name: ROUTER_NODE.into(),
             log: run_dir.join(format!("{ROUTER_NODE}.log")),
             admin_url: router_url.clone(),
+            probe: Probe::Ready,
+            role: pdkv_core::wire::Role::Router,
             program: options.binary.clone(),
             args: vec![
                 "--log-format".into(),
@@ -380,7 +445,7 @@ impl Cluster {
             child: None,
             starts: 0,
         });
-        let grace = Duration::from_millis(config.limits.request_timeout_ms) + Duration::from_secs(2);
+        let grace = Duration::from_millis(config.limits().request_timeout_ms) + Duration::from_secs(2);
         let mut cluster = Cluster {
             config,
             config_path,
@@ -392,13 +457,18 @@ impl Cluster {
         for index in 0..cluster.members.len() {
             cluster.spawn(index)?;
         }
+        let started = Instant::now();
         cluster.wait_ready(options.ready_timeout)?;
+        if let AnyCluster::Vllm(vllm) = &cluster.config {
+            let left = options.ready_timeout.saturating_sub(started.elapsed());
+            check_handoffs(vllm, &cluster.members, left)?;
+        }
         Ok(cluster)
     }
 
     /// Starts member `index` (again).
     pub fn spawn(&mut self, index: usize) -> anyhow::Result<()> {
-        let level = self.config.logging.level.clone();
+        let level = self.config.logging().level.clone();
         let member = &mut self.members[index];
         let log = File::options()
             .create(true)
@@ -443,7 +513,11 @@ impl Cluster {
             }
             pending.retain(|&index| {
                 let member = &self.members[index];
-                match probe_ready(&agent, &member.admin_url) {
+                let probed = match member.probe {
+                    Probe::Ready => probe_ready(&agent, &member.admin_url),
+                    Probe::Health => probe_health(&agent, &member.admin_url),
+                };
+                match probed {
                     Ok(()) => false,
                     Err(why) => {
                         last.insert(index, why);
@@ -519,9 +593,9 @@ impl Cluster {
         if let Some(ssh) = self.ssh.take() {
             let targets: Vec<String> = self
                 .config
-                .nodes
-                .iter()
-                .filter_map(|node| match &node.launch {
+                .placed()
+                .into_iter()
+                .filter_map(|node| match node.launch {
                     Launch::Ssh { target } => Some(target.clone()),
                     Launch::Local => None,
                 })
@@ -617,20 +691,18 @@ impl Ssh {
         Ok(())
     }
 
-    /// Copies what node `name` needs to `target:dir`: the cluster.toml (with `[tls] dir`
-    /// pointing at the copy) and the CA certificate, its certificate and its key (0600).
+    /// Copies what a node needs to `target:dir`: the cluster.toml (with `[tls] dir` pointing at
+    /// the copy), the CA certificate, and the certificate and key (0600) of each of `names` (the
+    /// node, and a vLLM leg's further worker ranks).
     fn install(
         &self,
         target: &str,
         dir: &str,
         config_path: &Path,
-        config: &ClusterConfig,
-        name: &str,
+        tls: Option<&TlsConfig>,
+        names: &[String],
     ) -> anyhow::Result<()> {
-        let tls = config
-            .tls
-            .as_ref()
-            .context("the resolved cluster.toml has no [tls]")?;
+        let tls = tls.context("the resolved cluster.toml has no [tls]")?;
         self.run(target, &format!("umask 077 && mkdir -p {dir}/certs"), &[])?;
         let text = std::fs::read_to_string(config_path)?;
         let mut doc: toml::Table = text.parse()?;
@@ -642,7 +714,11 @@ impl Ssh {
             &format!("cat > {dir}/cluster.toml"),
             toml::to_string(&doc)?.as_bytes(),
         )?;
-        for file in ["ca.pem".to_string(), format!("{name}.pem"), format!("{name}.key")] {
+        let mut files = vec!["ca.pem".to_string()];
+        for name in names {
+            files.extend([format!("{name}.pem"), format!("{name}.key")]);
+        }
+        for file in files {
             let bytes = std::fs::read(tls.dir.join(&file))
                 .with_context(|| format!("cannot read {}", tls.dir.join(&file).display()))?;
             self.run(target, &format!("umask 077 && cat > {dir}/certs/{file}"), &bytes)?;
@@ -671,6 +747,150 @@ pub fn http_agent(timeout: Duration) -> ureq::Agent {
         .timeout_global(Some(timeout))
         .build()
         .into()
+}
+
+/// Prompt tokens of a hand-off probe: a few blocks of any block size, ids every vocabulary has.
+const PROBE_TOKENS: usize = 65;
+
+/// Gates a vLLM cluster on its connectors: every prefill leg hands a probe prompt's KV to a
+/// decode leg and every decode leg reads one (`max(prefill, decode)` probes), each checked by
+/// the decode leg's `vllm:external_prefix_cache_hits_total` moving (a load that failed is
+/// recomputed and moves nothing). Retried with new prompts until `timeout`; fails naming the
+/// pair and quoting the decode leg's log.
+fn check_handoffs(
+    cluster: &pdkv_actors::engines::VllmCluster,
+    members: &[Member],
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    use pdkv_core::wire::Role;
+    let deadline = Instant::now() + timeout;
+    let prefills: Vec<&pdkv_actors::engines::VllmNode> = cluster
+        .nodes
+        .iter()
+        .filter(|node| node.role == Role::Prefill)
+        .collect();
+    let decodes: Vec<&pdkv_actors::engines::VllmNode> = cluster
+        .nodes
+        .iter()
+        .filter(|node| node.role == Role::Decode)
+        .collect();
+    let agent = http_agent(Duration::from_millis(cluster.limits.request_timeout_ms));
+    let model = &cluster.engine.served_model_name;
+    for pair in 0..prefills.len().max(decodes.len()) {
+        let (prefill, decode) = (prefills[pair % prefills.len()], decodes[pair % decodes.len()]);
+        let mut attempt = 0usize;
+        loop {
+            let prompt: Vec<u64> = (0..PROBE_TOKENS)
+                .map(|i| 1 + ((pair * 31 + attempt * 17 + i * 7) % 97) as u64)
+                .collect();
+            let probed = probe_handoff(&agent, model, &prefill.http_url(), &decode.http_url(), &prompt);
+            match probed {
+                Ok(()) => break,
+                Err(why) if Instant::now() < deadline => {
+                    tracing::info!(prefill = %prefill.name, decode = %decode.name, %why, "hand-off probe failed; again");
+                    attempt += 1;
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(why) => {
+                    let log = members
+                        .iter()
+                        .find(|member| member.name == decode.name.0)
+                        .map(|member| (member.log.display().to_string(), log_tail(&member.log)))
+                        .unwrap_or_default();
+                    bail!(
+                        "{} did not read KV from {}: {why}; log {}:\n{}",
+                        decode.name,
+                        prefill.name,
+                        log.0,
+                        log.1
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One probe: the prompt through `prefill` and `decode` as the router sends it; `Ok` when the
+/// decode leg completed a READ of it (pdkv's `vllm:pdkv_load_seconds_count` moved; a failed
+/// load, which vLLM recomputes, moves `vllm:pdkv_failed_loads_total` instead).
+fn probe_handoff(
+    agent: &ureq::Agent,
+    model: &str,
+    prefill: &str,
+    decode: &str,
+    prompt: &[u64],
+) -> Result<(), String> {
+    use crate::vllm_sweep::LoadCounts;
+    let counts = || -> Result<LoadCounts, String> {
+        let text = agent
+            .get(format!("{decode}/metrics"))
+            .call()
+            .map_err(|error| format!("{decode}/metrics: {error}"))?
+            .body_mut()
+            .read_to_string()
+            .map_err(|error| format!("{decode}/metrics: {error}"))?;
+        Ok(LoadCounts::from_metrics(&text))
+    };
+    let post = |url: String, body: serde_json::Value| -> Result<serde_json::Value, String> {
+        let mut response = agent
+            .post(&url)
+            .send_json(&body)
+            .map_err(|error| format!("{url}: {error}"))?;
+        let status = response.status().as_u16();
+        let answer: serde_json::Value = response
+            .body_mut()
+            .read_json()
+            .map_err(|error| format!("{url}: {error}"))?;
+        if status != 200 {
+            return Err(format!("{url} answered {status}: {answer}"));
+        }
+        Ok(answer)
+    };
+    let before = counts()?;
+    let answer = post(
+        format!("{prefill}/v1/completions"),
+        serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1, "ignore_eos": true,
+                            "kv_transfer_params": {"do_remote_decode": true}}),
+    )?;
+    let params = answer
+        .get("kv_transfer_params")
+        .filter(|params| params.is_object())
+        .ok_or("the prefill leg answered without kv_transfer_params (is its kv_role kv_producer?)")?
+        .clone();
+    post(
+        format!("{decode}/v1/completions"),
+        serde_json::json!({"model": model, "prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}),
+    )?;
+    // The load's outcome reaches /metrics with an engine step's output: poll briefly.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let after = counts()?;
+        if after.loads > before.loads {
+            return Ok(());
+        }
+        if after.failed > before.failed {
+            return Err(
+                "the decode leg's READ failed and it recomputed the prompt (its log says why)".into(),
+            );
+        }
+        if Instant::now() >= deadline {
+            return Err("the decode leg reported no READ (is pdkv_vllm installed where it runs?)".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether a vLLM leg's `/health` answers 200.
+fn probe_health(agent: &ureq::Agent, base: &str) -> Result<(), String> {
+    let response = agent
+        .get(format!("{base}/health"))
+        .call()
+        .map_err(|error| error.to_string())?;
+    match response.status().as_u16() {
+        200 => Ok(()),
+        status => Err(format!("/health {status}")),
+    }
 }
 
 /// Whether a process's `/ready` says it serves and all its peers are linked.
@@ -716,7 +936,7 @@ mod tests {
         let text = "[model]\nseed = 1\nd_model = 8\nvocab = 16\nlayer_groups = [0]\n\n[[model.groups]]\nkind = \"full\"\nblock_size = 16\n\n[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nblocks_per_group = 8\n\n[[nodes]]\nname = \"d\"\nrole = \"decode\"\nblocks_per_group = 8\n";
         let dir = std::env::temp_dir().join(format!("pdkv-pick-{}", std::process::id()));
         let path = prepare_run_dir(text, "test", &dir).expect("prepared");
-        let config = ClusterConfig::from_file(&path).expect("valid");
+        let config = pdkv_actors::config::ClusterConfig::from_file(&path).expect("valid");
         let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
             .expect("linux")
             .split_whitespace()

@@ -38,9 +38,10 @@ pub struct LaunchArgs {
     /// `pdkv-run-<unix time>` in the current directory).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// Seconds every process has to become ready.
-    #[arg(long, default_value_t = 30.0)]
-    pub ready_timeout: f64,
+    /// Seconds every process has to become ready (default: 30, or 600 when the legs are vLLM
+    /// engines, which load a model and, on CPU, compile kernels as they start).
+    #[arg(long)]
+    pub ready_timeout: Option<f64>,
     /// What to do when a node exits on its own.
     #[arg(long, value_enum, default_value_t = RestartArg::Never)]
     pub restart: RestartArg,
@@ -60,6 +61,19 @@ pub struct LaunchArgs {
     /// With `--render k8s`: the container image holding `pdkv` on its PATH.
     #[arg(long, default_value = "pdkv:latest", requires = "render")]
     pub image: String,
+}
+
+/// Seconds processes get to become ready by default: vLLM legs start in tens of seconds to
+/// minutes (model load, kernel warm-up), pdkv's own in well under a second.
+pub fn default_ready_timeout(config: Option<&PathBuf>) -> f64 {
+    let text = match config {
+        Some(path) => std::fs::read_to_string(path).unwrap_or_default(),
+        None => DEFAULT_CLUSTER_TOML.to_string(),
+    };
+    match pdkv_actors::config::AnyCluster::from_toml(&text) {
+        Ok(pdkv_actors::config::AnyCluster::Vllm(_)) => 600.0,
+        _ => 30.0,
+    }
 }
 
 /// Reads the config text and names it.
@@ -112,7 +126,10 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             .map_or(0, |elapsed| elapsed.as_secs());
         PathBuf::from(format!("pdkv-run-{now}"))
     });
-    let mut options = options(args.config.as_ref(), run_dir, args.ready_timeout)?;
+    let ready_timeout = args
+        .ready_timeout
+        .unwrap_or_else(|| default_ready_timeout(args.config.as_ref()));
+    let mut options = options(args.config.as_ref(), run_dir, ready_timeout)?;
     options.remote_binary = args.remote_bin.clone();
     options.ssh_config = args.ssh_config.clone();
     let mut cluster = Cluster::launch(&options)?;

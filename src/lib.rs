@@ -18,3 +18,6 @@ pub mod plan_cmd;
 pub mod render;
 pub mod sim_cmd;
 pub mod sweep_cmd;
+pub mod vllm_leg;
+pub mod vllm_router;
+pub mod vllm_sweep;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use pdkv_actors::allocator::Stats;
-use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
+use pdkv_actors::config::{AnyCluster, ClusterConfig, ROUTER_NODE};
 use pdkv_actors::node::{NodeProcess, resolve};
 use pdkv_core::wire::Role;
 use pdkv_transport::tls::NodeIdentity;
@@ -37,6 +37,9 @@ pub struct NodeArgs {
     /// Which `[[nodes]]` entry to run.
     #[arg(long)]
     pub node: String,
+    /// Print the command a vLLM leg runs (`engine = "vllm"`) instead of running it.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// Arguments of `pdkv router`.
@@ -67,6 +70,15 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         bail!(
             "{ROUTER_NODE} is the router: run `pdkv router --config {}`",
             args.config.display()
+        );
+    }
+    if let AnyCluster::Vllm(cluster) = AnyCluster::from_file(&args.config)? {
+        return crate::vllm_leg::run(&cluster, &args.node, args.dry_run);
+    }
+    if args.dry_run {
+        bail!(
+            "--dry-run prints a vLLM leg's command; node {} runs pdkv's reference engine",
+            args.node
         );
     }
     let (config, identity) = load(&args.config, &args.node)?;
@@ -167,6 +179,9 @@ fn export_stats(stats: &pdkv_actors::allocator::LegStats) {
 
 /// Runs `pdkv router`.
 pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
+    if let AnyCluster::Vllm(cluster) = AnyCluster::from_file(&args.config)? {
+        return crate::vllm_router::run(cluster);
+    }
     let (config, identity) = load(&args.config, ROUTER_NODE)?;
     if config.router.http_port == 0 {
         bail!("[router] http_port is 0; the router of its own needs a fixed port (`pdkv launch` picks one)");

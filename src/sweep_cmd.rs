@@ -47,9 +47,10 @@ pub struct SweepArgs {
     /// temporary directory, removed when every length matched).
     #[arg(long, conflicts_with = "in_process")]
     pub run_dir: Option<PathBuf>,
-    /// Without `--in-process`: seconds the processes have to become ready.
-    #[arg(long, default_value_t = 30.0, conflicts_with = "in_process")]
-    pub ready_timeout: f64,
+    /// Without `--in-process`: seconds the processes have to become ready (default 30; 600 for
+    /// vLLM legs).
+    #[arg(long, conflicts_with = "in_process")]
+    pub ready_timeout: Option<f64>,
     /// Sweep a cluster that is already running, through its router at this URL
     /// (`http://host:port`), instead of launching one; `--config` must be the cluster's.
     #[arg(long, conflicts_with_all = ["in_process", "run_dir"])]
@@ -58,6 +59,27 @@ pub struct SweepArgs {
     /// `name=http://host:admin_port,...`.
     #[arg(long, requires = "router", value_delimiter = ',')]
     pub legs: Vec<String>,
+    /// vLLM legs: what answers are compared against: `plain` (a vLLM instance of the same
+    /// model and flags, started here, without connector or prefix cache), `leg` (the first
+    /// prefill leg asked without KV transfer) or the URL of a running server.
+    #[arg(long, default_value = "plain")]
+    pub oracle: crate::vllm_sweep::Oracle,
+    /// vLLM legs: top log-probabilities compared per generated token (0..=20).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=20))]
+    pub logprobs: u32,
+    /// vLLM legs: largest difference of log-probabilities still equal. Default 1e-4: batches
+    /// and chunked prefills change float rounding (measured up to 4e-6 on CPU), wrong KV changes
+    /// log-probabilities by tenths; 0 asks for bitwise equality.
+    #[arg(long, default_value_t = 1e-4)]
+    pub logprob_tolerance: f64,
+    /// vLLM legs: requests in flight at once (1: one at a time, and the prompt tokens each
+    /// decode read are counted).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub concurrency: u64,
+    /// vLLM legs: send every prompt twice (all first sends, then all second sends), so the
+    /// second finds it in the decode leg's prefix cache.
+    #[arg(long)]
+    pub repeat: bool,
 }
 
 /// `--links` values.
@@ -80,6 +102,30 @@ impl From<LinksArg> for LinkKind {
 
 /// Runs the sweep; `demo` passes the demo's 102 lengths.
 pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result<ExitCode> {
+    let lengths_of = |default_lengths: Option<Vec<u64>>| match (&args.lengths, default_lengths) {
+        (Some(spec), _) => {
+            crate::lengths::parse_lengths(spec).map_err(|error| anyhow::anyhow!("--lengths: {error}"))
+        }
+        (None, Some(lengths)) => Ok(lengths),
+        (None, None) => {
+            anyhow::bail!("--lengths is required, e.g. --lengths 1..1100 or --lengths 251,377,440")
+        }
+    };
+    if let Some(path) = &args.config {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        if let pdkv_actors::config::AnyCluster::Vllm(cluster) =
+            pdkv_actors::config::AnyCluster::from_toml(&text)?
+        {
+            let lengths = lengths_of(default_lengths)?;
+            return crate::vllm_sweep::run(&args, cluster, text, lengths);
+        }
+    }
+    if args.repeat || args.concurrency != 1 || args.oracle != crate::vllm_sweep::Oracle::Plain {
+        anyhow::bail!(
+            "--repeat, --concurrency and --oracle are for vLLM legs; the reference engine's direct run is computed here"
+        );
+    }
     let mut config = match &args.config {
         Some(path) => ClusterConfig::from_file(path)?,
         None => ClusterConfig::embedded_default(),
@@ -90,15 +136,7 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
     if let Some(links) = args.links {
         config.transport.links = links.into();
     }
-    let lengths = match (&args.lengths, default_lengths) {
-        (Some(spec), _) => {
-            crate::lengths::parse_lengths(spec).map_err(|error| anyhow::anyhow!("--lengths: {error}"))?
-        }
-        (None, Some(lengths)) => lengths,
-        (None, None) => {
-            anyhow::bail!("--lengths is required, e.g. --lengths 1..1100 or --lengths 251,377,440")
-        }
-    };
+    let lengths = lengths_of(default_lengths)?;
     // Refuse before starting the cluster or building a prompt: no length may outgrow the legs.
     if let Some(&longest) = lengths.iter().max() {
         config
@@ -113,7 +151,7 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
 }
 
 /// The run directory of a process sweep, and whether it was made here (and may be removed).
-fn sweep_run_dir(args: &SweepArgs) -> (PathBuf, bool) {
+pub(crate) fn sweep_run_dir(args: &SweepArgs) -> (PathBuf, bool) {
     match &args.run_dir {
         Some(dir) => (dir.clone(), false),
         None => {
@@ -165,20 +203,14 @@ async fn sweep_processes(
     };
     let (run_dir, temporary) = sweep_run_dir(args);
     let (launched, router_url, legs) = match &args.router {
-        Some(url) => {
-            let legs = args
-                .legs
-                .iter()
-                .map(|leg| {
-                    leg.split_once('=')
-                        .map(|(name, url)| (name.to_string(), url.trim_end_matches('/').to_string()))
-                        .with_context(|| format!("--legs: {leg:?} is not name=http://host:port"))
-                })
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            (None, url.trim_end_matches('/').to_string(), legs)
-        }
+        Some(url) => (
+            None,
+            url.trim_end_matches('/').to_string(),
+            parse_legs(&args.legs)?,
+        ),
         None => {
-            let mut options = crate::launch_cmd::options(None, run_dir.clone(), args.ready_timeout)?;
+            let mut options =
+                crate::launch_cmd::options(None, run_dir.clone(), args.ready_timeout.unwrap_or(30.0))?;
             options.config_text = process_config_text(args)?;
             if let Some(path) = &args.config {
                 options.config_name = path.display().to_string();
@@ -241,6 +273,17 @@ async fn sweep_processes(
         eprintln!("logs and the resolved cluster.toml are in {}", run_dir.display());
     }
     Ok(code)
+}
+
+/// `--legs name=http://host:port,...`.
+pub(crate) fn parse_legs(legs: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    legs.iter()
+        .map(|leg| {
+            leg.split_once('=')
+                .map(|(name, url)| (name.to_string(), url.trim_end_matches('/').to_string()))
+                .with_context(|| format!("--legs: {leg:?} is not name=http://host:port"))
+        })
+        .collect()
 }
 
 /// Polls every leg's `/metrics` until all are idle or `timeout` passes; returns the last reading.

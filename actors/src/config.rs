@@ -14,6 +14,7 @@ use crate::deployment::{
     Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig, check_host,
     check_ports, node_deployment,
 };
+use crate::engines::{EngineKind, EnginesSection, VllmCluster, VllmEngine, VllmNode, VllmNodeKeys};
 pub use pdkv_core::leg::PrefillTokens;
 use pdkv_core::wire::NodeId;
 use pdkv_transport::mori::MoriSettings;
@@ -29,11 +30,14 @@ pub use pdkv_core::wire::Role;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ClusterFile {
-    model: ModelSection,
     #[serde(default)]
-    exchange: ExchangeConfig,
+    model: Option<ModelSection>,
     #[serde(default)]
-    transport: TransportConfig,
+    engines: EnginesSection,
+    #[serde(default)]
+    exchange: Option<ExchangeConfig>,
+    #[serde(default)]
+    transport: Option<TransportConfig>,
     #[serde(default)]
     limits: Limits,
     #[serde(default)]
@@ -277,10 +281,13 @@ struct NodeSection {
     name: String,
     role: Role,
     #[serde(default)]
-    lookahead_tokens: u64,
-    blocks_per_group: u32,
+    engine: Option<EngineKind>,
     #[serde(default)]
-    prefix_caching: bool,
+    lookahead_tokens: Option<u64>,
+    #[serde(default)]
+    blocks_per_group: Option<u32>,
+    #[serde(default)]
+    prefix_caching: Option<bool>,
     #[serde(default)]
     prefill_tokens: Option<PrefillTokens>,
     #[serde(default)]
@@ -299,6 +306,12 @@ struct NodeSection {
     ssh: Option<String>,
     #[serde(default)]
     gpu: Option<u32>,
+    #[serde(default)]
+    gpus: Option<Vec<u32>>,
+    #[serde(default)]
+    cpus: Option<String>,
+    #[serde(default)]
+    engine_args: Option<Vec<String>>,
 }
 
 /// One node (one leg) of the cluster.
@@ -356,290 +369,16 @@ impl ClusterConfig {
         Self::from_toml(DEFAULT_CLUSTER_TOML).expect("the shipped cluster.toml is valid")
     }
 
-    /// Parses and checks a `cluster.toml`.
+    /// Parses and checks a `cluster.toml` of reference-engine legs; a cluster of vLLM legs is
+    /// refused by name (see [`AnyCluster`] for both).
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let file: ClusterFile =
-            toml::from_str(text).map_err(|error| ConfigError::Parse(error.to_string()))?;
-        let groups = file
-            .model
-            .groups
-            .iter()
-            .enumerate()
-            .map(|(index, entry)| {
-                entry
-                    .to_spec(index)
-                    .map_err(|error: GroupEntryError| ConfigError::Group(error))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        if file.model.layer_groups.is_empty() {
-            return Err(ConfigError::invalid(
-                "model.layer_groups",
-                "at least one layer is required",
-            ));
-        }
-        let layout = KvLayout::new(groups, file.model.layer_groups.clone())
-            .map_err(|error| ConfigError::invalid("model.layer_groups", error.to_string()))?;
-        if file.model.d_model == 0 || file.model.d_model > 4096 {
-            return Err(ConfigError::invalid(
-                "model.d_model",
-                format!("must be 1..=4096, got {}", file.model.d_model),
-            ));
-        }
-        if file.model.vocab < 2 {
-            return Err(ConfigError::invalid(
-                "model.vocab",
-                format!("must be at least 2, got {}", file.model.vocab),
-            ));
-        }
-        let weights = reference_weight_count(
-            &layout,
-            u64::from(file.model.d_model),
-            u64::from(file.model.vocab),
-        );
-        if weights.is_none_or(|count| count > MAX_REFERENCE_WEIGHTS) {
-            return Err(ConfigError::invalid(
-                "model",
-                format!(
-                    "d_model {} with vocab {} and {} layers needs more than the reference engine's {} weights",
-                    file.model.d_model,
-                    file.model.vocab,
-                    layout.num_layers(),
-                    MAX_REFERENCE_WEIGHTS
-                ),
-            ));
-        }
-        let limits = file.limits;
-        let failure = file.failure;
-        failure.check()?;
-        for (key, value) in [
-            ("request_timeout_ms", limits.request_timeout_ms),
-            ("lease_ms", limits.lease_ms),
-            ("alloc_wait_ms", limits.alloc_wait_ms),
-            ("wait_queue", limits.wait_queue as u64),
-            ("max_grants", limits.max_grants as u64),
-            ("mailbox", limits.mailbox as u64),
-            ("compute_workers", limits.compute_workers as u64),
-            ("link_in_flight", limits.link_in_flight as u64),
-            ("max_leg_bytes", limits.max_leg_bytes),
-        ] {
-            if value == 0 {
-                return Err(ConfigError::invalid(
-                    format!("limits.{key}"),
-                    "must be at least 1",
-                ));
-            }
-        }
-        for (key, value_ms) in [
-            ("request_timeout_ms", limits.request_timeout_ms),
-            ("lease_ms", limits.lease_ms),
-            ("alloc_wait_ms", limits.alloc_wait_ms),
-        ] {
-            if value_ms > MAX_TIME_LIMIT_MS {
-                return Err(ConfigError::invalid(
-                    format!("limits.{key}"),
-                    format!("{value_ms} ms is more than a day ({MAX_TIME_LIMIT_MS} ms)"),
-                ));
-            }
-        }
-        if limits.inline_compute_us > MAX_INLINE_COMPUTE_US {
-            return Err(ConfigError::invalid(
-                "limits.inline_compute_us",
-                format!(
-                    "{} would let one computation hold a leg's arbiter for more than {MAX_INLINE_COMPUTE_US} us",
-                    limits.inline_compute_us
-                ),
-            ));
-        }
-        if limits.compute_workers > MAX_COMPUTE_WORKERS {
-            return Err(ConfigError::invalid(
-                "limits.compute_workers",
-                format!(
-                    "{} is more than the {MAX_COMPUTE_WORKERS} threads a leg may run",
-                    limits.compute_workers
-                ),
-            ));
-        }
-        if file.nodes.len() > MAX_NODES {
-            return Err(ConfigError::invalid(
+        match AnyCluster::from_toml(text)? {
+            AnyCluster::Reference(config) => Ok(config),
+            AnyCluster::Vllm(_) => Err(ConfigError::invalid(
                 "nodes",
-                format!(
-                    "{} nodes, at most {MAX_NODES} are supported (each runs its own threads)",
-                    file.nodes.len()
-                ),
-            ));
+                "the legs are vLLM engines (engine = \"vllm\"); this command needs reference-engine legs (pdkv launch and pdkv router serve vLLM legs)",
+            )),
         }
-        let mut names = HashSet::new();
-        let mut nodes = Vec::with_capacity(file.nodes.len());
-        for (index, node) in file.nodes.into_iter().enumerate() {
-            if !is_dns_name(&node.name) {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].name"),
-                    format!(
-                        "{:?} is not a valid node name (letters, digits, '-' and '.', \
-                     as in a DNS name: it goes into the node's certificate)",
-                        node.name
-                    ),
-                ));
-            }
-            if RESERVED_NODE_NAMES.contains(&node.name.as_str()) {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].name"),
-                    format!(
-                        "{:?} is reserved (pdkv certs init writes the cluster CA as ca.pem and ca.key)",
-                        node.name
-                    ),
-                ));
-            }
-            if !names.insert(node.name.clone()) {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].name"),
-                    format!("duplicate node name {:?}", node.name),
-                ));
-            }
-            let leg_bytes = leg_memory_bytes(&layout, u64::from(file.model.d_model), node.blocks_per_group);
-            if leg_bytes.is_none_or(|bytes| bytes > limits.max_leg_bytes) {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].blocks_per_group"),
-                    format!(
-                        "{} blocks per group need {} of KV memory and block bookkeeping, above limits.max_leg_bytes ({} bytes)",
-                        node.blocks_per_group,
-                        leg_bytes.map_or("more than 2^64 bytes".to_string(), |bytes| format!(
-                            "{bytes} bytes"
-                        )),
-                        limits.max_leg_bytes
-                    ),
-                ));
-            }
-            if node.blocks_per_group == 0 {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].blocks_per_group"),
-                    "must be at least 1",
-                ));
-            }
-            let capacity = token_capacity(&layout, node.blocks_per_group);
-            if node.lookahead_tokens >= capacity.tokens {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].lookahead_tokens"),
-                    format!(
-                        "{} tokens leave no room for a prompt: the node holds {}",
-                        node.lookahead_tokens, capacity
-                    ),
-                ));
-            }
-            if node.role == Role::Router {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].role"),
-                    "\"router\" is not a leg role: use \"prefill\" or \"decode\" (the router is not a [[nodes]] entry)",
-                ));
-            }
-            if node.role == Role::Decode && node.prefill_tokens.is_some() {
-                return Err(ConfigError::invalid(
-                    format!("nodes[{index}].prefill_tokens"),
-                    format!(
-                        "only prefill nodes take this key, {:?} is a decode node",
-                        node.name
-                    ),
-                ));
-            }
-            let placement = NodePlacement {
-                host: node.host,
-                bind: node.bind,
-                control_port: node.control_port,
-                data_port: node.data_port,
-                admin_port: node.admin_port,
-                launch: node.launch,
-                ssh: node.ssh,
-            };
-            let (address, launch) = node_deployment(&format!("nodes[{index}]"), placement)?;
-            nodes.push(NodeConfig {
-                name: NodeId(node.name),
-                role: node.role,
-                lookahead_tokens: node.lookahead_tokens,
-                blocks_per_group: node.blocks_per_group,
-                prefix_caching: node.prefix_caching,
-                prefill_tokens: node.prefill_tokens.unwrap_or_default(),
-                address,
-                launch,
-                gpu: node.gpu.unwrap_or(0),
-            });
-        }
-        file.transport.mori.validate().map_err(|error| {
-            ConfigError::invalid(
-                format!("transport.mori.{}", error.field),
-                format!("{} is out of range {}", error.value, error.range),
-            )
-        })?;
-        if file.transport.kv_memory == KvMemory::Gpu && file.transport.read_engine != ReadEngineKind::Mori {
-            return Err(ConfigError::invalid(
-                "transport.kv_memory",
-                "\"gpu\" needs read_engine = \"mori\": no other READ engine reaches GPU memory",
-            ));
-        }
-        for role in [Role::Prefill, Role::Decode] {
-            if !nodes.iter().any(|node| node.role == role) {
-                return Err(ConfigError::invalid(
-                    "nodes",
-                    format!("at least one {role} node is required"),
-                ));
-            }
-        }
-        check_host("router.host", &file.router.host)?;
-        if let Some(bind) = &file.router.bind {
-            check_host("router.bind", bind)?;
-        }
-        let router_listeners = [
-            (
-                "router.http_port".to_string(),
-                file.router.host.as_str(),
-                file.router.http_port,
-            ),
-            (
-                "router.control_port".to_string(),
-                file.router.host.as_str(),
-                file.router.control_port,
-            ),
-        ];
-        let node_listeners = nodes.iter().enumerate().flat_map(|(index, node)| {
-            let host = node.address.host.as_str();
-            [
-                (
-                    format!("nodes[{index}].control_port"),
-                    host,
-                    node.address.control_port,
-                ),
-                (format!("nodes[{index}].data_port"), host, node.address.data_port),
-                (
-                    format!("nodes[{index}].admin_port"),
-                    host,
-                    node.address.admin_port,
-                ),
-            ]
-        });
-        check_ports(router_listeners.into_iter().chain(node_listeners))?;
-        if let Some(tls) = &file.tls
-            && tls.dir.as_os_str().is_empty()
-        {
-            return Err(ConfigError::invalid(
-                "tls.dir",
-                "must name the directory pdkv certs init wrote",
-            ));
-        }
-        Ok(ClusterConfig {
-            layout,
-            model: ModelParams {
-                seed: file.model.seed,
-                d_model: file.model.d_model as usize,
-                vocab: file.model.vocab,
-            },
-            exchange: file.exchange,
-            transport: file.transport,
-            limits,
-            failure,
-            router: file.router,
-            tls: file.tls,
-            logging: file.logging,
-            nodes,
-        })
     }
 
     /// Reads and checks a `cluster.toml` file.
@@ -688,6 +427,533 @@ impl ClusterConfig {
         }
         Ok(())
     }
+}
+
+/// A checked `cluster.toml`: legs of pdkv's reference engine, or vLLM engines.
+#[derive(Debug, Clone)]
+pub enum AnyCluster {
+    /// Every leg runs pdkv's reference engine (`pdkv node`).
+    Reference(ClusterConfig),
+    /// Every leg is a vLLM server with `PdkvConnector` (`engine = "vllm"`).
+    Vllm(VllmCluster),
+}
+
+/// A node of either kind, as the multi-process commands see it: who runs where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placed<'a> {
+    /// Node name.
+    pub name: &'a NodeId,
+    /// Its role.
+    pub role: Role,
+    /// Its engine.
+    pub engine: EngineKind,
+    /// Where it listens.
+    pub address: &'a NodeAddress,
+    /// How it is started.
+    pub launch: &'a Launch,
+}
+
+/// The checks every cluster.toml passes, whatever its legs run: bounds, failure detection, node
+/// names, roles and placements, the router's host, ports, certificates. Returns each node's
+/// name, role, address and launch, in file order.
+fn check_common(file: &ClusterFile) -> Result<Vec<(NodeId, Role, NodeAddress, Launch)>, ConfigError> {
+    let limits = file.limits;
+    file.failure.check()?;
+    for (key, value) in [
+        ("request_timeout_ms", limits.request_timeout_ms),
+        ("lease_ms", limits.lease_ms),
+        ("alloc_wait_ms", limits.alloc_wait_ms),
+        ("wait_queue", limits.wait_queue as u64),
+        ("max_grants", limits.max_grants as u64),
+        ("mailbox", limits.mailbox as u64),
+        ("compute_workers", limits.compute_workers as u64),
+        ("link_in_flight", limits.link_in_flight as u64),
+        ("max_leg_bytes", limits.max_leg_bytes),
+    ] {
+        if value == 0 {
+            return Err(ConfigError::invalid(
+                format!("limits.{key}"),
+                "must be at least 1",
+            ));
+        }
+    }
+    for (key, value_ms) in [
+        ("request_timeout_ms", limits.request_timeout_ms),
+        ("lease_ms", limits.lease_ms),
+        ("alloc_wait_ms", limits.alloc_wait_ms),
+    ] {
+        if value_ms > MAX_TIME_LIMIT_MS {
+            return Err(ConfigError::invalid(
+                format!("limits.{key}"),
+                format!("{value_ms} ms is more than a day ({MAX_TIME_LIMIT_MS} ms)"),
+            ));
+        }
+    }
+    if limits.inline_compute_us > MAX_INLINE_COMPUTE_US {
+        return Err(ConfigError::invalid(
+            "limits.inline_compute_us",
+            format!(
+                "{} would let one computation hold a leg's arbiter for more than {MAX_INLINE_COMPUTE_US} us",
+                limits.inline_compute_us
+            ),
+        ));
+    }
+    if limits.compute_workers > MAX_COMPUTE_WORKERS {
+        return Err(ConfigError::invalid(
+            "limits.compute_workers",
+            format!(
+                "{} is more than the {MAX_COMPUTE_WORKERS} threads a leg may run",
+                limits.compute_workers
+            ),
+        ));
+    }
+    if file.nodes.len() > MAX_NODES {
+        return Err(ConfigError::invalid(
+            "nodes",
+            format!(
+                "{} nodes, at most {MAX_NODES} are supported (each runs its own threads)",
+                file.nodes.len()
+            ),
+        ));
+    }
+    let mut names = HashSet::new();
+    let mut placed = Vec::with_capacity(file.nodes.len());
+    for (index, node) in file.nodes.iter().enumerate() {
+        if !is_dns_name(&node.name) {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].name"),
+                format!(
+                    "{:?} is not a valid node name (letters, digits, '-' and '.', \
+                 as in a DNS name: it goes into the node's certificate)",
+                    node.name
+                ),
+            ));
+        }
+        if RESERVED_NODE_NAMES.contains(&node.name.as_str()) {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].name"),
+                format!(
+                    "{:?} is reserved (pdkv certs init writes the cluster CA as ca.pem and ca.key)",
+                    node.name
+                ),
+            ));
+        }
+        if !names.insert(node.name.clone()) {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].name"),
+                format!("duplicate node name {:?}", node.name),
+            ));
+        }
+        if node.role == Role::Router {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].role"),
+                "\"router\" is not a leg role: use \"prefill\" or \"decode\" (the router is not a [[nodes]] entry)",
+            ));
+        }
+        let placement = NodePlacement {
+            host: node.host.clone(),
+            bind: node.bind.clone(),
+            control_port: node.control_port,
+            data_port: node.data_port,
+            admin_port: node.admin_port,
+            launch: node.launch,
+            ssh: node.ssh.clone(),
+        };
+        let (address, launch) = node_deployment(&format!("nodes[{index}]"), placement)?;
+        placed.push((NodeId(node.name.clone()), node.role, address, launch));
+    }
+    for role in [Role::Prefill, Role::Decode] {
+        if !placed.iter().any(|(_, node_role, _, _)| *node_role == role) {
+            return Err(ConfigError::invalid(
+                "nodes",
+                format!("at least one {role} node is required"),
+            ));
+        }
+    }
+    if !(1..=MAX_TIME_LIMIT_MS).contains(&file.router.prefill_timeout_ms) {
+        return Err(ConfigError::invalid(
+            "router.prefill_timeout_ms",
+            format!(
+                "{} is outside 1..={MAX_TIME_LIMIT_MS}",
+                file.router.prefill_timeout_ms
+            ),
+        ));
+    }
+    check_host("router.host", &file.router.host)?;
+    if let Some(bind) = &file.router.bind {
+        check_host("router.bind", bind)?;
+    }
+    let router_listeners = [
+        (
+            "router.http_port".to_string(),
+            file.router.host.as_str(),
+            file.router.http_port,
+        ),
+        (
+            "router.control_port".to_string(),
+            file.router.host.as_str(),
+            file.router.control_port,
+        ),
+    ];
+    let node_listeners = placed.iter().enumerate().flat_map(|(index, (_, _, address, _))| {
+        let host = address.host.as_str();
+        [
+            (format!("nodes[{index}].control_port"), host, address.control_port),
+            (format!("nodes[{index}].data_port"), host, address.data_port),
+            (format!("nodes[{index}].admin_port"), host, address.admin_port),
+        ]
+    });
+    check_ports(router_listeners.into_iter().chain(node_listeners))?;
+    if let Some(tls) = &file.tls
+        && tls.dir.as_os_str().is_empty()
+    {
+        return Err(ConfigError::invalid(
+            "tls.dir",
+            "must name the directory pdkv certs init wrote",
+        ));
+    }
+    Ok(placed)
+}
+
+/// Refuses `key` of node `index` when it is set: it belongs to the other kind of leg.
+fn refuse_key<T>(index: usize, key: &str, value: &Option<T>, why: &str) -> Result<(), ConfigError> {
+    match value {
+        Some(_) => Err(ConfigError::invalid(
+            format!("nodes[{index}].{key}"),
+            why.to_string(),
+        )),
+        None => Ok(()),
+    }
+}
+
+impl AnyCluster {
+    /// Parses and checks a `cluster.toml`: unknown keys, missing keys, values out of range,
+    /// keys of the other kind of leg, and a mix of reference and vLLM legs are refused, naming
+    /// the key.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let file: ClusterFile =
+            toml::from_str(text).map_err(|error| ConfigError::Parse(error.to_string()))?;
+        let engine_of = |node: &NodeSection| node.engine.unwrap_or_default();
+        let first_vllm = file
+            .nodes
+            .iter()
+            .position(|node| engine_of(node) == EngineKind::Vllm);
+        let first_reference = file
+            .nodes
+            .iter()
+            .position(|node| engine_of(node) == EngineKind::Reference);
+        match (first_vllm, first_reference) {
+            (None, _) => reference_cluster(file).map(AnyCluster::Reference),
+            (Some(_), None) => vllm_cluster(file).map(AnyCluster::Vllm),
+            (Some(vllm), Some(reference)) => Err(ConfigError::invalid(
+                format!("nodes[{}].engine", vllm.max(reference)),
+                format!(
+                    "{} is a vLLM leg and {} a reference-engine leg: one cannot read the other's KV, so a cluster's legs are all one engine",
+                    file.nodes[vllm].name, file.nodes[reference].name
+                ),
+            )),
+        }
+    }
+
+    /// Reads and checks a `cluster.toml` file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|error| ConfigError::Read(format!("{}: {error}", path.display())))?;
+        Self::from_toml(&text)
+    }
+
+    /// Every node: name, role, engine, address and launch, in file order.
+    pub fn placed(&self) -> Vec<Placed<'_>> {
+        match self {
+            AnyCluster::Reference(config) => config
+                .nodes
+                .iter()
+                .map(|node| Placed {
+                    name: &node.name,
+                    role: node.role,
+                    engine: EngineKind::Reference,
+                    address: &node.address,
+                    launch: &node.launch,
+                })
+                .collect(),
+            AnyCluster::Vllm(cluster) => cluster
+                .nodes
+                .iter()
+                .map(|node| Placed {
+                    name: &node.name,
+                    role: node.role,
+                    engine: EngineKind::Vllm,
+                    address: &node.address,
+                    launch: &node.launch,
+                })
+                .collect(),
+        }
+    }
+
+    /// `[router]`.
+    pub fn router(&self) -> &RouterConfig {
+        match self {
+            AnyCluster::Reference(config) => &config.router,
+            AnyCluster::Vllm(cluster) => &cluster.router,
+        }
+    }
+
+    /// `[tls]`.
+    pub fn tls(&self) -> Option<&TlsConfig> {
+        match self {
+            AnyCluster::Reference(config) => config.tls.as_ref(),
+            AnyCluster::Vllm(cluster) => cluster.tls.as_ref(),
+        }
+    }
+
+    /// `[logging]`.
+    pub fn logging(&self) -> &LoggingConfig {
+        match self {
+            AnyCluster::Reference(config) => &config.logging,
+            AnyCluster::Vllm(cluster) => &cluster.logging,
+        }
+    }
+
+    /// `[limits]`.
+    pub fn limits(&self) -> &Limits {
+        match self {
+            AnyCluster::Reference(config) => &config.limits,
+            AnyCluster::Vllm(cluster) => &cluster.limits,
+        }
+    }
+}
+
+/// The checks of a cluster of reference-engine legs, after [`check_common`].
+fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
+    if file.engines.vllm.is_some() {
+        return Err(ConfigError::invalid(
+            "engines.vllm",
+            "no node has engine = \"vllm\"",
+        ));
+    }
+    let Some(model) = &file.model else {
+        return Err(ConfigError::Parse(
+            "missing field `model` (the reference engine's [model]; vLLM legs take engine = \"vllm\")".into(),
+        ));
+    };
+    let groups = model
+        .groups
+        .iter()
+        .enumerate()
+        .map(|(index, entry)| {
+            entry
+                .to_spec(index)
+                .map_err(|error: GroupEntryError| ConfigError::Group(error))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if model.layer_groups.is_empty() {
+        return Err(ConfigError::invalid(
+            "model.layer_groups",
+            "at least one layer is required",
+        ));
+    }
+    let layout = KvLayout::new(groups, model.layer_groups.clone())
+        .map_err(|error| ConfigError::invalid("model.layer_groups", error.to_string()))?;
+    if model.d_model == 0 || model.d_model > 4096 {
+        return Err(ConfigError::invalid(
+            "model.d_model",
+            format!("must be 1..=4096, got {}", model.d_model),
+        ));
+    }
+    if model.vocab < 2 {
+        return Err(ConfigError::invalid(
+            "model.vocab",
+            format!("must be at least 2, got {}", model.vocab),
+        ));
+    }
+    let weights = reference_weight_count(&layout, u64::from(model.d_model), u64::from(model.vocab));
+    if weights.is_none_or(|count| count > MAX_REFERENCE_WEIGHTS) {
+        return Err(ConfigError::invalid(
+            "model",
+            format!(
+                "d_model {} with vocab {} and {} layers needs more than the reference engine's {} weights",
+                model.d_model,
+                model.vocab,
+                layout.num_layers(),
+                MAX_REFERENCE_WEIGHTS
+            ),
+        ));
+    }
+    let placed = check_common(&file)?;
+    let limits = file.limits;
+    let vllm_only = "a vLLM leg's key (engine = \"vllm\"); reference-engine legs do not take it";
+    let mut nodes = Vec::with_capacity(file.nodes.len());
+    for (index, (node, (name, role, address, launch))) in file.nodes.into_iter().zip(placed).enumerate() {
+        refuse_key(index, "gpus", &node.gpus, vllm_only)?;
+        refuse_key(index, "cpus", &node.cpus, vllm_only)?;
+        refuse_key(index, "engine_args", &node.engine_args, vllm_only)?;
+        let Some(blocks_per_group) = node.blocks_per_group else {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].blocks_per_group"),
+                "required: the blocks in each group's pool",
+            ));
+        };
+        let lookahead_tokens = node.lookahead_tokens.unwrap_or(0);
+        let leg_bytes = leg_memory_bytes(&layout, u64::from(model.d_model), blocks_per_group);
+        if leg_bytes.is_none_or(|bytes| bytes > limits.max_leg_bytes) {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].blocks_per_group"),
+                format!(
+                    "{} blocks per group need {} of KV memory and block bookkeeping, above limits.max_leg_bytes ({} bytes)",
+                    blocks_per_group,
+                    leg_bytes.map_or("more than 2^64 bytes".to_string(), |bytes| format!(
+                        "{bytes} bytes"
+                    )),
+                    limits.max_leg_bytes
+                ),
+            ));
+        }
+        if blocks_per_group == 0 {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].blocks_per_group"),
+                "must be at least 1",
+            ));
+        }
+        let capacity = token_capacity(&layout, blocks_per_group);
+        if lookahead_tokens >= capacity.tokens {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].lookahead_tokens"),
+                format!(
+                    "{} tokens leave no room for a prompt: the node holds {}",
+                    lookahead_tokens, capacity
+                ),
+            ));
+        }
+        if role == Role::Decode && node.prefill_tokens.is_some() {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].prefill_tokens"),
+                format!(
+                    "only prefill nodes take this key, {:?} is a decode node",
+                    node.name
+                ),
+            ));
+        }
+        nodes.push(NodeConfig {
+            name,
+            role,
+            lookahead_tokens,
+            blocks_per_group,
+            prefix_caching: node.prefix_caching.unwrap_or(false),
+            prefill_tokens: node.prefill_tokens.unwrap_or_default(),
+            address,
+            launch,
+            gpu: node.gpu.unwrap_or(0),
+        });
+    }
+    let transport = file.transport.unwrap_or_default();
+    transport.mori.validate().map_err(|error| {
+        ConfigError::invalid(
+            format!("transport.mori.{}", error.field),
+            format!("{} is out of range {}", error.value, error.range),
+        )
+    })?;
+    if transport.kv_memory == KvMemory::Gpu && transport.read_engine != ReadEngineKind::Mori {
+        return Err(ConfigError::invalid(
+            "transport.kv_memory",
+            "\"gpu\" needs read_engine = \"mori\": no other READ engine reaches GPU memory",
+        ));
+    }
+    Ok(ClusterConfig {
+        layout,
+        model: ModelParams {
+            seed: model.seed,
+            d_model: model.d_model as usize,
+            vocab: model.vocab,
+        },
+        exchange: file.exchange.unwrap_or_default(),
+        transport,
+        limits,
+        failure: file.failure,
+        router: file.router,
+        tls: file.tls,
+        logging: file.logging,
+        nodes,
+    })
+}
+
+/// The checks of a cluster of vLLM legs, after [`check_common`].
+fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
+    let Some(section) = file.engines.vllm.clone() else {
+        return Err(ConfigError::invalid(
+            "engines.vllm",
+            "required when nodes have engine = \"vllm\": the Python and the model to run",
+        ));
+    };
+    if file.model.is_some() {
+        return Err(ConfigError::invalid(
+            "model",
+            "is the reference engine's; vLLM legs serve [engines.vllm] model",
+        ));
+    }
+    if file.exchange.is_some() {
+        return Err(ConfigError::invalid(
+            "exchange",
+            "vLLM legs always pair anchored, inside PdkvConnector",
+        ));
+    }
+    let transport = file.transport.unwrap_or_default();
+    let defaults = TransportConfig::default();
+    if transport.links != defaults.links
+        || transport.leg_threads != defaults.leg_threads
+        || transport.kv_memory != defaults.kv_memory
+        || transport.mori != defaults.mori
+    {
+        return Err(ConfigError::invalid(
+            "transport",
+            "vLLM legs take only read_engine here (links, leg_threads, kv_memory and [transport.mori] are the reference engine's)",
+        ));
+    }
+    if transport.read_engine == ReadEngineKind::Local {
+        return Err(ConfigError::invalid(
+            "transport.read_engine",
+            "\"local\" is for legs in one process; vLLM legs are processes of their own",
+        ));
+    }
+    let engine = VllmEngine::from_section(section)?;
+    let placed = check_common(&file)?;
+    let reference_only = "a reference-engine leg's key; a vLLM leg sizes and schedules its own KV cache";
+    let mut nodes = Vec::with_capacity(file.nodes.len());
+    for (index, (node, (name, role, address, launch))) in file.nodes.into_iter().zip(placed).enumerate() {
+        refuse_key(index, "blocks_per_group", &node.blocks_per_group, reference_only)?;
+        refuse_key(index, "lookahead_tokens", &node.lookahead_tokens, reference_only)?;
+        refuse_key(index, "prefill_tokens", &node.prefill_tokens, reference_only)?;
+        refuse_key(
+            index,
+            "gpu",
+            &node.gpu,
+            "the reference engine's KV device; a vLLM leg takes gpus",
+        )?;
+        let keys = VllmNodeKeys {
+            prefix_caching: node.prefix_caching,
+            gpus: node.gpus,
+            cpus: node.cpus,
+            engine_args: node.engine_args,
+        };
+        nodes.push(VllmNode::new(
+            index,
+            name,
+            role,
+            address,
+            launch,
+            keys,
+            engine.device,
+        )?);
+    }
+    Ok(VllmCluster {
+        engine,
+        nodes,
+        read_engine: transport.read_engine,
+        limits: file.limits,
+        failure: file.failure,
+        router: file.router,
+        tls: file.tls,
+        logging: file.logging,
+    })
 }
 
 /// The longest prompt the reference engine takes whatever the memory: it computes token by token

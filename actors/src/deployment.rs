@@ -104,6 +104,9 @@ pub struct RouterConfig {
     pub control_port: u16,
     /// How legs are chosen.
     pub selection: Selection,
+    /// vLLM legs: the bound on a request's prefill stage, after which the router tries another
+    /// prefill leg (or a local prefill). At most `request_timeout_ms`. Default 10 000.
+    pub prefill_timeout_ms: u64,
 }
 
 impl RouterConfig {
@@ -121,6 +124,7 @@ impl Default for RouterConfig {
             http_port: 0,
             control_port: 0,
             selection: Selection::default(),
+            prefill_timeout_ms: 10_000,
         }
     }
 }

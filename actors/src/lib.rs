@@ -21,6 +21,7 @@ pub mod compute;
 pub mod config;
 pub mod deployment;
 pub mod engine;
+pub mod engines;
 pub mod error;
 pub mod exchange;
 mod hardware;

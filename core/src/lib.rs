@@ -12,6 +12,7 @@
 //! - [`grant`]: READ grants with leases.
 //! - [`leg`]: the leg protocol as sans-IO request machines (prefill, decode, router).
 //! - [`plan`]: block pairs to coalesced per-layer byte ranges.
+//! - [`proxy`]: the router's rules in front of engine legs (vLLM's P/D protocol over HTTP).
 //! - [`wire`]: the serde types that cross the network.
 //! - [`scenario`]: the input format of `pdkv plan`.
 //! - `testing` (feature `testing`): a deterministic simulation of the leg protocol.
@@ -27,6 +28,7 @@ pub mod grant;
 pub mod layout;
 pub mod leg;
 pub mod plan;
+pub mod proxy;
 pub mod scenario;
 #[cfg(feature = "testing")]
 pub mod testing;

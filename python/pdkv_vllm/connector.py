@@ -43,6 +43,7 @@ import json
 import logging
 import struct
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +61,7 @@ from vllm.v1.request import RequestStatus
 from . import ExchangeError, Layout, need, offer, pair
 from . import memory
 from ._native import KvAgent, LoadError
+from .stats import PdkvPromMetrics, PdkvStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -391,6 +393,20 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
 
+    # Stats (vLLM aggregates them and exports them on its /metrics: pdkv_vllm.stats).
+
+    def get_kv_connector_stats(self) -> PdkvStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdkvStats:
+        return PdkvStats(data=data) if data is not None else PdkvStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> PdkvPromMetrics:
+        return PdkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
 
 def malformed(ours: Any) -> str | None:
     """What is wrong with pdkv's part of a decode request's ``kv_transfer_params``, if anything
@@ -428,6 +444,7 @@ class _SchedulerSide:
         self.to_release: dict[str, ReleaseSpec] = {}
         self.failed: set[str] = set()
         self.local_hits: dict[str, int] = {}
+        self.stats = PdkvStats()
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.workers = [
@@ -463,6 +480,7 @@ class _SchedulerSide:
             # blocks or prefix cache: the prompt is computed here. The offer's lease ends it.
             logger.error("request %s: kv_transfer_params.%s %s; computing the prompt here", request.request_id, PARAMS_KEY, refusal)
             params["do_remote_prefill"] = False
+            self.stats.count("refused_offers")
             return 0, False
         self.local_hits[request.request_id] = num_computed_tokens
         # The decoder recomputes token N-1 itself (pdkv reads tokens 0 ..= N-2). With nothing to
@@ -523,6 +541,9 @@ class _SchedulerSide:
             workers=list(ours["workers"]),
             pairs=[[tuple(p) for p in group] for group in pairs],
         )
+
+    def take_stats(self) -> PdkvStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def give_back(self, request_id: str, ours: dict) -> None:
         """Asks the workers to release an offer this leg reads nothing of. An offer of no blocks
@@ -683,6 +704,8 @@ class _WorkerSide:
         self.done: set[str] = set()
         self.failed: set[str] = set()
         self.pending: dict[str, concurrent.futures.Future] = {}
+        self.stats = PdkvStats()
+        self.expired_seen = 0
         self.pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.settings.load_threads, thread_name_prefix="pdkv-load"
         )
@@ -761,6 +784,7 @@ class _WorkerSide:
             for request_id in meta.failed:
                 self.failed.add(request_id)
                 self.done.add(request_id)
+                self.stats.count("failed_loads")
         for request_id, spec in meta.loads.items():
             future = self.pool.submit(self._load, request_id, spec)
             with self.lock:
@@ -779,9 +803,12 @@ class _WorkerSide:
             worker = spec.workers[self.rank]
             if not worker.get("address"):
                 raise LoadError(f"prefill worker {worker.get('node')} serves no hand-offs")
-            self.agent.load(
+            started = time.monotonic()
+            num_bytes, runs = self.agent.load(
                 spec.remote_request, worker["node"], worker["address"], worker["incarnation"], spec.pairs
             )
+            with self.lock:
+                self.stats.record_load(time.monotonic() - started, num_bytes, runs)
             ok = True
         except LoadError as error:
             logger.warning("request %s: KV not loaded, vLLM recomputes it: %s", request_id, error)
@@ -792,6 +819,7 @@ class _WorkerSide:
             self.done.add(request_id)
             if not ok:
                 self.failed.add(request_id)
+                self.stats.count("failed_loads")
 
     def _release(self, request_id: str, spec: ReleaseSpec) -> None:
         """Gives back a hand-off this leg needs nothing of; when that fails its lease ends it."""
@@ -800,10 +828,21 @@ class _WorkerSide:
                 return
             worker = spec.workers[self.rank]
             self.agent.release(spec.remote_request, worker["node"], worker["address"], worker["incarnation"])
+            with self.lock:
+                self.stats.count("released_unread")
         except LoadError as error:
             logger.info("request %s: hand-off not given back (%s); its lease will end it", request_id, error)
         except Exception:  # never let a bug escape a pool thread unseen
             logger.exception("request %s: giving back the hand-off crashed; its lease will end it", request_id)
+
+    def take_stats(self) -> PdkvStats | None:
+        if self.is_prefill and self.agent is not None:
+            expired = self.agent.expired_handoffs()
+            with self.lock:
+                self.stats.count("expired_handoffs", expired - self.expired_seen)
+            self.expired_seen = expired
+        with self.lock:
+            return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def results(self) -> KVConnectorTransferResults:
         sending = set(self.agent.finished()) if self.is_prefill and self.agent is not None else set()

@@ -39,7 +39,7 @@ use pdkv_transport::net::{
 use pdkv_transport::region::Region;
 use pdkv_transport::tls::NodeIdentity;
 
-use crate::handoff::{Ended, HandoffError, Handoffs};
+use crate::handoff::{Ended, Ending, HandoffError, Handoffs};
 use crate::protocol::{HandoffRequest, HandoffResponse};
 
 /// Why an agent could not be built or could not load a request's KV. Each kind tells the
@@ -171,6 +171,8 @@ struct Serving {
     generations: Arc<Region>,
     /// Requests vLLM may now free.
     finished: Mutex<Vec<String>>,
+    /// Hand-offs whose lease lapsed before a decoder released them, since start.
+    expired: std::sync::atomic::AtomicU64,
     clock: MonotonicClock,
 }
 
@@ -187,6 +189,9 @@ impl Serving {
             }
         }
         tracing::debug!(request = %ended.request, how = ?ended.how, "hand-off ended");
+        if ended.how == Ending::Expired {
+            self.expired.fetch_add(1, Ordering::Relaxed);
+        }
         lock(&self.finished).push(ended.request);
     }
 }
@@ -578,6 +583,7 @@ impl Agent {
             handoffs: Mutex::new(handoffs),
             generations,
             finished: Mutex::new(Vec::new()),
+            expired: std::sync::atomic::AtomicU64::new(0),
             clock: MonotonicClock::new(),
         });
         let all: Vec<Arc<Region>> = memory.iter().chain([&serving.generations]).cloned().collect();
@@ -800,6 +806,11 @@ impl Agent {
         kinds.sort();
         kinds.dedup();
         kinds
+    }
+
+    /// Prefill: hand-offs whose lease lapsed unreleased, since this agent started.
+    pub fn expired_handoffs(&self) -> u64 {
+        self.serving.expired.load(Ordering::Relaxed)
     }
 
     /// Prefill: hand-offs still live.

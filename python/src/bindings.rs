@@ -243,6 +243,11 @@ impl KvAgent {
         self.agent.engines_in_use()
     }
 
+    /// Prefill: hand-offs whose lease lapsed before a decoder released them, since start.
+    fn expired_handoffs(&self) -> u64 {
+        self.agent.expired_handoffs()
+    }
+
     /// Prefill: hand-offs still live.
     fn live_handoffs(&self) -> usize {
         self.agent.live_handoffs()

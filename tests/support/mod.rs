@@ -49,6 +49,12 @@ impl Launched {
 
     /// Starts `pdkv launch` with `extra` arguments.
     pub fn start_with(config: &Path, run_dir: &Path, extra: &[&str]) -> Launched {
+        Self::start_within(config, run_dir, extra, Duration::from_secs(60))
+    }
+
+    /// [`Launched::start_with`], waiting at most `ready` for the cluster (vLLM legs take
+    /// minutes on a loaded CPU).
+    pub fn start_within(config: &Path, run_dir: &Path, extra: &[&str], ready: Duration) -> Launched {
         let mut child = pdkv()
             .args(["launch", "--config"])
             .arg(config)
@@ -68,7 +74,7 @@ impl Launched {
                 }
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + ready;
         let mut members = Vec::new();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());

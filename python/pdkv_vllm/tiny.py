@@ -1,0 +1,162 @@
+"""Tiny models with seeded random weights, for running real vLLM engines where no model hub is
+reachable (CI, this project's CPU-only machines).
+
+``write_model(kind, directory, seed)`` writes an HF-style model directory: ``config.json``,
+``model.safetensors`` (weights drawn from a seeded generator, large enough that different KV
+gives different tokens, unlike vLLM's ``load_format="dummy"``), and a byte-level tokenizer with a
+chat template, so text prompts, ``logprobs`` and ``/v1/chat/completions`` work as with a real
+model. Every kind has head_dim 32 (vLLM's CPU attention refuses 16) and fits vLLM's CPU block
+size of 32.
+
+Kinds (one per KV layout pdkv must pair):
+
+- ``llama``: full attention only (one KV group);
+- ``mistral``: every layer a sliding window of 48 tokens (one window group);
+- ``gemma3``: layers alternating window (48) and full attention (two KV groups).
+
+Run as ``python -m pdkv_vllm.tiny KIND DIR [--seed S]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+#: Tokens of every tiny model: 256 byte tokens, the special tokens, then unused ids.
+VOCAB = 512
+
+#: Sliding window of the window kinds, in tokens: more than one 32-token block, so windows
+#: cross block edges.
+WINDOW = 48
+
+#: The longest sequence the tiny models take.
+MAX_POSITIONS = 2048
+
+#: The special tokens, right after the 256 byte tokens.
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+#: A plain chat template: one ``<|role|>`` line per message, then the assistant's turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_COMMON = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": MAX_POSITIONS,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 258,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+CONFIGS = {
+    "llama": {**_COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5},
+    "mistral": {
+        **_COMMON,
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "sliding_window": WINDOW,
+    },
+    "gemma3": {
+        **_COMMON,
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "query_pre_attn_scalar": 32,
+        "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    },
+}
+
+
+def _byte_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-character map: every byte a printable character, so byte-level BPE
+    vocabularies are plain strings."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+def write_tokenizer(directory: str) -> None:
+    """A byte-level tokenizer of ``VOCAB`` tokens: ids 0-255 are bytes (a string prompt is one
+    token per byte, as in pdkv's reference engine), then BOS, EOS, PAD, then unused ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    to_char = _byte_unicode()
+    vocab = {to_char[byte]: byte for byte in range(256)}
+    specials = [BOS, EOS, PAD] + [f"<|unused{index}|>" for index in range(VOCAB - 256 - 3)]
+    for offset, token in enumerate(specials):
+        vocab[token] = 256 + offset
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE
+    )
+    fast.save_pretrained(directory)
+
+
+def write_model(kind: str, directory: str, seed: int = 0) -> str:
+    """Writes model ``kind`` with weights drawn from ``seed`` into ``directory``; returns it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if kind not in CONFIGS:
+        raise ValueError(f"model kind {kind!r}: one of {sorted(CONFIGS)}")
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump(CONFIGS[kind], file, indent=1)
+    config = AutoConfig.from_pretrained(directory)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                # Norm scales near one (Gemma's are stored as offsets from one).
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+                if kind != "gemma3":
+                    parameter.add_(1.0)
+            else:
+                # Large enough that the logits spread and different KV gives different tokens.
+                parameter.copy_(0.5 * torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5 * 4)
+    model.save_pretrained(directory, safe_serialization=True)
+    # save_pretrained rewrites config.json from the loaded config; keep the hand-written one,
+    # which is what the tests and the docs describe.
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump(CONFIGS[kind], file, indent=1)
+    write_tokenizer(directory)
+    return directory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=sorted(CONFIGS))
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(write_model(args.kind, args.directory, args.seed))
+
+
+if __name__ == "__main__":
+    main()

