@@ -20,7 +20,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
+use pdkv_actors::config::{AnyCluster, ROUTER_NODE};
+use pdkv_actors::engines::EngineKind;
 use pdkv_core::wire::Role;
 use pdkv_transport::tls::{Existing, write_cluster_certs};
 use serde_json::{Value, json};
@@ -57,15 +58,15 @@ fn set(table: &mut toml::Table, key: &str, value: impl Into<toml::Value>) {
 
 /// The certificate directory the rendered files use: `[tls] dir`, or new certificates in
 /// `out/certs`.
-fn certificates(config: &ClusterConfig, out: &Path) -> anyhow::Result<std::path::PathBuf> {
-    if let Some(tls) = &config.tls {
+fn certificates(config: &AnyCluster, out: &Path) -> anyhow::Result<std::path::PathBuf> {
+    if let Some(tls) = config.tls() {
         // Absolute, so the rendered files work from any directory.
         return std::path::absolute(&tls.dir)
             .with_context(|| format!("cannot resolve {}", tls.dir.display()));
     }
     let certs = out.join("certs");
-    let mut names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
-    names.push(ROUTER_NODE);
+    let names = crate::launch::certificate_names(config);
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
     write_cluster_certs(&certs, "pdkv", &names, Existing::Replace)
         .with_context(|| format!("cannot write certificates to {}", certs.display()))?;
     Ok(certs)
@@ -130,7 +131,7 @@ pub fn render(
     out: &Path,
     image: &str,
 ) -> anyhow::Result<Vec<std::path::PathBuf>> {
-    let config = ClusterConfig::from_toml(config_text)?;
+    let config = AnyCluster::from_toml(config_text)?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let out = out
         .canonicalize()
@@ -143,7 +144,7 @@ pub fn render(
 }
 
 fn render_slurm(
-    config: &ClusterConfig,
+    config: &AnyCluster,
     config_text: &str,
     out: &Path,
     certs: &Path,
@@ -157,11 +158,12 @@ fn render_slurm(
     let text = toml::to_string(&doc)?;
     // Checked with stand-in host names: the router shares the first node's host, so their
     // ports must differ.
-    let checked = ClusterConfig::from_toml(&text.replace("@HOST_", "host-").replace('@', ""))
+    let checked = AnyCluster::from_toml(&text.replace("@HOST_", "host-").replace('@', ""))
         .context("the rendered cluster.toml is not valid")?;
     let template = out.join("cluster.toml.in");
     std::fs::write(&template, text)?;
-    let hosts = config.nodes.len();
+    let nodes = config.placed();
+    let hosts = nodes.len();
     let mut script = format!(
         r#"#!/usr/bin/env bash
 # Rendered by `pdkv launch --render slurm`: one host per pdkv node, the router beside the first.
@@ -192,7 +194,7 @@ trap stop EXIT INT TERM
         out = out.display(),
         tasks = hosts + 1,
     );
-    for (index, node) in config.nodes.iter().enumerate() {
+    for (index, node) in nodes.iter().enumerate() {
         script.push_str(&format!(
             "srun --nodes=1 --ntasks=1 --overlap --nodelist=\"${{HOSTS[{index}]}}\" --output=\"$RUN/{name}.log\" \\\n  \"$PDKV\" node --config \"$RUN/cluster.toml\" --node {name} &\npids+=($!)\n",
             name = node.name
@@ -205,7 +207,7 @@ trap stop EXIT INT TERM
          wait -n\n\
          echo \"pdkv: a process exited; stopping the cluster (logs in $RUN)\" >&2\n\
          exit 1\n",
-        http_port = checked.router.http_port,
+        http_port = checked.router().http_port,
     ));
     let path = out.join("pdkv.sbatch");
     std::fs::write(&path, script)?;
@@ -221,23 +223,24 @@ fn role_name(role: Role) -> &'static str {
 }
 
 fn render_k8s(
-    config: &ClusterConfig,
+    config: &AnyCluster,
     config_text: &str,
     out: &Path,
     certs: &Path,
     image: &str,
 ) -> anyhow::Result<Vec<std::path::PathBuf>> {
     // Pod i of a role's StatefulSet runs that role's i-th node (file order).
+    let nodes = config.placed();
     let mut ordinal = BTreeMap::new();
     let mut by_role: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for node in &config.nodes {
+    for node in &nodes {
         let names = by_role.entry(role_name(node.role)).or_default();
         ordinal.insert(node.name.0.clone(), (role_name(node.role), names.len()));
         names.push(&node.name.0);
     }
     let host_of = |index: Option<usize>| match index {
         Some(index) => {
-            let (role, i) = &ordinal[&config.nodes[index].name.0];
+            let (role, i) = &ordinal[&nodes[index].name.0];
             format!("pdkv-{role}-{i}.pdkv-{role}")
         }
         None => "pdkv-router-0.pdkv-router".to_string(),
@@ -245,11 +248,11 @@ fn render_k8s(
     let doc = placed(config_text, host_of, Some("0.0.0.0"), POD_CERTS)?;
     let cluster_toml = toml::to_string(&doc)?;
     let placed_config =
-        ClusterConfig::from_toml(&cluster_toml).context("the rendered cluster.toml is not valid")?;
+        AnyCluster::from_toml(&cluster_toml).context("the rendered cluster.toml is not valid")?;
+    let placed_nodes = placed_config.placed();
     let mut documents: Vec<Value> = Vec::new();
     let mut secret = serde_json::Map::new();
-    let mut names: Vec<&str> = config.nodes.iter().map(|node| node.name.0.as_str()).collect();
-    names.push(ROUTER_NODE);
+    let names = crate::launch::certificate_names(config);
     let read = |file: String| -> anyhow::Result<Value> {
         let path = certs.join(&file);
         Ok(Value::String(
@@ -275,15 +278,18 @@ fn render_k8s(
         "data": {"cluster.toml": cluster_toml},
     }));
     for (role, nodes) in &by_role {
-        let first = placed_config
-            .nodes
+        let first = placed_nodes
             .iter()
             .find(|node| node.name.0 == nodes[0])
             .context("node missing after placement")?;
-        let address = &first.address;
+        let address = first.address;
+        // A vLLM leg answers vLLM's /health (no /ready or /live of pdkv's).
+        let probes = match first.engine {
+            EngineKind::Reference => ("/ready", "/live"),
+            EngineKind::Vllm => ("/health", "/health"),
+        };
         for name in nodes {
-            let node = placed_config
-                .nodes
+            let node = placed_nodes
                 .iter()
                 .find(|node| node.name.0 == *name)
                 .context("node missing after placement")?;
@@ -309,16 +315,32 @@ fn render_k8s(
             nodes.join(" ")
         );
         documents.push(headless_service(role, &ports));
-        documents.push(stateful_set(role, nodes.len(), image, &script, &ports, "admin"));
+        documents.push(stateful_set(
+            role,
+            nodes.len(),
+            image,
+            &script,
+            &ports,
+            "admin",
+            probes,
+        ));
     }
-    let router = &placed_config.router;
+    let router = placed_config.router();
     let ports = json!([
         {"name": "control", "containerPort": router.control_port, "protocol": "UDP"},
         {"name": "http", "containerPort": router.http_port, "protocol": "TCP"},
     ]);
     let script = format!("exec pdkv router --config {POD_CONFIG}/cluster.toml");
     documents.push(headless_service("router", &ports));
-    documents.push(stateful_set("router", 1, image, &script, &ports, "http"));
+    documents.push(stateful_set(
+        "router",
+        1,
+        image,
+        &script,
+        &ports,
+        "http",
+        ("/ready", "/live"),
+    ));
     documents.push(json!({
         "apiVersion": "v1",
         "kind": "Service",
@@ -376,9 +398,10 @@ fn stateful_set(
     script: &str,
     ports: &Value,
     probe_port: &str,
+    (ready_path, live_path): (&str, &str),
 ) -> Value {
     let name = format!("pdkv-{role}");
-    json!({
+    let mut set = json!({
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "pdkv", "pdkv/role": role}},
@@ -397,8 +420,8 @@ fn stateful_set(
                         "command": ["/bin/sh", "-c", script],
                         "ports": ports,
                         "env": [{"name": "RUST_LOG", "value": "info"}],
-                        "readinessProbe": {"httpGet": {"path": "/ready", "port": probe_port}, "periodSeconds": 2, "failureThreshold": 3},
-                        "livenessProbe": {"httpGet": {"path": "/live", "port": probe_port}, "periodSeconds": 10, "failureThreshold": 3},
+                        "readinessProbe": {"httpGet": {"path": ready_path, "port": probe_port}, "periodSeconds": 2, "failureThreshold": 3},
+                        "livenessProbe": {"httpGet": {"path": live_path, "port": probe_port}, "periodSeconds": 10, "failureThreshold": 3},
                         "volumeMounts": [
                             {"name": "config", "mountPath": POD_CONFIG, "readOnly": true},
                             {"name": "certs", "mountPath": POD_CERTS, "readOnly": true},
@@ -411,5 +434,11 @@ fn stateful_set(
                 },
             },
         },
-    })
+    });
+    if ready_path == "/health" {
+        // A vLLM leg loads its model before /health answers: up to ten minutes before the
+        // liveness probe may restart it.
+        set["spec"]["template"]["spec"]["containers"][0]["startupProbe"] = json!({"httpGet": {"path": "/health", "port": probe_port}, "periodSeconds": 10, "failureThreshold": 60});
+    }
+    set
 }

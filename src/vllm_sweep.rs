@@ -74,10 +74,17 @@ struct Row {
 }
 
 /// A plain vLLM server this sweep started; stopped when dropped.
-struct PlainServer {
+pub struct PlainServer {
     child: Child,
     url: String,
     log: PathBuf,
+}
+
+impl PlainServer {
+    /// Its base URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
 }
 
 impl Drop for PlainServer {
@@ -98,7 +105,7 @@ impl Drop for PlainServer {
 
 /// Starts the oracle: the cluster's model and engine flags, no connector, no prefix cache, on
 /// a free loopback port; waits for its `/health`.
-fn start_plain(
+pub fn start_plain(
     cluster: &VllmCluster,
     run_dir: &std::path::Path,
     ready: Duration,
@@ -189,7 +196,7 @@ pub fn prompt(length: u64) -> Vec<u64> {
 }
 
 /// The request every side gets: greedy, fixed length, logprobs with token ids as keys.
-fn body(model: &str, prompt: &[u64], max_tokens: u32, logprobs: u32) -> Value {
+pub(crate) fn body(model: &str, prompt: &[u64], max_tokens: u32, logprobs: u32) -> Value {
     json!({
         "model": model,
         "prompt": prompt,

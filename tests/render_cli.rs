@@ -275,3 +275,82 @@ fn the_sbatch_script_starts_a_working_cluster() {
     assert!(placed.contains(&format!("host = \"{b}\"")), "{placed}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A cluster of vLLM legs: every pod runs `pdkv node` (which execs vLLM's server), its probes
+/// are vLLM's `/health` with a start-up allowance for loading the model, and the Secret holds a
+/// certificate for every worker rank (decode `-tp 2`: `d-a` and `d-a-1`). The sbatch script
+/// starts each leg with `pdkv node` too.
+#[test]
+fn vllm_legs_render_with_health_probes_and_a_certificate_per_rank() {
+    let dir = temp_dir("vllm");
+    let text = "[engines.vllm]\npython = \"/opt/vllm/bin/python\"\nmodel = \"/models/m\"\nserved_model_name = \"m\"\n\n[[nodes]]\nname = \"p-a\"\nrole = \"prefill\"\nengine = \"vllm\"\n\n[[nodes]]\nname = \"d-a\"\nrole = \"decode\"\nengine = \"vllm\"\nengine_args = [\"-tp\", \"2\"]\n";
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, text).unwrap();
+    render("k8s", &config, &dir.join("k8s"));
+    let yaml = std::fs::read_to_string(dir.join("k8s/pdkv.yaml")).unwrap();
+    let documents: Vec<Value> = yaml_serde::Deserializer::from_str(&yaml)
+        .map(|document| Value::deserialize(document).unwrap())
+        .collect();
+    let find = |kind: &str, name: &str| -> &Value {
+        documents
+            .iter()
+            .find(|document| document["kind"] == kind && document["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name} in {yaml}"))
+    };
+    let secret = find("Secret", "pdkv-certs");
+    for file in ["p-a.pem", "d-a.key", "d-a-1.pem", "d-a-1.key", "router.pem"] {
+        assert!(secret["stringData"][file].is_string(), "{file}");
+    }
+    for role in ["prefill", "decode"] {
+        let container =
+            &find("StatefulSet", &format!("pdkv-{role}"))["spec"]["template"]["spec"]["containers"][0];
+        assert_eq!(
+            container["readinessProbe"]["httpGet"]["path"], "/health",
+            "{role}"
+        );
+        assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/health", "{role}");
+        assert_eq!(container["startupProbe"]["failureThreshold"], 60, "{role}");
+    }
+    let router = &find("StatefulSet", "pdkv-router")["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(router["readinessProbe"]["httpGet"]["path"], "/ready");
+    // The pod's cluster.toml gives each leg its vLLM command (the host names resolve there;
+    // here the command is checked with the prefill bound to loopback).
+    let toml = find("ConfigMap", "pdkv-config")["data"]["cluster.toml"]
+        .as_str()
+        .unwrap();
+    let local = toml
+        .replace("pdkv-prefill-0.pdkv-prefill", "127.0.0.1")
+        .replace("pdkv-decode-0.pdkv-decode", "127.0.0.2");
+    let pod_config = dir.join("pod.toml");
+    std::fs::write(&pod_config, local).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["node", "--dry-run", "--node", "p-a", "--config"])
+        .arg(&pod_config)
+        .output()
+        .unwrap();
+    let line = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        line.contains("/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server --model /models/m"),
+        "{line}"
+    );
+    assert!(line.contains("--host 0.0.0.0 --port 7102"), "{line}");
+    assert!(
+        line.contains(r#""listen":"0.0.0.0:7100""#) && line.contains(r#""advertise":"127.0.0.1:7100""#),
+        "{line}"
+    );
+    assert!(line.contains(r#""certs":"/etc/pdkv/certs""#), "{line}");
+    render("slurm", &config, &dir.join("slurm"));
+    let script = std::fs::read_to_string(dir.join("slurm/pdkv.sbatch")).unwrap();
+    for node in ["p-a", "d-a"] {
+        assert!(
+            script.contains(&format!("node --config \"$RUN/cluster.toml\" --node {node}")),
+            "{script}"
+        );
+    }
+    std::fs::remove_dir_all(dir).ok();
+}

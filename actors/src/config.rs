@@ -312,6 +312,10 @@ struct NodeSection {
     cpus: Option<String>,
     #[serde(default)]
     engine_args: Option<Vec<String>>,
+    #[serde(default)]
+    advertise_control_port: Option<u16>,
+    #[serde(default)]
+    advertise_data_port: Option<u16>,
 }
 
 /// One node (one leg) of the cluster.
@@ -787,6 +791,13 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
         refuse_key(index, "gpus", &node.gpus, vllm_only)?;
         refuse_key(index, "cpus", &node.cpus, vllm_only)?;
         refuse_key(index, "engine_args", &node.engine_args, vllm_only)?;
+        refuse_key(
+            index,
+            "advertise_control_port",
+            &node.advertise_control_port,
+            vllm_only,
+        )?;
+        refuse_key(index, "advertise_data_port", &node.advertise_data_port, vllm_only)?;
         let Some(blocks_per_group) = node.blocks_per_group else {
             return Err(ConfigError::invalid(
                 format!("nodes[{index}].blocks_per_group"),
@@ -933,6 +944,8 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
             gpus: node.gpus,
             cpus: node.cpus,
             engine_args: node.engine_args,
+            advertise_control_port: node.advertise_control_port,
+            advertise_data_port: node.advertise_data_port,
         };
         nodes.push(VllmNode::new(
             index,

@@ -127,6 +127,9 @@ pub struct VllmNode {
     pub cpus: Option<String>,
     /// Server flags for this leg only, after `[engines.vllm] args`.
     pub engine_args: Vec<String>,
+    /// The ports peers reach a prefill leg's connector at (control, data), when a NAT, a port
+    /// map or a relay sits in front of it; default: its own ports.
+    pub advertise_ports: (Option<u16>, Option<u16>),
 }
 
 /// A cluster whose legs are vLLM engines.
@@ -158,6 +161,8 @@ pub(crate) struct VllmNodeKeys {
     pub(crate) gpus: Option<Vec<u32>>,
     pub(crate) cpus: Option<String>,
     pub(crate) engine_args: Option<Vec<String>>,
+    pub(crate) advertise_control_port: Option<u16>,
+    pub(crate) advertise_data_port: Option<u16>,
 }
 
 /// Refuses server flags pdkv sets itself; `key` names the list.
@@ -267,6 +272,20 @@ impl VllmNode {
         }
         let engine_args = keys.engine_args.unwrap_or_default();
         check_args(&key("engine_args"), &engine_args)?;
+        for (name, port) in [
+            ("advertise_control_port", keys.advertise_control_port),
+            ("advertise_data_port", keys.advertise_data_port),
+        ] {
+            if port.is_some() && role != Role::Prefill {
+                return Err(ConfigError::invalid(
+                    key(name),
+                    "only prefill legs serve hand-offs (a decoder is reached at no port)",
+                ));
+            }
+            if port == Some(0) {
+                return Err(ConfigError::invalid(key(name), "must be a port, not 0"));
+            }
+        }
         Ok(VllmNode {
             name,
             role,
@@ -276,6 +295,7 @@ impl VllmNode {
             gpus,
             cpus: keys.cpus,
             engine_args,
+            advertise_ports: (keys.advertise_control_port, keys.advertise_data_port),
         })
     }
 
@@ -379,11 +399,18 @@ impl VllmCluster {
             "lease_ms": self.limits.lease_ms,
         });
         if node.role == Role::Prefill {
-            let socket = |port: u16| std::net::SocketAddr::new(resolved.bind, port).to_string();
-            settings["listen"] = socket(node.address.control_port).into();
-            settings["data_listen"] = socket(node.address.data_port).into();
-            if resolved.advertise != resolved.bind {
-                settings["advertise_host"] = resolved.advertise.to_string().into();
+            let (control, data) = (node.address.control_port, node.address.data_port);
+            let bound = |port: u16| std::net::SocketAddr::new(resolved.bind, port).to_string();
+            settings["listen"] = bound(control).into();
+            settings["data_listen"] = bound(data).into();
+            let advertised = (
+                node.advertise_ports.0.unwrap_or(control),
+                node.advertise_ports.1.unwrap_or(data),
+            );
+            if resolved.advertise != resolved.bind || advertised != (control, data) {
+                let reached = |port: u16| std::net::SocketAddr::new(resolved.advertise, port).to_string();
+                settings["advertise"] = reached(advertised.0).into();
+                settings["data_advertise"] = reached(advertised.1).into();
             }
         }
         settings
@@ -501,7 +528,7 @@ mod tests {
     fn keys_of_the_other_kind_of_leg_and_mixed_clusters_are_refused_by_name() {
         let cases = [
             (
-                format!("{LEGS}"),
+                LEGS.to_string(),
                 "engines.vllm: required when nodes have engine = \"vllm\"",
             ),
             (
@@ -649,7 +676,10 @@ mod tests {
             (extra["listen"].clone(), extra["data_listen"].clone()),
             ("0.0.0.0:7100".into(), "0.0.0.0:7101".into())
         );
-        assert_eq!(extra["advertise_host"], "10.1.2.3");
+        assert_eq!(
+            (extra["advertise"].clone(), extra["data_advertise"].clone()),
+            ("10.1.2.3:7100".into(), "10.1.2.3:7101".into())
+        );
         assert_eq!(extra["lease_ms"], 1234);
         assert_eq!(
             command.env.get("HIP_VISIBLE_DEVICES").map(String::as_str),

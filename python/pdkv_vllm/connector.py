@@ -99,7 +99,8 @@ class Settings:
     peers: tuple[str, ...]
     listen: str
     data_listen: str | None
-    advertise_host: str | None
+    advertise: str | None
+    data_advertise: str | None
     read_engine: str
     mori_host: str | None
     mori_port: int
@@ -113,7 +114,7 @@ class Settings:
     rank: int | None
 
     KNOWN = {
-        "node", "certs", "peers", "listen", "data_listen", "advertise_host", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
+        "node", "certs", "peers", "listen", "data_listen", "advertise", "data_advertise", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
         "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank",
     }
 
@@ -152,19 +153,15 @@ class Settings:
         if isinstance(mori_port, bool) or not isinstance(mori_port, int) or not 0 <= mori_port < 65536:
             raise ConnectorConfigError(f"kv_connector_extra_config.mori_port must be a port, not {mori_port!r}")
         data_listen = extra.get("data_listen")
-        for key, value in (("listen", extra.get("listen", "127.0.0.1:0")), ("data_listen", data_listen)):
+        advertise, data_advertise = extra.get("advertise"), extra.get("data_advertise")
+        for key, value in (
+            ("listen", extra.get("listen", "127.0.0.1:0")),
+            ("data_listen", data_listen),
+            ("advertise", advertise),
+            ("data_advertise", data_advertise),
+        ):
             if value is not None and (not isinstance(value, str) or not value.rpartition(":")[2].isdigit()):
                 raise ConnectorConfigError(f"kv_connector_extra_config.{key} must be \"host:port\", not {value!r}")
-        advertise_host = extra.get("advertise_host")
-        if advertise_host is not None:
-            import ipaddress
-
-            try:
-                ipaddress.ip_address(advertise_host)
-            except (TypeError, ValueError):
-                raise ConnectorConfigError(
-                    f"kv_connector_extra_config.advertise_host must be an IP address, not {advertise_host!r}"
-                ) from None
         rank = extra.get("rank")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ConnectorConfigError(f"kv_connector_extra_config.rank must be >= 0, not {rank!r}")
@@ -174,7 +171,8 @@ class Settings:
             peers=tuple(peers),
             listen=str(extra.get("listen", "127.0.0.1:0")),
             data_listen=data_listen,
-            advertise_host=advertise_host,
+            advertise=advertise,
+            data_advertise=data_advertise,
             read_engine=read_engine,
             mori_host=mori_host,
             mori_port=mori_port,
@@ -727,11 +725,15 @@ class _WorkerSide:
         regions, planes = kv_memory(config, kv_caches)
         # The agent reads and writes this memory in place: keep it alive as long as the agent.
         self.kv_caches = kv_caches
-        listen = data_listen = None
+        listen = data_listen = advertise = data_advertise = None
         if self.is_prefill:
             listen = self._rank_address(self.settings.listen)
             if self.settings.data_listen is not None:
                 data_listen = self._rank_address(self.settings.data_listen)
+            if self.settings.advertise is not None:
+                advertise = self._rank_address(self.settings.advertise)
+            if self.settings.data_advertise is not None:
+                data_advertise = self._rank_address(self.settings.data_advertise)
         self.agent = KvAgent(
             self.node(),
             self.connector.leg,
@@ -743,7 +745,8 @@ class _WorkerSide:
             config.num_blocks,
             listen=listen,
             data_listen=data_listen,
-            advertise=self.settings.advertise_host,
+            advertise=advertise,
+            data_advertise=data_advertise,
             read_engine=self.settings.read_engine,
             mori_host=self.settings.mori_host,
             mori_port=self._rank_port(self.settings.mori_port),

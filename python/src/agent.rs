@@ -342,8 +342,8 @@ struct Peer {
 pub struct Agent {
     node: NodeId,
     role: Role,
-    /// The address peers reach this worker at, when its listeners bind another.
-    advertise: Option<IpAddr>,
+    /// The control address peers reach this worker at, when it differs from the bound one.
+    advertise: Option<SocketAddr>,
     layout: KvLayout,
     regions: RegionLayout,
     engine: Arc<MappedEngine>,
@@ -434,21 +434,18 @@ pub struct AgentSetup {
     /// Where the prefill worker's memory server listens (default: the control address's host,
     /// any port).
     pub data_listen: Option<SocketAddr>,
-    /// The address peers reach this worker at when its listeners bind another (every
-    /// interface, in a container): put in its handshake and its memory server's advertisement
-    /// instead of the bound address, with the bound ports.
-    pub advertise: Option<IpAddr>,
+    /// The control address peers reach this worker at when it differs from the bound one
+    /// (listeners on every interface in a container, a NAT, a relay): put in its handshake
+    /// instead of the bound address.
+    pub advertise: Option<SocketAddr>,
+    /// The same for its memory server, put in its READ engine advertisement.
+    pub data_advertise: Option<SocketAddr>,
     /// How a decode worker READs.
     pub engine: EngineChoice,
     /// A mori engine, if this worker offers or uses one.
     pub mori: Option<MoriSetup>,
     /// Bounds.
     pub limits: AgentLimits,
-}
-
-/// `bound` as peers reach it: the advertised address, if any, with the bound port.
-fn advertised(bound: SocketAddr, advertise: Option<IpAddr>) -> SocketAddr {
-    advertise.map_or(bound, |ip| SocketAddr::new(ip, bound.port()))
 }
 
 fn config(message: impl std::fmt::Display) -> AgentError {
@@ -622,7 +619,7 @@ impl Agent {
         };
         let data_address = memory_server
             .as_ref()
-            .map(|server| advertised(server.local_addr(), setup.advertise).to_string())
+            .map(|server| setup.data_advertise.unwrap_or(server.local_addr()).to_string())
             .unwrap_or_default();
         let net = Arc::new(
             NetEngine::new(key, runtime.handle(), data_address).with_connect_wait(setup.limits.connect),
@@ -735,7 +732,7 @@ impl Agent {
         lock(&self.server)
             .as_ref()
             .and_then(|server| server.local_addr().ok())
-            .map(|bound| advertised(bound, self.advertise))
+            .map(|bound| self.advertise.unwrap_or(bound))
     }
 
     /// This worker's node name.
@@ -1307,6 +1304,7 @@ mod tests {
             listen: (role == Role::Prefill).then(|| "127.0.0.1:0".parse().unwrap()),
             data_listen: None,
             advertise: None,
+            data_advertise: None,
             engine,
             mori,
             limits: limits(),
@@ -1432,11 +1430,11 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
-    /// A prefill worker bound to every interface advertises the address it was given, for its
+    /// A prefill worker bound to every interface advertises the addresses it was given, for its
     /// hand-offs and for its memory server, so a decoder reading over the network reaches it
     /// there (a decoder dialling the bound 0.0.0.0 would reach itself).
     #[test]
-    fn a_worker_bound_to_every_interface_is_reached_at_its_advertised_address() {
+    fn a_worker_bound_to_every_interface_is_reached_at_its_advertised_addresses() {
         let dir = certs();
         let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
         memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
@@ -1449,24 +1447,34 @@ mod tests {
             EngineChoice::Auto,
             None,
         );
-        prefill_setup.listen = Some("0.0.0.0:0".parse().unwrap());
-        prefill_setup.advertise = Some("127.0.0.1".parse().unwrap());
+        let control = std::net::UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let data = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        prefill_setup.listen = Some(format!("0.0.0.0:{control}").parse().unwrap());
+        prefill_setup.data_listen = Some(format!("0.0.0.0:{data}").parse().unwrap());
+        prefill_setup.advertise = Some(format!("127.0.0.1:{control}").parse().unwrap());
+        prefill_setup.data_advertise = Some(format!("127.0.0.1:{data}").parse().unwrap());
         let prefill = Leg {
             agent: Agent::start(prefill_setup).unwrap(),
             memory,
         };
         let advertised = prefill.agent.address().unwrap();
-        assert_eq!(advertised.ip().to_string(), "127.0.0.1");
-        let data = &prefill.agent.hello.engines;
-        let net = data
+        assert_eq!(advertised.to_string(), format!("127.0.0.1:{control}"));
+        let net = prefill
+            .agent
+            .hello
+            .engines
             .iter()
             .find(|advert| advert.engine.kind == EngineKind::Net)
             .expect("a memory server");
-        assert!(
-            net.engine.address.starts_with("127.0.0.1:"),
-            "{}",
-            net.engine.address
-        );
+        assert_eq!(net.engine.address, format!("127.0.0.1:{data}"));
         let decode = leg_with(&dir, "d0", Role::Decode, &["p0"], EngineChoice::Net);
         fill(&prefill, 0, 2, 7);
         prefill.agent.announce("r5", vec![vec![2]]).unwrap();

@@ -94,14 +94,14 @@ impl KvAgent {
     /// host; `planes`: `(region, offset,
     /// bytes_per_block, group)` for every K, V or state plane, in the same order on both legs;
     /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one);
-    /// `data_listen`: its memory server's (default: `listen`'s host, any port); `advertise`: the
-    /// IP address peers reach it at when the listeners bind another (every interface);
-    /// `read_engine`:
+    /// `data_listen`: its memory server's (default: `listen`'s host, any port); `advertise` and
+    /// `data_advertise`: the control and memory server addresses peers reach it at, when they
+    /// differ from the bound ones (every interface bound, a NAT, a relay); `read_engine`:
     /// `"auto"` (shared memory on one host, the network elsewhere), `"shm"` or `"net"`.
     #[new]
     #[pyo3(signature = (
         node, role, certs_dir, peers, groups_json, memory, planes, num_blocks,
-        listen=None, data_listen=None, advertise=None, read_engine="auto", mori_host=None, mori_port=0, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
+        listen=None, data_listen=None, advertise=None, data_advertise=None, read_engine="auto", mori_host=None, mori_port=0, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
         connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -118,6 +118,7 @@ impl KvAgent {
         listen: Option<&str>,
         data_listen: Option<&str>,
         advertise: Option<&str>,
+        data_advertise: Option<&str>,
         read_engine: &str,
         mori_host: Option<String>,
         mori_port: u16,
@@ -137,13 +138,8 @@ impl KvAgent {
         };
         let listen = address("listen", listen)?;
         let data_listen = address("data_listen", data_listen)?;
-        let advertise = advertise
-            .map(|text| {
-                text.parse::<std::net::IpAddr>().map_err(|error| {
-                    AgentConfigError::new_err(format!("advertise address {text:?}: {error}"))
-                })
-            })
-            .transpose()?;
+        let advertise = address("advertise", advertise)?;
+        let data_advertise = address("data_advertise", data_advertise)?;
         let engine = match read_engine {
             "auto" => EngineChoice::Auto,
             "shm" => EngineChoice::Shm,
@@ -189,6 +185,7 @@ impl KvAgent {
             listen,
             data_listen,
             advertise,
+            data_advertise,
             engine,
             mori,
             limits: AgentLimits {

@@ -593,7 +593,8 @@ def test_malformed_transfer_params_are_refused_and_the_prompt_computed_locally(c
         ({"node": "p0", "certs": "/c", "listen": "10.0.0.5"}, "listen"),
         ({"node": "p0", "certs": "/c", "mori_port": 70000}, "mori_port"),
         ({"node": "p0", "certs": "/c", "rank": -1}, "rank"),
-        ({"node": "p0", "certs": "/c", "advertise_host": "p0.example"}, "advertise_host"),
+        ({"node": "p0", "certs": "/c", "advertise": "10.0.0.5"}, "advertise"),
+        ({"node": "p0", "certs": "/c", "data_advertise": 7101}, "data_advertise"),
     ],
 )
 def test_bad_connector_settings_are_refused_by_name(extra, named):

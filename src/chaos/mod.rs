@@ -21,6 +21,7 @@ mod observe;
 pub mod relay;
 mod report;
 pub mod schedule;
+mod vllm;
 mod wiring;
 
 use std::collections::HashMap;
@@ -120,9 +121,13 @@ pub struct ChaosArgs {
     /// system's temporary directory, removed when the run passes).
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
-    /// Seconds the cluster has to become ready, at launch and after the faults.
-    #[arg(long, default_value_t = 30.0)]
-    pub ready_timeout: f64,
+    /// Seconds the cluster has to become ready, at launch and after the faults (default 30;
+    /// 600 for vLLM legs).
+    #[arg(long)]
+    pub ready_timeout: Option<f64>,
+    /// vLLM legs: largest difference of log-probabilities to the oracle still equal.
+    #[arg(long, default_value_t = 1e-4)]
+    pub logprob_tolerance: f64,
 }
 
 /// One prompt of the pool and its direct output.
@@ -273,7 +278,26 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
     }
     let lengths = crate::lengths::parse_lengths(&args.lengths)
         .map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
-    let mut options = crate::launch_cmd::options(args.config.as_ref(), PathBuf::new(), args.ready_timeout)?;
+    let ready_timeout = args
+        .ready_timeout
+        .unwrap_or_else(|| crate::launch_cmd::default_ready_timeout(args.config.as_ref()));
+    let mut options = crate::launch_cmd::options(args.config.as_ref(), PathBuf::new(), ready_timeout)?;
+    let any = pdkv_actors::config::AnyCluster::from_toml(&options.config_text)
+        .with_context(|| format!("{} is not valid", options.config_name))?;
+    if let Some(node) = any.placed().iter().find(|node| *node.launch != Launch::Local) {
+        bail!(
+            "{}: node {} is not launch = \"local\"; pdkv chaos runs every node on this machine",
+            options.config_name,
+            node.name
+        );
+    }
+    if let pdkv_actors::config::AnyCluster::Vllm(_) = any {
+        let args = ChaosArgs {
+            ready_timeout: Some(ready_timeout),
+            ..args
+        };
+        return vllm::run(&args, options, &lengths);
+    }
     let given = ClusterConfig::from_toml(&options.config_text)
         .with_context(|| format!("{} is not valid", options.config_name))?;
     if let Some(node) = given.nodes.iter().find(|node| node.launch != Launch::Local) {
@@ -402,7 +426,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
     let samples = load.collect();
     let ready = conductor
         .cluster
-        .wait_ready(Duration::from_secs_f64(args.ready_timeout))
+        .wait_ready(Duration::from_secs_f64(ready_timeout))
         .map_err(|error| format!("{error:#}"));
     // Links come back within a few readings of readiness.
     let settle = Instant::now() + WATCH_EVERY * 6;
