@@ -200,6 +200,13 @@ impl HttpServer {
             let _entered = runtime.enter();
             tokio::net::TcpListener::from_std(listener)?
         };
+        // Streamed answers are many small writes: without TCP_NODELAY, Nagle's algorithm holds
+        // each one until the client's (delayed) ACK of the last, tens of milliseconds.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |stream: &mut tokio::net::TcpStream| {
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::debug!(%error, "cannot set TCP_NODELAY");
+            }
+        });
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         runtime.spawn(async move {
             let shutdown = async move {

@@ -342,6 +342,54 @@ fn suite(kind: &str, restart: bool) {
     assert_eq!(summary["matched"], rows.len(), "{summary}");
     assert_eq!(rows.len(), 2 * LENGTHS.split(',').count());
 
+    // Chat through the router equals chat on the oracle (the tiny models' chat template), and a
+    // streamed completion through the router carries the same text as the oracle's answer.
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about blocks and windows."}],
+                      "max_tokens": 6, "temperature": 0, "ignore_eos": true, "logprobs": true, "top_logprobs": 3});
+    let chat_answer = |url: &str| -> Value {
+        let mut response = agent()
+            .post(format!("{url}/v1/chat/completions"))
+            .send_json(&chat)
+            .unwrap_or_else(|error| panic!("{url}: {error}"));
+        assert_eq!(response.status().as_u16(), 200);
+        let answer: Value = response.body_mut().read_json().unwrap();
+        json!([
+            answer["choices"][0]["message"]["content"],
+            answer["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .map(|tokens| tokens
+                    .iter()
+                    .map(|token| token["token"].clone())
+                    .collect::<Vec<_>>())
+        ])
+    };
+    assert_eq!(
+        chat_answer(&launched.router),
+        chat_answer(&oracle.url),
+        "{kind}: chat"
+    );
+    let streamed_prompt = prompt(7, 120);
+    let mut body = request(&streamed_prompt);
+    body["stream"] = true.into();
+    body.as_object_mut().unwrap().remove("logprobs");
+    let response = agent()
+        .post(format!("{}/v1/completions", launched.router))
+        .send_json(&body)
+        .unwrap();
+    let text: String = std::io::BufRead::lines(std::io::BufReader::new(response.into_body().into_reader()))
+        .map_while(Result::ok)
+        .filter_map(|line| line.strip_prefix("data: ").map(String::from))
+        .take_while(|data| data != "[DONE]")
+        .filter_map(|data| serde_json::from_str::<Value>(&data).ok())
+        .filter_map(|chunk| chunk["choices"][0]["text"].as_str().map(String::from))
+        .collect();
+    let whole = complete(&oracle.url, &request(&streamed_prompt));
+    assert_eq!(
+        text,
+        whole["choices"][0]["text"].as_str().unwrap(),
+        "{kind}: streamed text"
+    );
+
     // Another prompt's transfer parameters (same length): refused before any byte moves, the
     // prompt computed here; a later prompt sharing its prefix (which the decoder's prefix cache
     // now holds) is still answered as the oracle answers it.

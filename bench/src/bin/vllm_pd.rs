@@ -18,8 +18,8 @@
 //! proxy: what the legs cost); pdkv's router; the toy proxy. Each request has a prompt of its
 //! own (no prefix-cache hits). Printed per path and length: TTFT and end-to-end p50/p99; for
 //! P/D, the KV bytes and READ time per request from the decode leg's `vllm:pdkv_load_*`; for the
-//! proxies, the latency they add over the client-driven P/D (p50 and p99 of each, the
-//! difference). Last, `--throughput-requests` requests of the first length with `--concurrency`
+//! proxies, the latency they add over the client-driven P/D (per round of the interleaved
+//! requests, the proxy's end-to-end time less the client-driven one's; p50 and p99 of those). Last, `--throughput-requests` requests of the first length with `--concurrency`
 //! clients through each proxy: completed requests per second, and the ratio.
 
 use std::io::{BufRead, BufReader};
@@ -238,7 +238,6 @@ const ENGINE_ARGS: &[&str] = &[
     "32",
     "--disable-access-log-for-endpoints",
     "/health,/metrics",
-    "--disable-log-requests",
 ];
 
 fn main() -> Result<(), String> {
