@@ -111,15 +111,14 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
             anyhow::bail!("--lengths is required, e.g. --lengths 1..1100 or --lengths 251,377,440")
         }
     };
-    if let Some(path) = &args.config {
+    if let Some(path) = &args.config
+        && let pdkv_actors::config::AnyCluster::Vllm(cluster) =
+            pdkv_actors::config::AnyCluster::from_file(path)?
+    {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        if let pdkv_actors::config::AnyCluster::Vllm(cluster) =
-            pdkv_actors::config::AnyCluster::from_toml(&text)?
-        {
-            let lengths = lengths_of(default_lengths)?;
-            return crate::vllm_sweep::run(&args, cluster, text, lengths);
-        }
+        let lengths = lengths_of(default_lengths)?;
+        return crate::vllm_sweep::run(&args, cluster, text, lengths);
     }
     if args.repeat || args.concurrency != 1 || args.oracle != crate::vllm_sweep::Oracle::Plain {
         anyhow::bail!(

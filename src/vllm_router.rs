@@ -442,6 +442,21 @@ impl Drive {
         self.deadline.saturating_duration_since(Instant::now())
     }
 
+    /// Sends the decode request to `target`, bounded by the request's deadline.
+    async fn send_decode(
+        &self,
+        target: &Leg,
+        with_params: bool,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        self.shared
+            .client
+            .post(format!("{}{}", target.url, self.api.path()))
+            .json(&self.decode_body(with_params))
+            .timeout(self.remaining())
+            .send()
+            .await
+    }
+
     fn decode_body(&self, with_params: bool) -> Value {
         let mut body = self.bodies.decode.clone();
         if with_params && let Some(params) = &self.params {
@@ -541,14 +556,7 @@ impl Drive {
             let target = &shared.decode[leg];
             let sent = {
                 let _counted = InFlight::new(target);
-                let response = shared
-                    .client
-                    .post(format!("{}{}", target.url, self.api.path()))
-                    .json(&self.decode_body(with_params))
-                    .timeout(self.remaining())
-                    .send()
-                    .await;
-                match response {
+                match self.send_decode(target, with_params).await {
                     Ok(response) if response.status().is_success() => {
                         let status = response.status().as_u16();
                         response
@@ -608,14 +616,7 @@ impl Drive {
             let shared = self.shared.clone();
             let target = &shared.decode[leg];
             let _counted = InFlight::new(target);
-            let response = shared
-                .client
-                .post(format!("{}{}", target.url, self.api.path()))
-                .json(&self.decode_body(with_params))
-                .timeout(self.remaining())
-                .send()
-                .await;
-            let response = match response {
+            let response = match self.send_decode(target, with_params).await {
                 Ok(response) if response.status().is_success() => response,
                 Ok(response) => {
                     let failure = rejected_or_lost(response).await;

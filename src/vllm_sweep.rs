@@ -336,18 +336,23 @@ impl LoadCounts {
     }
 }
 
+/// A leg's `/metrics` page.
+async fn metrics_page(client: &reqwest::Client, url: &str) -> Result<String, String> {
+    client
+        .get(format!("{url}/metrics"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .map_err(|error| format!("{url}/metrics: {error}"))?
+        .text()
+        .await
+        .map_err(|error| format!("{url}/metrics: {error}"))
+}
+
 async fn load_counts(client: &reqwest::Client, decode_urls: &[String]) -> Result<LoadCounts, String> {
     let mut total = LoadCounts::default();
     for url in decode_urls {
-        let text = client
-            .get(format!("{url}/metrics"))
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-            .map_err(|error| format!("{url}/metrics: {error}"))?
-            .text()
-            .await
-            .map_err(|error| format!("{url}/metrics: {error}"))?;
+        let text = metrics_page(client, url).await?;
         let counts = LoadCounts::from_metrics(&text);
         total.planned_tokens += counts.planned_tokens;
         total.loads += counts.loads;
@@ -383,15 +388,7 @@ async fn loads_since(
 
 /// A leg's idleness: requests running plus waiting, and KV cache usage.
 async fn leg_load(client: &reqwest::Client, url: &str) -> Result<(f64, f64), String> {
-    let text = client
-        .get(format!("{url}/metrics"))
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .map_err(|error| format!("{url}/metrics: {error}"))?
-        .text()
-        .await
-        .map_err(|error| format!("{url}/metrics: {error}"))?;
+    let text = metrics_page(client, url).await?;
     let requests = sample_sum(&text, "vllm:num_requests_running").unwrap_or(0.0)
         + sample_sum(&text, "vllm:num_requests_waiting").unwrap_or(0.0);
     Ok((

@@ -262,6 +262,55 @@ impl Conductor<'_> {
         self.active = still;
     }
 
+    /// Runs the schedule for `duration` from the conductor's start: restarts, begins each fault
+    /// at its time, ends those whose hold passed, and records what the watcher sees.
+    pub(super) fn run_schedule(
+        &mut self,
+        faults: &[Fault],
+        watcher: &super::observe::Watcher,
+        duration: Duration,
+    ) -> anyhow::Result<()> {
+        let mut next = 0;
+        while self.start.elapsed() < duration {
+            self.reap()?;
+            let seen = watcher.snapshot();
+            while next < faults.len() && faults[next].at <= self.start.elapsed() {
+                self.begin(faults[next].clone(), &seen);
+                next += 1;
+            }
+            self.end_due(false);
+            self.observe(&seen);
+            std::thread::sleep(super::TICK);
+        }
+        Ok(())
+    }
+
+    /// Quiesce: every fault ended and healed, then, until `deadline`, waits for the load to stop
+    /// (`load_done`) and every leg this run stopped to be started again.
+    pub(super) fn settle(
+        &mut self,
+        watcher: &super::observe::Watcher,
+        deadline: Instant,
+        load_done: impl Fn() -> bool,
+    ) -> anyhow::Result<()> {
+        self.end_due(true);
+        self.relays.heal_all();
+        while (!load_done()
+            || !self.down.is_empty()
+            || !self
+                .expected
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty())
+            && Instant::now() < deadline
+        {
+            self.reap()?;
+            self.observe(&watcher.snapshot());
+            std::thread::sleep(super::TICK);
+        }
+        Ok(())
+    }
+
     pub(super) fn observe(&mut self, seen: &BTreeMap<String, Seen>) {
         for record in &mut self.records {
             if !record.settled(self.detect_window) {

@@ -392,36 +392,11 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         detect_window: detect + WATCH_EVERY * 4,
     };
     conductor.refresh_pids();
-    let mut next = 0;
-    while run_start.elapsed() < duration {
-        conductor.reap()?;
-        let seen = watcher.snapshot();
-        while next < faults.len() && faults[next].at <= run_start.elapsed() {
-            conductor.begin(faults[next].clone(), &seen);
-            next += 1;
-        }
-        conductor.end_due(false);
-        conductor.observe(&seen);
-        std::thread::sleep(TICK);
-    }
+    conductor.run_schedule(&faults, &watcher, duration)?;
     // Quiesce: no new requests, every fault healed, every stopped leg started again.
     load.stop();
-    conductor.end_due(true);
-    relays.heal_all();
     let drain_deadline = Instant::now() + deadline + Duration::from_secs(5) + conductor.restart_after;
-    while (!load.done()
-        || !conductor.down.is_empty()
-        || !conductor
-            .expected
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_empty())
-        && Instant::now() < drain_deadline
-    {
-        conductor.reap()?;
-        conductor.observe(&watcher.snapshot());
-        std::thread::sleep(TICK);
-    }
+    conductor.settle(&watcher, drain_deadline, || load.done())?;
     let load_elapsed = run_start.elapsed();
     let samples = load.collect();
     let ready = conductor

@@ -39,7 +39,7 @@ use super::observe::Watcher;
 use super::relay::Relay;
 use super::schedule::{self, Timing, Topology};
 use super::wiring::Relays;
-use super::{ANSWER_SLACK, ChaosArgs, ERROR_BACKOFF, PROBES, TICK, WATCH_EVERY};
+use super::{ANSWER_SLACK, ChaosArgs, ERROR_BACKOFF, PROBES, WATCH_EVERY};
 use crate::launch::{Cluster, LaunchOptions, http_agent};
 
 /// How a vLLM answer compares with the oracle's.
@@ -331,36 +331,13 @@ pub(super) fn run(args: &ChaosArgs, mut options: LaunchOptions, lengths: &[u64])
         detect_window,
     };
     conductor.refresh_pids();
-    let mut next = 0;
-    while run_start.elapsed() < duration {
-        conductor.reap()?;
-        let seen = watcher.snapshot();
-        while next < faults.len() && faults[next].at <= run_start.elapsed() {
-            conductor.begin(faults[next].clone(), &seen);
-            next += 1;
-        }
-        conductor.end_due(false);
-        conductor.observe(&seen);
-        std::thread::sleep(TICK);
-    }
+    conductor.run_schedule(&faults, &watcher, duration)?;
     stop.store(true, Ordering::Relaxed);
-    conductor.end_due(true);
-    relays.heal_all();
     // Every stopped leg starts again (a vLLM leg takes its start-up time to serve).
     let restart_deadline = Instant::now() + deadline + conductor.restart_after + Duration::from_secs(5);
-    while (!clients.iter().all(std::thread::JoinHandle::is_finished)
-        || !conductor.down.is_empty()
-        || !conductor
-            .expected
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_empty())
-        && Instant::now() < restart_deadline
-    {
-        conductor.reap()?;
-        conductor.observe(&watcher.snapshot());
-        std::thread::sleep(TICK);
-    }
+    conductor.settle(&watcher, restart_deadline, || {
+        clients.iter().all(std::thread::JoinHandle::is_finished)
+    })?;
     let load_elapsed = run_start.elapsed();
     for client in clients {
         let _ = client.join();
