@@ -4,7 +4,6 @@
 //! the actix system.
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,8 +40,9 @@ const BYTES_BUCKETS: &[f64] = &[
 const RUNS_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0];
 
 /// Installs the process's Prometheus recorder with explicit buckets (histograms, not
-/// summaries), and keeps its upkeep running.
-pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+/// summaries), keeps its upkeep running, and describes the families a process of `kind`
+/// exports, its counters present at 0 from the start.
+pub fn install_metrics(kind: ProcessKind) -> anyhow::Result<PrometheusHandle> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)?
         .set_buckets_for_metric(Matcher::Full("pdkv_kv_transfer_bytes".into()), BYTES_BUCKETS)?
@@ -59,7 +59,98 @@ pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
             }
         })
         .context("cannot start the metrics upkeep thread")?;
+    describe(kind);
     Ok(handle)
+}
+
+/// Which metric families a process exports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProcessKind {
+    /// A prefill or decode leg of the reference engine.
+    Leg,
+    /// A router (in front of reference-engine or vLLM legs).
+    Router,
+}
+
+/// Outcomes of a request at the router (`pdkv_requests_total{outcome}`,
+/// `pdkv_request_seconds{stage="total",outcome}`).
+pub const OUTCOMES: &[&str] = &["ok", "bad_request", "unavailable", "timeout", "error"];
+
+/// Reasons a decode leg's READ failed (`pdkv_kv_transfer_failures_total{reason}`).
+pub const TRANSFER_FAILURES: &[&str] = &["stale_block", "plan", "read", "other"];
+
+/// Describes every family a process of `kind` exports (`# HELP`, units) and sets its counters
+/// to 0, so a scrape shows them before their first event.
+fn describe(kind: ProcessKind) {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_gauge!("pdkv_build_info", "pdkv's version (the value is always 1)");
+    metrics::gauge!("pdkv_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    describe_gauge!(
+        "pdkv_peer_up",
+        "1 while the peer's link (or a vLLM leg's health) is up, else 0"
+    );
+    metrics_process::Collector::default().describe();
+    match kind {
+        ProcessKind::Router => {
+            describe_counter!(
+                "pdkv_requests_total",
+                "Requests answered by the router, by outcome"
+            );
+            for &outcome in OUTCOMES {
+                metrics::counter!("pdkv_requests_total", "outcome" => outcome).absolute(0);
+            }
+            describe_histogram!(
+                "pdkv_request_seconds",
+                Unit::Seconds,
+                "Request latency at the router: stage prefill or decode (successes), total (by outcome)"
+            );
+            describe_counter!(
+                "pdkv_retries_total",
+                "Requests started over on other legs after a failure"
+            );
+            metrics::counter!("pdkv_retries_total").absolute(0);
+        }
+        ProcessKind::Leg => {
+            describe_histogram!(
+                "pdkv_kv_transfer_seconds",
+                Unit::Seconds,
+                "Time of one request's KV READ"
+            );
+            describe_histogram!(
+                "pdkv_kv_transfer_bytes",
+                Unit::Bytes,
+                "Bytes of one request's KV READ"
+            );
+            describe_histogram!("pdkv_kv_transfer_runs", "READ runs posted for one request");
+            describe_counter!(
+                "pdkv_kv_transfer_failures_total",
+                "KV READs that failed, by reason"
+            );
+            for &reason in TRANSFER_FAILURES {
+                metrics::counter!("pdkv_kv_transfer_failures_total", "reason" => reason).absolute(0);
+            }
+            describe_counter!(
+                "pdkv_lease_expired_total",
+                "Grants whose lease ran out before the decode released them"
+            );
+            metrics::counter!("pdkv_lease_expired_total").absolute(0);
+            describe_gauge!("pdkv_grants_active", "Live grants (blocks pinned for a READ)");
+            describe_gauge!("pdkv_blocks_free", "Free KV blocks, by group");
+            describe_gauge!("pdkv_blocks_capacity", "KV blocks, by group");
+            describe_gauge!("pdkv_requests_active", "Requests holding blocks on this leg");
+            describe_counter!("pdkv_leg_requests_total", "Requests a leg started, by stage");
+            for stage in ["prefill", "decode"] {
+                metrics::counter!("pdkv_leg_requests_total", "stage" => stage).absolute(0);
+            }
+            describe_counter!("pdkv_generated_tokens_total", "Tokens decoded by this leg");
+            metrics::counter!("pdkv_generated_tokens_total").absolute(0);
+        }
+    }
+}
+
+/// Reads the process's CPU, memory, threads and open files into its `process_*` gauges.
+pub fn collect_process_metrics() {
+    metrics_process::Collector::default().collect();
 }
 
 /// The GPU telemetry a node exports at each scrape (`pdkv_gpu_*` gauges, labelled by device).
@@ -166,6 +257,7 @@ pub fn routes(state: AdminState) -> Router {
                     if let Some(refresh) = refresh {
                         refresh().await;
                     }
+                    collect_process_metrics();
                     let text = metrics.render();
                     Response::builder()
                         .header(header::CONTENT_TYPE, "text/plain; version=0.0.4")
@@ -174,69 +266,4 @@ pub fn routes(state: AdminState) -> Router {
                 }
             }),
         )
-}
-
-/// An HTTP server on its own runtime; stops when dropped.
-pub struct HttpServer {
-    local_addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    runtime: Option<tokio::runtime::Runtime>,
-}
-
-impl HttpServer {
-    /// Serves `app` on `bind` with `threads` worker threads.
-    pub fn start(bind: SocketAddr, app: Router, threads: usize, name: &str) -> anyhow::Result<Self> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(threads)
-            .thread_name(format!("pdkv-{name}-http"))
-            .enable_all()
-            .build()
-            .with_context(|| format!("cannot start the {name} HTTP runtime"))?;
-        let listener = std::net::TcpListener::bind(bind)
-            .with_context(|| format!("cannot bind the {name} HTTP server to {bind}"))?;
-        listener.set_nonblocking(true)?;
-        let local_addr = listener.local_addr()?;
-        let listener = {
-            let _entered = runtime.enter();
-            tokio::net::TcpListener::from_std(listener)?
-        };
-        // Streamed answers are many small writes: without TCP_NODELAY, Nagle's algorithm holds
-        // each one until the client's (delayed) ACK of the last, tens of milliseconds.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |stream: &mut tokio::net::TcpStream| {
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "cannot set TCP_NODELAY");
-            }
-        });
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        runtime.spawn(async move {
-            let shutdown = async move {
-                let _ = stopped.await;
-            };
-            if let Err(error) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
-                tracing::error!(%error, "HTTP server failed");
-            }
-        });
-        Ok(HttpServer {
-            local_addr,
-            stop: Some(stop),
-            runtime: Some(runtime),
-        })
-    }
-
-    /// The bound address.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
-    }
-}
-
-impl Drop for HttpServer {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(runtime) = self.runtime.take() {
-            // Callable from inside another runtime (the actix system), unlike a blocking wait.
-            runtime.shutdown_background();
-        }
-    }
 }

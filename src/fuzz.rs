@@ -117,10 +117,18 @@ enum Harness {
     Frames,
     Hello(Box<Hello>),
     Wire,
-    Data { core: DataServerCore, reader: NodeId },
+    Data {
+        core: DataServerCore,
+        reader: NodeId,
+    },
     ClusterToml,
     Scenario,
-    HttpBody { vocab: u32 },
+    HttpBody {
+        /// The vocabulary.
+        vocab: u32,
+        /// What the embedded cluster holds.
+        capacity: Box<crate::openai::Capacity>,
+    },
 }
 
 /// The shipped scenarios, as seeds.
@@ -252,7 +260,16 @@ impl Harness {
                 true,
             ),
             Target::HttpBody => (
-                Harness::HttpBody { vocab: 256 },
+                Harness::HttpBody {
+                    vocab: 256,
+                    capacity: Box::new({
+                        let config = ClusterConfig::embedded_default();
+                        crate::openai::Capacity {
+                            prompt: config.prompt_limit(),
+                            context: config.context_limit(),
+                        }
+                    }),
+                },
                 HTTP_BODIES.iter().map(|text| text.as_bytes().to_vec()).collect(),
                 true,
             ),
@@ -300,7 +317,12 @@ impl Harness {
                     Ok(scenario) => Ok(scenario.run().is_ok()),
                 }
             }
-            Harness::HttpBody { vocab } => Ok(crate::openai::parse_completion(input, *vocab).is_ok()),
+            Harness::HttpBody { vocab, capacity } => {
+                let completion =
+                    crate::openai::parse(crate::openai::Endpoint::Completions, input, *vocab, capacity);
+                let chat = crate::openai::parse(crate::openai::Endpoint::Chat, input, *vocab, capacity);
+                Ok(completion.is_ok() || chat.is_ok())
+            }
         }
     }
 }

@@ -8,6 +8,7 @@ pub mod client;
 pub mod errors;
 pub mod fuzz;
 pub mod gpus_cmd;
+pub mod http;
 pub mod launch;
 pub mod launch_cmd;
 pub mod lengths;

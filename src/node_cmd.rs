@@ -19,7 +19,8 @@ use pdkv_actors::node::{NodeProcess, resolve};
 use pdkv_core::wire::Role;
 use pdkv_transport::tls::NodeIdentity;
 
-use crate::admin::{self, AdminState, HttpServer};
+use crate::admin::{self, AdminState, ProcessKind};
+use crate::http::{HttpLimits, HttpServer};
 use crate::openai::{self, ApiState};
 
 /// Largest completions request body.
@@ -104,7 +105,8 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     }
     let admin_bind =
         resolve(node.address.bind_host(), node.address.admin_port).map_err(anyhow::Error::msg)?;
-    let metrics = admin::install_metrics()?;
+    let metrics = admin::install_metrics(ProcessKind::Leg)?;
+    let limits = HttpLimits::new(&config.http, crate::http::raise_file_limit());
     let drain_bound = Duration::from_millis(config.limits.request_timeout_ms);
     let system = actix::System::new();
     system.block_on(async move {
@@ -133,7 +135,13 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
                 })
             })),
         };
-        let admin = HttpServer::start(admin_bind, admin::routes(state), 1, "admin")?;
+        let admin = HttpServer::start(
+            admin_bind,
+            openai::with_json_errors(admin::routes(state)),
+            1,
+            "admin",
+            limits,
+        )?;
         println!(
             "READY node={} role={} control={} admin=http://{}{}",
             process.name(),
@@ -188,7 +196,12 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
     }
     let http_bind =
         resolve(config.router.bind_host(), config.router.http_port).map_err(anyhow::Error::msg)?;
-    let metrics = admin::install_metrics()?;
+    let metrics = admin::install_metrics(ProcessKind::Router)?;
+    let limits = HttpLimits::new(&config.http, crate::http::raise_file_limit());
+    let capacity = openai::Capacity {
+        prompt: config.prompt_limit(),
+        context: config.context_limit(),
+    };
     let (vocab, request_timeout) = (
         config.model.vocab,
         Duration::from_millis(config.limits.request_timeout_ms),
@@ -212,12 +225,14 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
             router,
             vocab,
             max_body_bytes: MAX_BODY_BYTES,
+            body_timeout: limits.body_timeout,
+            capacity: capacity.clone(),
             request_timeout,
             next_id: Arc::new(AtomicU64::new(1)),
             next_client: Arc::new(AtomicU64::new(1)),
         };
-        let app = openai::routes(api).merge(admin::routes(admin_state));
-        let http = HttpServer::start(http_bind, app, 2, "router")?;
+        let app = openai::with_json_errors(openai::routes(api).merge(admin::routes(admin_state)));
+        let http = HttpServer::start(http_bind, app, 2, "router", limits)?;
         println!(
             "READY node={ROUTER_NODE} role=router control={} http=http://{}",
             process.control_addr().map_or("?".into(), |addr| addr.to_string()),

@@ -38,8 +38,9 @@ use pdkv_core::wire::Role;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
-use crate::admin::{self, AdminState, HttpServer};
+use crate::admin::{self, AdminState, ProcessKind};
 use crate::client::sample_sum;
+use crate::http::{HttpLimits, HttpServer};
 
 /// Largest request body the router reads (a long prompt as token ids fits).
 pub const MAX_BODY_BYTES: usize = 8 << 20;
@@ -112,6 +113,8 @@ struct Shared {
     max_retries: u32,
     misses_allowed: u32,
     request_timeout: Duration,
+    /// Longest wait for a request's body.
+    body_timeout: Duration,
     prefill_timeout: Duration,
     turns: Mutex<(usize, usize)>,
     next_id: AtomicU64,
@@ -782,15 +785,16 @@ async fn serve(State(shared): State<Arc<Shared>>, api: Api, body: Body) -> Respo
 
 async fn serve_in_span(shared: Arc<Shared>, api: Api, body: Body) -> Response {
     let started = Instant::now();
-    let bytes = match axum::body::to_bytes(body, MAX_BODY_BYTES).await {
+    let bytes = match crate::http::read_body(body, MAX_BODY_BYTES, shared.body_timeout).await {
         Ok(bytes) => bytes,
-        Err(_) => {
-            return error_response(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                &format!("body: larger than {MAX_BODY_BYTES} bytes"),
-                "BadRequestError",
-                Some("body"),
-            );
+        Err(error) => {
+            let status = match error {
+                crate::http::BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+                crate::http::BodyError::TimedOut(_) => StatusCode::REQUEST_TIMEOUT,
+                crate::http::BodyError::Failed => StatusCode::BAD_REQUEST,
+            };
+            metrics::counter!("pdkv_requests_total", "outcome" => "bad_request").increment(1);
+            return error_response(status, &error.to_string(), "BadRequestError", Some("body"));
         }
     };
     let bodies = match bodies(api, &bytes, &shared.model) {
@@ -877,7 +881,8 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
     }
     let bind = pdkv_actors::node::resolve(cluster.router.bind_host(), cluster.router.http_port)
         .map_err(anyhow::Error::msg)?;
-    let metrics = admin::install_metrics()?;
+    let metrics = admin::install_metrics(ProcessKind::Router)?;
+    let limits = HttpLimits::new(&cluster.http, crate::http::raise_file_limit());
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_millis(cluster.failure.heartbeat_ms.max(1000)))
         .pool_idle_timeout(Duration::from_secs(30))
@@ -909,6 +914,7 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
         max_retries: cluster.failure.max_retries,
         misses_allowed: cluster.failure.heartbeat_misses,
         request_timeout,
+        body_timeout: limits.body_timeout,
         prefill_timeout: Duration::from_millis(cluster.router.prefill_timeout_ms).min(request_timeout),
         turns: Mutex::new((0, 0)),
         next_id: AtomicU64::new(1),
@@ -919,8 +925,8 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
         metrics,
         refresh: None,
     };
-    let app = routes(shared.clone()).merge(admin::routes(admin_state));
-    let http = HttpServer::start(bind, app, 2, "router")?;
+    let app = crate::openai::with_json_errors(routes(shared.clone()).merge(admin::routes(admin_state)));
+    let http = HttpServer::start(bind, app, 2, "router", limits)?;
     let period = Duration::from_millis(cluster.failure.heartbeat_ms);
     let poller = shared.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -113,9 +113,13 @@ fn http_api_answers_like_openai_and_ctrl_c_leaves_no_process() {
         .flat_map(|choice| choice["token_ids"].as_array().unwrap().clone())
         .collect();
     assert_eq!(streamed, tokens, "streamed and plain answers are equal");
-    let last = chunks.last().unwrap();
-    assert_eq!(last["usage"]["completion_tokens"], 5);
-    assert_eq!(last["pdkv"]["logits_digest"], plain["pdkv"]["logits_digest"]);
+    // The usage chunk (no choices) comes last, after the one that finishes with pdkv's figures.
+    let (usage, rest) = chunks.split_last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 5);
+    let finished = rest.last().unwrap();
+    assert_eq!(finished["choices"][0]["finish_reason"], "length");
+    assert_eq!(finished["pdkv"]["logits_digest"], plain["pdkv"]["logits_digest"]);
 
     // A long streamed answer arrives token by token, not all at the end: the first token comes
     // long before the last (the decode leg sends each as it is generated).
@@ -202,7 +206,7 @@ fn http_api_answers_like_openai_and_ctrl_c_leaves_no_process() {
         "{metrics}"
     );
     assert!(
-        metrics.contains("pdkv_request_seconds_bucket{stage=\"prefill\",le=\"0.001\"}"),
+        metrics.contains("pdkv_request_seconds_bucket{stage=\"prefill\",outcome=\"ok\",le=\"0.001\"}"),
         "{metrics}"
     );
     let (_, leg) = get(&format!("{}/metrics", launched.admin("decode-0")));

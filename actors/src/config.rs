@@ -11,8 +11,8 @@ use pdkv_core::layout::KvLayout;
 use pdkv_core::layout::{GroupEntry, GroupEntryError};
 
 use crate::deployment::{
-    Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig, check_host,
-    check_ports, node_deployment,
+    HttpConfig, Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig,
+    check_host, check_ports, node_deployment,
 };
 use crate::engines::{EngineKind, EnginesSection, VllmCluster, VllmEngine, VllmNode, VllmNodeKeys};
 pub use pdkv_core::leg::PrefillTokens;
@@ -44,6 +44,8 @@ struct ClusterFile {
     failure: FailureConfig,
     #[serde(default)]
     router: RouterConfig,
+    #[serde(default)]
+    http: HttpConfig,
     #[serde(default)]
     tls: Option<TlsConfig>,
     #[serde(default)]
@@ -358,6 +360,8 @@ pub struct ClusterConfig {
     pub failure: FailureConfig,
     /// The router's front door.
     pub router: RouterConfig,
+    /// Bounds of every HTTP server.
+    pub http: HttpConfig,
     /// Certificates made by `pdkv certs init` (`None`: a launcher makes throwaway ones).
     pub tls: Option<TlsConfig>,
     /// Log level and format.
@@ -420,6 +424,26 @@ impl ClusterConfig {
             .expect("a cluster has nodes")
     }
 
+    /// The most token slots (prompt plus generated tokens) a request may hold on every decode
+    /// leg with its lookahead tail, and the leg that sets it: a request asking for more could
+    /// never finish, so the router refuses it before any work.
+    pub fn context_limit(&self) -> PromptLimit {
+        self.nodes_with_role(Role::Decode)
+            .map(|node| {
+                let capacity = token_capacity(&self.layout, node.blocks_per_group);
+                PromptLimit {
+                    // Checked at load: lookahead < capacity.
+                    max_tokens: capacity.tokens - node.lookahead_tokens,
+                    node: node.name.clone(),
+                    capacity,
+                    lookahead_tokens: node.lookahead_tokens,
+                }
+            })
+            .min_by_key(|limit| limit.max_tokens)
+            // Checked at load: at least one decode node.
+            .expect("a cluster has a decode node")
+    }
+
     /// Refuses a prompt length no node could hold, saying which node limits it and why.
     pub fn check_prompt_tokens(&self, num_prompt_tokens: u64) -> Result<(), PromptTooLong> {
         let limit = self.prompt_limit();
@@ -463,6 +487,16 @@ pub struct Placed<'a> {
 fn check_common(file: &ClusterFile) -> Result<Vec<(NodeId, Role, NodeAddress, Launch)>, ConfigError> {
     let limits = file.limits;
     file.failure.check()?;
+    file.http.check()?;
+    if let Err(error) = tracing_subscriber::EnvFilter::try_new(&file.logging.level) {
+        return Err(ConfigError::invalid(
+            "logging.level",
+            format!(
+                "{:?} is not a log filter (e.g. \"warn\" or \"pdkv_actors=debug\"): {error}",
+                file.logging.level
+            ),
+        ));
+    }
     for (key, value) in [
         ("request_timeout_ms", limits.request_timeout_ms),
         ("lease_ms", limits.lease_ms),
@@ -718,6 +752,14 @@ impl AnyCluster {
         }
     }
 
+    /// `[http]`.
+    pub fn http(&self) -> &HttpConfig {
+        match self {
+            AnyCluster::Reference(config) => &config.http,
+            AnyCluster::Vllm(cluster) => &cluster.http,
+        }
+    }
+
     /// `[limits]`.
     pub fn limits(&self) -> &Limits {
         match self {
@@ -881,6 +923,7 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
         limits,
         failure: file.failure,
         router: file.router,
+        http: file.http,
         tls: file.tls,
         logging: file.logging,
         nodes,
@@ -964,6 +1007,7 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
         limits: file.limits,
         failure: file.failure,
         router: file.router,
+        http: file.http,
         tls: file.tls,
         logging: file.logging,
     })
@@ -1367,6 +1411,18 @@ mod tests {
                 "limits.lease_ms: must be at least 1",
             ),
             (with("d_model = 32", "d_model = -3"), "d_model"),
+            (
+                format!("{base}\n[logging]\nlevel = \"[{{{{{{==\"\n"),
+                "logging.level: \"[{{{==\" is not a log filter",
+            ),
+            (
+                format!("{base}\n[http]\nheader_timeout_ms = 0\n"),
+                "http.header_timeout_ms: 0 is outside 1..=86400000",
+            ),
+            (
+                format!("{base}\n[http]\nmax_connections = 2000000\n"),
+                "http.max_connections: 2000000 is more than 1048576",
+            ),
             (with("seed = 7\n", ""), "missing field `seed`"),
             (
                 with("blocks_per_group = 64", "blocks_per_group = 4000000000"),

@@ -129,6 +129,65 @@ impl Default for RouterConfig {
     }
 }
 
+/// `[http]`: how every HTTP server of the cluster (the router's API, each node's admin port)
+/// bounds its clients, so idle or slow connections cannot lock others out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Longest wait for a request's whole header, from the connection's start or the end of
+    /// the previous answer on a kept-alive connection (so also the idle timeout). Default 10 000.
+    pub header_timeout_ms: u64,
+    /// Longest wait for a request's whole body once its header is in. Default 30 000.
+    pub body_timeout_ms: u64,
+    /// Longest a streamed answer waits for a client that stopped reading before the request is
+    /// cancelled and the connection closed. Default 30 000.
+    pub stall_timeout_ms: u64,
+    /// Open connections per server; 0 (default) chooses from the process's file limit (raised
+    /// to its hard limit at start): three quarters of it, at most 16 384. Beyond it the oldest
+    /// idle connection is closed, or the new one is refused when none is idle.
+    pub max_connections: usize,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 30_000,
+            stall_timeout_ms: 30_000,
+            max_connections: 0,
+        }
+    }
+}
+
+/// Most connections one HTTP server may be set to hold.
+pub const MAX_HTTP_CONNECTIONS: usize = 1 << 20;
+
+impl HttpConfig {
+    /// Refuses bounds of zero or of more than a day, and connection caps past
+    /// [`MAX_HTTP_CONNECTIONS`].
+    pub fn check(&self) -> Result<(), ConfigError> {
+        for (key, value) in [
+            ("header_timeout_ms", self.header_timeout_ms),
+            ("body_timeout_ms", self.body_timeout_ms),
+            ("stall_timeout_ms", self.stall_timeout_ms),
+        ] {
+            if !(1..=86_400_000).contains(&value) {
+                return Err(ConfigError::invalid(
+                    format!("http.{key}"),
+                    format!("{value} is outside 1..=86400000 (a day)"),
+                ));
+            }
+        }
+        if self.max_connections > MAX_HTTP_CONNECTIONS {
+            return Err(ConfigError::invalid(
+                "http.max_connections",
+                format!("{} is more than {MAX_HTTP_CONNECTIONS}", self.max_connections),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// `[tls]`: where `pdkv certs init` wrote the cluster CA and the node certificates.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

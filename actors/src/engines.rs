@@ -20,7 +20,7 @@ use pdkv_core::wire::{NodeId, Role};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{ConfigError, FailureConfig, Limits, ReadEngineKind};
-use crate::deployment::{Launch, LoggingConfig, NodeAddress, RouterConfig, TlsConfig};
+use crate::deployment::{HttpConfig, Launch, LoggingConfig, NodeAddress, RouterConfig, TlsConfig};
 
 /// The Python module vLLM's OpenAI-compatible server runs as.
 pub const VLLM_SERVER_MODULE: &str = "vllm.entrypoints.openai.api_server";
@@ -149,6 +149,8 @@ pub struct VllmCluster {
     pub failure: FailureConfig,
     /// The router's front door.
     pub router: RouterConfig,
+    /// Bounds of every HTTP server.
+    pub http: HttpConfig,
     /// Certificates (`None`: a launcher writes throwaway ones).
     pub tls: Option<TlsConfig>,
     /// Log level and format of pdkv's own processes.

@@ -33,6 +33,18 @@ pub fn cluster_toml(prefill: usize, decode: usize) -> String {
     text
 }
 
+/// `pdkv launch --config config --run-dir run_dir extra…`.
+pub fn launch_command(config: &Path, run_dir: &Path, extra: &[&str]) -> Command {
+    let mut command = pdkv();
+    command
+        .args(["launch", "--config"])
+        .arg(config)
+        .arg("--run-dir")
+        .arg(run_dir)
+        .args(extra);
+    command
+}
+
 /// A running `pdkv launch`; interrupted (Ctrl-C) and waited for when dropped.
 pub struct Launched {
     pub child: Child,
@@ -55,12 +67,13 @@ impl Launched {
     /// [`Launched::start_with`], waiting at most `ready` for the cluster (vLLM legs take
     /// minutes on a loaded CPU).
     pub fn start_within(config: &Path, run_dir: &Path, extra: &[&str], ready: Duration) -> Launched {
-        let mut child = pdkv()
-            .args(["launch", "--config"])
-            .arg(config)
-            .arg("--run-dir")
-            .arg(run_dir)
-            .args(extra)
+        Self::start_command(launch_command(config, run_dir, extra), run_dir, ready)
+    }
+
+    /// Runs a `pdkv launch` command (from [`launch_command`]) until its cluster is ready, at most
+    /// `ready`.
+    pub fn start_command(mut command: Command, run_dir: &Path, ready: Duration) -> Launched {
+        let mut child = command
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

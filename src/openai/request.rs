@@ -1,0 +1,727 @@
+//! A completions or chat request as the router takes it: parsed, checked field by field, and
+//! admitted against what the cluster can hold, before any leg does work for it.
+//!
+//! vLLM's OpenAI server is the reference. What pdkv's reference engine does not do (sampling,
+//! stop sequences, logprobs, echo, penalties) is refused with a 400 naming the field unless the
+//! value asks for what it does anyway (`temperature: 0`, `top_p: 1`, `stop: []`, …): a field is
+//! never silently ignored.
+
+use axum::http::StatusCode;
+use pdkv_actors::config::{PromptLimit, PromptTooLong};
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+
+/// The one model the reference engine serves.
+pub const MODEL_NAME: &str = "pdkv-reference";
+
+/// Most tokens one request may ask for.
+pub const MAX_COMPLETION_TOKENS: u32 = 4096;
+
+/// Which API a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    Chat,
+}
+
+/// What the cluster can hold for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capacity {
+    /// The longest prompt every leg holds.
+    pub prompt: PromptLimit,
+    /// The most token slots (prompt plus generated tokens) every decode leg holds.
+    pub context: PromptLimit,
+}
+
+/// A checked request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// Where it came.
+    pub endpoint: Endpoint,
+    /// Prompt token ids (for chat, the template's bytes).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_tokens: u32,
+    /// Answer as server-sent events.
+    pub stream: bool,
+    /// Add a usage chunk to the stream.
+    pub include_usage: bool,
+}
+
+/// The roles a chat message may have.
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+/// The plain chat template over the byte tokenizer: each message as `<|role|>\n` + its content +
+/// `\n`, then `<|assistant|>\n` for the answer.
+pub fn chat_template(messages: &[(String, String)]) -> String {
+    let mut text = String::new();
+    for (role, content) in messages {
+        text.push_str(&format!("<|{role}|>\n{content}\n"));
+    }
+    text.push_str("<|assistant|>\n");
+    text
+}
+
+/// Parses and checks a request body for `endpoint` against a vocabulary of `vocab` tokens and
+/// the cluster's `capacity`.
+pub fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+    vocab: u32,
+    capacity: &Capacity,
+) -> Result<Completion, ApiError> {
+    let fields = json_object(body)?;
+    for (key, value) in &fields {
+        check_field(endpoint, key, value)?;
+    }
+    if let Some(model) = string(&fields, "model")?
+        && model != MODEL_NAME
+    {
+        return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("model: {model:?} does not exist; this server serves {MODEL_NAME:?}"),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            retry_after: None,
+        });
+    }
+    let prompt = match endpoint {
+        Endpoint::Completions => prompt_tokens(present(&fields, "prompt"), vocab)?,
+        Endpoint::Chat => {
+            let messages = chat_messages(present(&fields, "messages"))?;
+            text_tokens("messages", &chat_template(&messages), vocab)?
+        }
+    };
+    let stream = boolean(&fields, "stream")?.unwrap_or(false);
+    let include_usage = match present(&fields, "stream_options") {
+        None => false,
+        Some(_) if !stream => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "only allowed when stream is true",
+            ));
+        }
+        Some(Value::Object(options)) => {
+            if let Some(key) = options.keys().find(|key| key.as_str() != "include_usage") {
+                return Err(ApiError::invalid(
+                    format!("stream_options.{key}"),
+                    "not supported (only include_usage is)",
+                ));
+            }
+            boolean(options, "include_usage")
+                .map_err(|_| ApiError::invalid("stream_options.include_usage", "must be true or false"))?
+                .unwrap_or(false)
+        }
+        Some(_) => return Err(ApiError::invalid("stream_options", "must be an object")),
+    };
+    // Chat's max_completion_tokens wins over the older max_tokens, as in vLLM.
+    let (key, asked) = match (endpoint, count(&fields, "max_completion_tokens")?) {
+        (Endpoint::Chat, Some(asked)) => ("max_completion_tokens", Some(asked)),
+        _ => ("max_tokens", count(&fields, "max_tokens")?),
+    };
+    let max_tokens = admit(key, prompt.len() as u64, asked, capacity)?;
+    Ok(Completion {
+        endpoint,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+    })
+}
+
+/// The tokens a request may generate: `asked`, or (absent) what fits, as vLLM defaults to the
+/// context left; refused when the prompt or prompt plus `asked` cannot fit.
+fn admit(key: &str, prompt: u64, asked: Option<u64>, capacity: &Capacity) -> Result<u32, ApiError> {
+    if prompt > capacity.prompt.max_tokens {
+        let error = PromptTooLong {
+            num_prompt_tokens: prompt,
+            limit: capacity.prompt.clone(),
+        };
+        return Err(ApiError::invalid("prompt", error.to_string()));
+    }
+    let context = &capacity.context;
+    let room = context.max_tokens.saturating_sub(prompt);
+    match asked {
+        Some(0) => Err(ApiError::invalid(
+            key,
+            format!("0 is outside 1..={MAX_COMPLETION_TOKENS}"),
+        )),
+        Some(asked) if asked > u64::from(MAX_COMPLETION_TOKENS) => Err(ApiError::invalid(
+            key,
+            format!("{asked} is outside 1..={MAX_COMPLETION_TOKENS}"),
+        )),
+        Some(asked) if asked > room => Err(ApiError::invalid(
+            key,
+            format!(
+                "{asked} tokens after a prompt of {prompt} need {} token slots, more than the {} a request may hold: decode leg {} holds {} and reserves {} for lookahead; ask for at most {room}",
+                prompt + asked,
+                context.max_tokens,
+                context.node,
+                context.capacity,
+                context.lookahead_tokens
+            ),
+        )),
+        Some(asked) => Ok(asked as u32),
+        None if room == 0 => Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "a prompt of {prompt} tokens leaves no room to generate: decode leg {} holds {} token slots per request",
+                context.node, context.max_tokens
+            ),
+        )),
+        None => Ok(room.min(u64::from(MAX_COMPLETION_TOKENS)) as u32),
+    }
+}
+
+/// The body as one JSON object, with nothing after it.
+fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let value: Value = serde::Deserialize::deserialize(&mut deserializer).map_err(|error| {
+        ApiError::invalid(
+            "body",
+            format!(
+                "not valid JSON at line {}, column {}",
+                error.line(),
+                error.column()
+            ),
+        )
+    })?;
+    deserializer.end().map_err(|error| {
+        ApiError::invalid(
+            "body",
+            format!(
+                "data after the JSON object at line {}, column {}",
+                error.line(),
+                error.column()
+            ),
+        )
+    })?;
+    match value {
+        Value::Object(fields) => Ok(fields),
+        _ => Err(ApiError::invalid("body", "must be a JSON object")),
+    }
+}
+
+/// `key`'s value unless absent or null.
+fn present<'a>(fields: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    fields.get(key).filter(|value| !value.is_null())
+}
+
+fn boolean(fields: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
+    present(fields, key)
+        .map(|value| {
+            value
+                .as_bool()
+                .ok_or_else(|| ApiError::invalid(key, "must be true or false"))
+        })
+        .transpose()
+}
+
+fn string<'a>(fields: &'a Map<String, Value>, key: &str) -> Result<Option<&'a str>, ApiError> {
+    present(fields, key)
+        .map(|value| {
+            value
+                .as_str()
+                .ok_or_else(|| ApiError::invalid(key, "must be a string"))
+        })
+        .transpose()
+}
+
+fn count(fields: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError> {
+    present(fields, key)
+        .map(|value| {
+            value
+                .as_u64()
+                .ok_or_else(|| ApiError::invalid(key, "must be a positive integer"))
+        })
+        .transpose()
+}
+
+/// The values of fields the reference engine does not act on that ask for what it does anyway.
+fn neutral(key: &str, value: &Value) -> Option<bool> {
+    let number = value.as_f64();
+    Some(match key {
+        "temperature" => number? == 0.0,
+        "top_p" => number? == 1.0,
+        "top_k" => matches!(value.as_i64()?, -1 | 0),
+        "min_p" | "presence_penalty" | "frequency_penalty" => number? == 0.0,
+        "repetition_penalty" => number? == 1.0,
+        "n" | "best_of" => value.as_u64()? == 1,
+        "min_tokens" => value.as_u64()? == 0,
+        "echo" => !value.as_bool()?,
+        "logprobs" => value.as_bool() == Some(false),
+        "top_logprobs" => value.as_u64()? == 0,
+        "stop" => value.as_str().is_some_and(str::is_empty) || value.as_array().is_some_and(Vec::is_empty),
+        "stop_token_ids" => value.as_array()?.is_empty(),
+        "logit_bias" => value.as_object()?.is_empty(),
+        "suffix" => value.as_str()?.is_empty(),
+        _ => return None,
+    })
+}
+
+/// Why a field the reference engine does not act on is refused.
+fn unsupported(key: &str) -> &'static str {
+    match key {
+        "temperature" | "top_p" | "top_k" | "min_p" => {
+            "sampling is not supported: the reference engine decodes greedily (temperature 0)"
+        }
+        "n" | "best_of" => "pdkv answers one completion per request",
+        "logprobs" | "top_logprobs" => "logprobs are not supported",
+        "echo" => "echo is not supported",
+        "stop" | "stop_token_ids" => "stop sequences are not supported",
+        "suffix" => "suffixes are not supported",
+        _ => "penalties and logit biases are not supported",
+    }
+}
+
+/// The fields each endpoint takes besides those [`neutral`] knows.
+const COMPLETIONS_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "seed",
+    "user",
+    "ignore_eos",
+];
+const CHAT_FIELDS: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "seed",
+    "user",
+    "ignore_eos",
+];
+
+/// Refuses a field `endpoint` does not take, or a value of it the engine would not honour.
+fn check_field(endpoint: Endpoint, key: &str, value: &Value) -> Result<(), ApiError> {
+    if value.is_null() {
+        return Ok(());
+    }
+    let known = match endpoint {
+        Endpoint::Completions => COMPLETIONS_FIELDS,
+        Endpoint::Chat => CHAT_FIELDS,
+    };
+    if known.contains(&key) {
+        return match key {
+            // Greedy decoding is deterministic: any seed gives the same answer.
+            "seed" if value.as_i64().is_none() && value.as_u64().is_none() => {
+                Err(ApiError::invalid(key, "must be an integer"))
+            }
+            "user" if !value.is_string() => Err(ApiError::invalid(key, "must be a string")),
+            // The byte vocabulary has no end-of-sequence token: there is none to ignore.
+            "ignore_eos" if !value.is_boolean() => Err(ApiError::invalid(key, "must be true or false")),
+            _ => Ok(()),
+        };
+    }
+    let chat_only = endpoint == Endpoint::Completions && matches!(key, "top_logprobs");
+    let completions_only = endpoint == Endpoint::Chat && matches!(key, "echo" | "suffix" | "best_of");
+    match neutral(key, value) {
+        _ if chat_only || completions_only => Err(ApiError::invalid(key, "not a field of this endpoint")),
+        Some(true) => Ok(()),
+        Some(false) => Err(ApiError::invalid(
+            key,
+            format!("{value} refused: {}", unsupported(key)),
+        )),
+        None if neutral_key(key) => Err(ApiError::invalid(key, format!("{value} is not a valid value"))),
+        None => Err(ApiError::invalid(
+            key,
+            format!("unknown field; this endpoint takes {}", known.join(", ")),
+        )),
+    }
+}
+
+/// Whether [`neutral`] knows `key`.
+fn neutral_key(key: &str) -> bool {
+    matches!(
+        key,
+        "temperature"
+            | "top_p"
+            | "top_k"
+            | "min_p"
+            | "presence_penalty"
+            | "frequency_penalty"
+            | "repetition_penalty"
+            | "n"
+            | "best_of"
+            | "min_tokens"
+            | "echo"
+            | "logprobs"
+            | "top_logprobs"
+            | "stop"
+            | "stop_token_ids"
+            | "logit_bias"
+            | "suffix"
+    )
+}
+
+/// A text's bytes as tokens, each below `vocab`; `param` names the field in errors.
+fn text_tokens(param: &str, text: &str, vocab: u32) -> Result<Vec<u32>, ApiError> {
+    let tokens: Vec<u32> = text.bytes().map(u32::from).collect();
+    if let Some(position) = tokens.iter().position(|&token| token >= vocab) {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "byte {position} is token {}, outside the vocabulary of {vocab}",
+                tokens[position]
+            ),
+        ));
+    }
+    Ok(tokens)
+}
+
+/// A prompt as a string (one token per byte) or an array of token ids, each below `vocab`.
+fn prompt_tokens(prompt: Option<&Value>, vocab: u32) -> Result<Vec<u32>, ApiError> {
+    let tokens: Vec<u32> = match prompt {
+        Some(Value::String(text)) => text_tokens("prompt", text, vocab)?,
+        Some(Value::Array(items)) => {
+            if items.first().is_some_and(|item| !item.is_number()) {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "one prompt per request: a string or an array of token ids",
+                ));
+            }
+            let mut tokens = Vec::with_capacity(items.len());
+            for (index, item) in items.iter().enumerate() {
+                let token = item
+                    .as_u64()
+                    .filter(|&token| token < u64::from(vocab))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("prompt[{index}]"),
+                            format!("{item} is not a token id below {vocab}"),
+                        )
+                    })?;
+                tokens.push(token as u32);
+            }
+            tokens
+        }
+        None => return Err(ApiError::invalid("prompt", "missing")),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("{other} is neither a string nor an array of token ids"),
+            ));
+        }
+    };
+    if tokens.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt",
+            "empty: at least one token is required",
+        ));
+    }
+    Ok(tokens)
+}
+
+/// Chat messages as (role, text): content a string or an array of `{"type": "text"}` parts.
+fn chat_messages(messages: Option<&Value>) -> Result<Vec<(String, String)>, ApiError> {
+    let Some(messages) = messages else {
+        return Err(ApiError::invalid("messages", "missing"));
+    };
+    let Some(messages) = messages.as_array().filter(|messages| !messages.is_empty()) else {
+        return Err(ApiError::invalid(
+            "messages",
+            "must be a non-empty array of messages",
+        ));
+    };
+    let mut parsed = Vec::with_capacity(messages.len());
+    for (index, message) in messages.iter().enumerate() {
+        let at = |field: &str| format!("messages[{index}].{field}");
+        let Some(message) = message.as_object() else {
+            return Err(ApiError::invalid(
+                format!("messages[{index}]"),
+                "must be an object with role and content",
+            ));
+        };
+        if let Some(key) = message
+            .keys()
+            .find(|key| !matches!(key.as_str(), "role" | "content" | "name"))
+        {
+            return Err(ApiError::invalid(
+                at(key),
+                "not supported (a message takes role, content and name)",
+            ));
+        }
+        let role = match message.get("role").and_then(Value::as_str) {
+            Some(role) if ROLES.contains(&role) => role,
+            Some(role) => {
+                return Err(ApiError::invalid(
+                    at("role"),
+                    format!("{role:?} is not one of {}", ROLES.join(", ")),
+                ));
+            }
+            None => return Err(ApiError::invalid(at("role"), "must be a string")),
+        };
+        let content = match message.get("content") {
+            Some(Value::String(text)) => text.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (part_index, part) in parts.iter().enumerate() {
+                    match (part["type"].as_str(), part["text"].as_str()) {
+                        (Some("text"), Some(piece)) => text.push_str(piece),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                format!("messages[{index}].content[{part_index}]"),
+                                "only {\"type\": \"text\", \"text\": ...} parts are supported",
+                            ));
+                        }
+                    }
+                }
+                text
+            }
+            None | Some(Value::Null) if role == "assistant" => String::new(),
+            _ => {
+                return Err(ApiError::invalid(
+                    at("content"),
+                    "must be a string or an array of text parts",
+                ));
+            }
+        };
+        parsed.push((role.to_string(), content));
+    }
+    Ok(parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdkv_actors::config::TokenCapacity;
+    use pdkv_core::wire::NodeId;
+
+    fn limit(node: &str, max_tokens: u64, lookahead_tokens: u64) -> PromptLimit {
+        PromptLimit {
+            max_tokens,
+            node: NodeId(node.into()),
+            capacity: TokenCapacity {
+                tokens: max_tokens + lookahead_tokens,
+                group: Some(0),
+                blocks: 4,
+                block_tokens: (max_tokens + lookahead_tokens) / 4,
+            },
+            lookahead_tokens,
+        }
+    }
+
+    /// Prompts up to 200 tokens; prompt plus generated up to 100 + 156 = 256 minus 9.
+    fn capacity() -> Capacity {
+        Capacity {
+            prompt: limit("prefill-0", 200, 0),
+            context: limit("decode-0", 247, 9),
+        }
+    }
+
+    fn parse_completions(body: &str) -> Result<Completion, ApiError> {
+        parse(Endpoint::Completions, body.as_bytes(), 256, &capacity())
+    }
+
+    fn refused(endpoint: Endpoint, body: &str) -> (u16, String, String) {
+        let error = parse(endpoint, body.as_bytes(), 256, &capacity()).unwrap_err();
+        (
+            error.status.as_u16(),
+            error.param.unwrap_or_default(),
+            error.message,
+        )
+    }
+
+    fn param(body: &str) -> String {
+        refused(Endpoint::Completions, body).1
+    }
+
+    #[test]
+    fn prompts_are_bytes_or_token_ids_below_the_vocabulary() {
+        let ok = parse_completions(r#"{"prompt": "hi", "max_tokens": 3}"#).unwrap();
+        assert_eq!(ok.prompt, vec![u32::from(b'h'), u32::from(b'i')]);
+        assert_eq!(ok.max_tokens, 3);
+        assert!(!ok.stream);
+        let ok = parse_completions(
+            r#"{"prompt": [1, 255], "max_tokens": 2, "stream": true, "stream_options": {"include_usage": true}}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.prompt, vec![1, 255]);
+        assert!(ok.stream && ok.include_usage);
+        // Values that ask for what greedy decoding does are taken.
+        let ok = parse_completions(
+            r#"{"prompt": "x", "max_tokens": 1, "temperature": 0, "top_p": 1, "top_k": -1, "seed": 7, "n": 1, "stop": [], "echo": false, "logprobs": null, "user": "u", "model": "pdkv-reference"}"#,
+        );
+        assert!(ok.is_ok(), "{ok:?}");
+    }
+
+    #[test]
+    fn bad_bodies_name_the_field() {
+        assert_eq!(param(r#"{"prompt": [1, 256]}"#), "prompt[1]");
+        assert_eq!(param(r#"{"prompt": [1, -2]}"#), "prompt[1]");
+        assert_eq!(param(r#"{"prompt": ""}"#), "prompt");
+        assert_eq!(param(r#"{"prompt": []}"#), "prompt");
+        assert_eq!(param(r#"{"prompt": ["a", "b"]}"#), "prompt");
+        assert_eq!(param(r#"{"prompt": 7}"#), "prompt");
+        assert_eq!(param(r#"{"max_tokens": 3}"#), "prompt");
+        assert_eq!(param(r#"{"prompt": "x", "max_tokens": "3"}"#), "max_tokens");
+        assert_eq!(param(r#"{"prompt": "x", "max_tokens": 0}"#), "max_tokens");
+        assert_eq!(param(r#"{"prompt": "x", "max_tokens": 4097}"#), "max_tokens");
+        assert_eq!(param(r#"{"prompt": "x", "n": 2}"#), "n");
+        assert_eq!(
+            param(r#"{"prompt": "x", "stream_options": {}}"#),
+            "stream_options"
+        );
+        assert_eq!(param(r#"{"prompt": "x", "stream": "yes"}"#), "stream");
+        assert_eq!(
+            refused(Endpoint::Completions, r#"{"prompt": "x", "model": "gpt-4"}"#).0,
+            404
+        );
+        assert_eq!(param(r#"not json"#), "body");
+        assert_eq!(param(r#"{not json"#), "body");
+        assert_eq!(param(r#"[1, 2]"#), "body");
+        // A multi-byte character is bytes >= 128: inside a 256-token vocabulary, outside 128.
+        assert!(parse_completions("{\"prompt\": \"é\", \"max_tokens\": 1}").is_ok());
+        let error = parse(
+            Endpoint::Completions,
+            "{\"prompt\": \"é\"}".as_bytes(),
+            128,
+            &capacity(),
+        )
+        .unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("prompt"));
+        assert!(
+            error.message.contains("outside the vocabulary of 128"),
+            "{}",
+            error.message
+        );
+    }
+
+    #[test]
+    fn trailing_data_after_the_object_is_refused() {
+        let (status, param, message) = refused(Endpoint::Completions, r#"{"prompt":"a"}{"prompt":"b"}"#);
+        assert_eq!((status, param.as_str()), (400, "body"));
+        assert!(message.contains("data after the JSON object"), "{message}");
+        // Whitespace after it is not data.
+        assert!(parse_completions("{\"prompt\":\"a\",\"max_tokens\":1}\n  ").is_ok());
+        // Parser internals (Rust types) stay out of the message.
+        let (_, _, message) = refused(Endpoint::Completions, r#"{"prompt": "x", "max_tokens": "3"}"#);
+        assert!(
+            !message.contains("u32") && !message.contains("invalid type"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn options_the_engine_would_not_honour_are_refused_by_name() {
+        for (body, field, says) in [
+            (
+                r#"{"prompt": "x", "temperature": 0.7}"#,
+                "temperature",
+                "sampling",
+            ),
+            (r#"{"prompt": "x", "top_p": 0.9}"#, "top_p", "sampling"),
+            (r#"{"prompt": "x", "top_k": 5}"#, "top_k", "sampling"),
+            (r#"{"prompt": "x", "stop": ["Y"]}"#, "stop", "stop sequences"),
+            (r#"{"prompt": "x", "stop": "Y"}"#, "stop", "stop sequences"),
+            (r#"{"prompt": "x", "logprobs": 2}"#, "logprobs", "logprobs"),
+            (r#"{"prompt": "x", "echo": true}"#, "echo", "echo"),
+            (
+                r#"{"prompt": "x", "presence_penalty": 0.5}"#,
+                "presence_penalty",
+                "penalties",
+            ),
+            (
+                r#"{"prompt": "x", "logit_bias": {"1": 2}}"#,
+                "logit_bias",
+                "penalties",
+            ),
+            (r#"{"prompt": "x", "best_of": 3}"#, "best_of", "one completion"),
+            (
+                r#"{"prompt": "x", "temperature": "hot"}"#,
+                "temperature",
+                "not a valid value",
+            ),
+            (
+                r#"{"prompt": "x", "frobnicate": 1}"#,
+                "frobnicate",
+                "unknown field",
+            ),
+            (r#"{"prompt": "x", "seed": "s"}"#, "seed", "integer"),
+        ] {
+            let (status, param, message) = refused(Endpoint::Completions, body);
+            assert_eq!((status, param.as_str()), (400, field), "{body}: {message}");
+            assert!(message.contains(says), "{body}: {message}");
+        }
+        let (_, param, _) = refused(
+            Endpoint::Chat,
+            r#"{"messages": [{"role": "user", "content": "x"}], "echo": true}"#,
+        );
+        assert_eq!(param, "echo");
+    }
+
+    #[test]
+    fn a_request_that_cannot_fit_is_refused_naming_max_tokens_and_an_absent_one_gets_what_fits() {
+        // 10 prompt tokens leave 247 - 10 = 237 for generation.
+        let prompt: Vec<u32> = vec![1; 10];
+        let body = |max: &str| format!(r#"{{"prompt": {prompt:?}{max}}}"#);
+        assert_eq!(
+            parse_completions(&body(r#", "max_tokens": 237"#))
+                .unwrap()
+                .max_tokens,
+            237
+        );
+        let (status, param, message) = refused(Endpoint::Completions, &body(r#", "max_tokens": 238"#));
+        assert_eq!((status, param.as_str()), (400, "max_tokens"));
+        assert!(
+            message.contains("248 token slots")
+                && message.contains("decode-0")
+                && message.contains("at most 237"),
+            "{message}"
+        );
+        assert_eq!(parse_completions(&body("")).unwrap().max_tokens, 237);
+        // A prompt of exactly the context leaves nothing; one past the prompt limit is refused.
+        let full = Capacity {
+            prompt: limit("prefill-0", 247, 0),
+            context: limit("decode-0", 247, 9),
+        };
+        let body = format!(r#"{{"prompt": {:?}}}"#, vec![1; 247]);
+        let error = parse(Endpoint::Completions, body.as_bytes(), 256, &full).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("prompt"));
+        assert!(error.message.contains("no room"), "{}", error.message);
+        let body = format!(r#"{{"prompt": {:?}}}"#, vec![1; 201]);
+        let (_, param, message) = refused(Endpoint::Completions, &body);
+        assert_eq!(param, "prompt");
+        assert!(message.contains("longer than the cluster's limit"), "{message}");
+    }
+
+    #[test]
+    fn chat_messages_go_through_the_plain_template() {
+        let body = r#"{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_completion_tokens": 4, "max_tokens": 9}"#;
+        let chat = parse(Endpoint::Chat, body.as_bytes(), 256, &capacity()).unwrap();
+        let expected = "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n";
+        assert_eq!(chat.prompt, expected.bytes().map(u32::from).collect::<Vec<_>>());
+        assert_eq!(chat.max_tokens, 4, "max_completion_tokens wins");
+        for (body, field) in [
+            (r#"{"messages": []}"#, "messages"),
+            (r#"{"prompt": "x"}"#, "prompt"),
+            (
+                r#"{"messages": [{"role": "wizard", "content": "x"}]}"#,
+                "messages[0].role",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": 3}]}"#,
+                "messages[0].content",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+                "messages[0].content[0]",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x", "tool_calls": []}]}"#,
+                "messages[0].tool_calls",
+            ),
+        ] {
+            let (status, param, message) = refused(Endpoint::Chat, body);
+            assert_eq!((status, param.as_str()), (400, field), "{body}: {message}");
+        }
+    }
+}
