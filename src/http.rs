@@ -296,18 +296,19 @@ pub struct HttpServer {
     runtime: Option<tokio::runtime::Runtime>,
 }
 
-impl HttpServer {
-    /// Serves `app` on `bind` with `threads` worker threads within `limits`. `name` labels its
-    /// metrics and logs (`router`, `admin`).
-    pub fn start(
-        bind: SocketAddr,
-        app: Router,
-        threads: usize,
-        name: &'static str,
-        limits: HttpLimits,
-    ) -> anyhow::Result<Self> {
-        // Bind before anything that must be torn down: a taken port is an error, not a panic
-        // from a runtime dropped inside another.
+/// A server's socket, bound but not yet serving: bind first, so that a taken port is an error
+/// before anything that must be torn down (a node's links, runtimes) is started.
+pub struct HttpListener {
+    socket: tokio::net::TcpSocket,
+    bind: SocketAddr,
+    local_addr: SocketAddr,
+    name: &'static str,
+}
+
+impl HttpListener {
+    /// Binds `bind` for the server called `name` (`router`, `admin`: it labels metrics, logs
+    /// and errors).
+    pub fn bind(bind: SocketAddr, name: &'static str) -> anyhow::Result<Self> {
         let socket = match bind {
             SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
             SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
@@ -320,6 +321,27 @@ impl HttpServer {
             .bind(bind)
             .with_context(|| format!("cannot bind the {name} HTTP server to {bind}"))?;
         let local_addr = socket.local_addr()?;
+        Ok(HttpListener {
+            socket,
+            bind,
+            local_addr,
+            name,
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves `app` with `threads` worker threads within `limits`.
+    pub fn serve(self, app: Router, threads: usize, limits: HttpLimits) -> anyhow::Result<HttpServer> {
+        let HttpListener {
+            socket,
+            bind,
+            local_addr,
+            name,
+        } = self;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name(format!("pdkv-{name}-http"))
@@ -350,6 +372,19 @@ impl HttpServer {
             stop: Some(stop),
             runtime: Some(runtime),
         })
+    }
+}
+
+impl HttpServer {
+    /// Binds `bind` and serves `app` there ([`HttpListener`]).
+    pub fn start(
+        bind: SocketAddr,
+        app: Router,
+        threads: usize,
+        name: &'static str,
+        limits: HttpLimits,
+    ) -> anyhow::Result<Self> {
+        HttpListener::bind(bind, name)?.serve(app, threads, limits)
     }
 
     /// The bound address.

@@ -214,6 +214,12 @@ fn fill_port(
 pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> anyhow::Result<PathBuf> {
     let config = AnyCluster::from_toml(config_text).with_context(|| format!("{config_name} is not valid"))?;
     std::fs::create_dir_all(run_dir).with_context(|| format!("cannot create {}", run_dir.display()))?;
+    // Certificates and the CA's key land here: the owner's only.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(run_dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot restrict {} to its owner", run_dir.display()))?;
+    }
     let run_dir = run_dir
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", run_dir.display()))?;

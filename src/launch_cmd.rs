@@ -35,7 +35,9 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Run directory for the resolved cluster.toml, certificates and logs (default:
-    /// `pdkv-run-<unix time>` in the current directory).
+    /// `$XDG_STATE_HOME/pdkv/runs/run-<unix time>-<pid>`, else under `~/.local/state`, else the
+    /// temporary directory; printed at start). It holds the cluster CA's private key: it is
+    /// made readable by its owner only.
     #[arg(long)]
     pub run_dir: Option<PathBuf>,
     /// Seconds every process has to become ready (default: 30, or 600 when the legs are vLLM
@@ -58,9 +60,14 @@ pub struct LaunchArgs {
     /// An ssh config file (`ssh -F`) for `launch = "ssh"` nodes.
     #[arg(long)]
     pub ssh_config: Option<PathBuf>,
-    /// With `--render k8s`: the container image holding `pdkv` on its PATH.
-    #[arg(long, default_value = "pdkv:latest", requires = "render")]
+    /// With `--render k8s`: the container image holding `pdkv` on its PATH (default: this
+    /// version's tag).
+    #[arg(long, default_value = concat!("pdkv:", env!("CARGO_PKG_VERSION")), requires = "render")]
     pub image: String,
+    /// With `--render`: replace certificates an earlier render wrote into `--out` (nodes started
+    /// from the earlier files will not trust the new CA).
+    #[arg(long, requires = "render")]
+    pub force: bool,
 }
 
 /// Seconds processes get to become ready by default: vLLM legs start in tens of seconds to
@@ -106,6 +113,23 @@ pub fn options(
     })
 }
 
+/// Where a launch without `--run-dir` keeps its files: the user's state directory (XDG), never
+/// the working tree, so a CA key is not left beside the sources.
+pub fn default_run_dir() -> PathBuf {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs());
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .filter(|dir| dir.is_absolute())
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".local/state")))
+        .filter(|dir| dir.is_absolute())
+        .unwrap_or_else(std::env::temp_dir);
+    state
+        .join("pdkv/runs")
+        .join(format!("run-{now}-{}", std::process::id()))
+}
+
 /// Runs `pdkv launch`.
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     if let (Some(target), Some(out)) = (args.render, &args.out) {
@@ -115,17 +139,13 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             }
             None => DEFAULT_CLUSTER_TOML.to_string(),
         };
-        for path in crate::render::render(target, &text, out, &args.image)? {
+        for path in crate::render::render(target, &text, out, &args.image, args.force)? {
             println!("wrote {}", path.display());
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let run_dir = args.run_dir.clone().unwrap_or_else(|| {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_secs());
-        PathBuf::from(format!("pdkv-run-{now}"))
-    });
+    let run_dir = args.run_dir.clone().unwrap_or_else(default_run_dir);
+    println!("run directory {}", run_dir.display());
     let ready_timeout = args
         .ready_timeout
         .unwrap_or_else(|| default_ready_timeout(args.config.as_ref()));

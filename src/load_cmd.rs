@@ -50,6 +50,11 @@ pub struct LoadArgs {
     /// Prompt lengths to draw from, as for `pdkv sweep` (`16..1024`, `100,200`).
     #[arg(long, default_value = "16..1024")]
     pub lengths: String,
+    /// Tokens every prompt starts with, the same for all (a system prompt, a few-shot header):
+    /// a decode leg with prefix caching reads them once. Each prompt's own tokens follow,
+    /// `--lengths` of them.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
     /// Tokens generated per request.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_tokens: u32,
@@ -65,6 +70,32 @@ pub struct LoadArgs {
     /// Without `--router`: seconds the launched cluster has to become ready.
     #[arg(long, default_value_t = 30.0)]
     pub ready_timeout: f64,
+}
+
+/// Seeds the shared prefix apart from every request's own tokens.
+const SHARED_PREFIX_SEED: u64 = 0x5348_4152_4544;
+
+/// Pauses between attempts of a client whose requests cannot reach the router: 50 ms,
+/// doubling to 2 s, back to none after a request that reached it.
+#[derive(Debug, Default)]
+pub(crate) struct Backoff {
+    next: Option<Duration>,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(50);
+    const MOST: Duration = Duration::from_secs(2);
+
+    /// The pause before the next attempt, after one that `failed` to reach the router.
+    pub(crate) fn after(&mut self, failed: bool) -> Option<Duration> {
+        if !failed {
+            self.next = None;
+            return None;
+        }
+        let pause = self.next.unwrap_or(Self::FIRST);
+        self.next = Some((pause * 2).min(Self::MOST));
+        Some(pause)
+    }
 }
 
 /// One request's outcome.
@@ -230,8 +261,10 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
     };
     if let Some(&longest) = lengths.iter().max() {
         config
-            .check_prompt_tokens(longest)
-            .map_err(|error| anyhow::anyhow!("--lengths: {error}"))?;
+            .check_prompt_tokens(longest + args.shared_prefix as u64)
+            .map_err(|error| {
+                anyhow::anyhow!("--lengths with --shared-prefix {}: {error}", args.shared_prefix)
+            })?;
     }
     let (cluster, base, run_dir) = match &args.router {
         Some(url) => (None, url.trim_end_matches('/').to_string(), None),
@@ -259,12 +292,15 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
     let run_start = Instant::now();
     let (vocab, seed, max_tokens) = (config.model.vocab, args.seed, args.max_tokens);
     let lengths = Arc::new(lengths);
+    // Drawn from a seed no request's own tokens use.
+    let prefix: Arc<[u32]> = prompt_tokens(seed ^ SHARED_PREFIX_SEED, args.shared_prefix, vocab).into();
     let request = {
         let (base, lengths) = (base.clone(), lengths.clone());
         move |agent: &ureq::Agent, index: u64| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15));
             let length = lengths[(rng.next_u64() % lengths.len() as u64) as usize];
-            let prompt = prompt_tokens(seed.wrapping_add(index), length as usize, vocab);
+            let mut prompt = prefix.to_vec();
+            prompt.extend(prompt_tokens(seed.wrapping_add(index), length as usize, vocab));
             complete(agent, &base, &prompt, max_tokens, run_start)
         }
     };
@@ -308,12 +344,19 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
                         (request.clone(), samples.clone(), stop.clone(), next.clone());
                     std::thread::spawn(move || {
                         let agent = http_agent(timeout);
+                        let mut backoff = Backoff::default();
                         while !stop.load(Ordering::Relaxed) {
                             let sample = request(&agent, next.fetch_add(1, Ordering::Relaxed));
+                            // A router that cannot be reached is tried again after a growing
+                            // pause, not at once in a tight loop.
+                            let pause = backoff.after(sample.error.is_some() && !sample.answered);
                             samples
                                 .lock()
                                 .unwrap_or_else(PoisonError::into_inner)
                                 .push(sample);
+                            if let Some(pause) = pause {
+                                std::thread::sleep(pause);
+                            }
                         }
                     })
                 })
@@ -331,6 +374,23 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
         _ => None,
     };
     let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(PoisonError::into_inner));
+    if !samples.is_empty()
+        && samples
+            .iter()
+            .all(|sample| sample.error.is_some() && !sample.answered)
+    {
+        if let Some(mut cluster) = cluster {
+            cluster.stop();
+        }
+        if let Some(run_dir) = &run_dir {
+            let _ = std::fs::remove_dir_all(run_dir);
+        }
+        bail!(
+            "the router at {base} is unreachable: {} ({} attempts)",
+            samples[0].error.as_deref().unwrap_or("no answer"),
+            samples.len()
+        );
+    }
     let report = summarize(
         &samples,
         elapsed,
@@ -372,8 +432,7 @@ fn summarize(
     let mut errors: BTreeMap<String, usize> = BTreeMap::new();
     for sample in samples {
         if let Some(error) = &sample.error {
-            let kind: String = error.chars().take(60).collect();
-            *errors.entry(kind).or_default() += 1;
+            *errors.entry(error.clone()).or_default() += 1;
         }
     }
     let mut latency: Vec<f64> = ok.iter().map(|sample| sample.latency_s).collect();
@@ -386,7 +445,10 @@ fn summarize(
     let read_bytes: u64 = ok.iter().map(|sample| sample.read_bytes).sum();
     let tokens: usize = ok.iter().map(|sample| sample.tokens).sum();
     let prompt_tokens: usize = ok.iter().map(|sample| sample.prompt_tokens).sum();
-    let ms = |seconds: f64| (seconds * 1e6).round() / 1e3;
+    // No figure (null) where there is nothing to measure, never a made-up 0.
+    let ms = |values: &mut Vec<f64>, q: f64| {
+        (!values.is_empty()).then(|| (quantile(values, q) * 1e6).round() / 1e3)
+    };
     json!({
         "mode": match (args.concurrency, args.rate) {
             (_, Some(rate)) => format!("open loop, {rate} req/s"),
@@ -400,9 +462,10 @@ fn summarize(
         "requests_per_s": ok.len() as f64 / seconds,
         "prompt_tokens_per_s": prompt_tokens as f64 / seconds,
         "generated_tokens_per_s": tokens as f64 / seconds,
-        "latency_ms": {"p50": ms(quantile(&mut latency, 0.5)), "p99": ms(quantile(&mut latency, 0.99))},
-        "ttft_ms": {"p50": ms(quantile(&mut ttft, 0.5)), "p99": ms(quantile(&mut ttft, 0.99))},
-        "inter_token_ms": {"p50": ms(quantile(&mut gaps, 0.5)), "p99": ms(quantile(&mut gaps, 0.99))},
+        "latency_ms": {"p50": ms(&mut latency, 0.5), "p99": ms(&mut latency, 0.99)},
+        "ttft_ms": {"p50": ms(&mut ttft, 0.5), "p99": ms(&mut ttft, 0.99)},
+        "inter_token_ms": {"p50": ms(&mut gaps, 0.5), "p99": ms(&mut gaps, 0.99)},
+        "shared_prefix_tokens": args.shared_prefix,
         "kv_read_gb_per_s": read_bytes as f64 / seconds / 1e9,
         "router_cpu_share": router_cpu,
     })
@@ -428,9 +491,11 @@ fn print_report(report: &Value) {
         ("TTFT", "ttft_ms"),
         ("inter-token", "inter_token_ms"),
     ] {
+        let figure = |value: &Value| value.as_f64().map_or("n/a".to_string(), |ms| format!("{ms} ms"));
         println!(
-            "{name:>12}: p50 {} ms, p99 {} ms",
-            report[key]["p50"], report[key]["p99"]
+            "{name:>12}: p50 {}, p99 {}",
+            figure(&report[key]["p50"]),
+            figure(&report[key]["p99"])
         );
     }
     println!(
@@ -462,26 +527,40 @@ fn plot(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<()> {
         .map(|sample| sample.latency_s * 1e3)
         .fold(1.0, f64::max)
         * 1.1;
+    let fail = |error: &dyn std::fmt::Display| anyhow::anyhow!("{error}");
+    // Both panels share the time axis and the width of the label area, so they line up.
+    let label_area = 70;
     let mut latency = ChartBuilder::on(&top)
-        .caption(
-            "request latency (ms) by send time (s); errors in red",
-            ("sans-serif", 16),
-        )
+        .caption("request latency by send time", ("sans-serif", 16))
         .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(50)
+        .x_label_area_size(40)
+        .y_label_area_size(label_area)
         .build_cartesian_2d(0.0..end_s, 0.0..max_ms)
-        .map_err(|error| anyhow::anyhow!("{error}"))?;
+        .map_err(|error| fail(&error))?;
     latency
         .configure_mesh()
+        .x_desc("time since start (s)")
+        .y_desc("latency (ms)")
         .draw()
-        .map_err(|error| anyhow::anyhow!("{error}"))?;
+        .map_err(|error| fail(&error))?;
+    for (label, color, failed) in [("ok", BLUE, false), ("error", RED, true)] {
+        latency
+            .draw_series(
+                samples
+                    .iter()
+                    .filter(|sample| sample.error.is_some() == failed)
+                    .map(|sample| Circle::new((sample.start_s, sample.latency_s * 1e3), 2, color.filled())),
+            )
+            .map_err(|error| fail(&error))?
+            .label(label)
+            .legend(move |(x, y)| Circle::new((x + 5, y), 3, color.filled()));
+    }
     latency
-        .draw_series(samples.iter().map(|sample| {
-            let color = if sample.error.is_some() { RED } else { BLUE };
-            Circle::new((sample.start_s, sample.latency_s * 1e3), 2, color.filled())
-        }))
-        .map_err(|error| anyhow::anyhow!("{error}"))?;
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|error| fail(&error))?;
     let seconds = end_s.ceil() as usize;
     let mut per_second = vec![0u32; seconds + 1];
     for sample in samples.iter().filter(|sample| sample.error.is_none()) {
@@ -489,16 +568,18 @@ fn plot(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<()> {
     }
     let max_rate = f64::from(per_second.iter().copied().max().unwrap_or(1).max(1)) * 1.1;
     let mut throughput = ChartBuilder::on(&bottom)
-        .caption("completed requests per second", ("sans-serif", 16))
+        .caption("throughput", ("sans-serif", 16))
         .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(50)
+        .x_label_area_size(40)
+        .y_label_area_size(label_area)
         .build_cartesian_2d(0.0..end_s, 0.0..max_rate)
-        .map_err(|error| anyhow::anyhow!("{error}"))?;
+        .map_err(|error| fail(&error))?;
     throughput
         .configure_mesh()
+        .x_desc("time since start (s)")
+        .y_desc("completed requests (1/s)")
         .draw()
-        .map_err(|error| anyhow::anyhow!("{error}"))?;
+        .map_err(|error| fail(&error))?;
     throughput
         .draw_series(LineSeries::new(
             per_second
@@ -507,14 +588,49 @@ fn plot(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<()> {
                 .map(|(second, &count)| (second as f64 + 0.5, f64::from(count))),
             &BLACK,
         ))
-        .map_err(|error| anyhow::anyhow!("{error}"))?;
+        .map_err(|error| fail(&error))?
+        .label("ok requests completed in each second")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], BLACK));
+    throughput
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|error| fail(&error))?;
     root.present().map_err(|error| anyhow::anyhow!("{error}"))?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::quantile;
+    use super::{Backoff, quantile};
+    use std::time::Duration;
+
+    #[test]
+    fn an_unreachable_router_is_tried_again_after_growing_pauses() {
+        let mut backoff = Backoff::default();
+        let pauses: Vec<Option<Duration>> = (0..8).map(|_| backoff.after(true)).collect();
+        let ms = |ms| Some(Duration::from_millis(ms));
+        assert_eq!(
+            pauses,
+            vec![
+                ms(50),
+                ms(100),
+                ms(200),
+                ms(400),
+                ms(800),
+                ms(1600),
+                ms(2000),
+                ms(2000)
+            ]
+        );
+        assert_eq!(backoff.after(false), None);
+        assert_eq!(
+            backoff.after(true),
+            ms(50),
+            "a request that got through resets it"
+        );
+    }
 
     #[test]
     fn quantiles_are_nearest_rank() {

@@ -1,7 +1,8 @@
 //! `pdkv`: the command-line entry point.
 //!
 //! Subcommands:
-//! - `demo`: run the embedded cluster in one process over 102 prompt lengths, P/D against direct.
+//! - `demo`: launch the embedded cluster as local processes over 102 prompt lengths, P/D against
+//!   direct.
 //! - `sweep`: the same for any cluster.toml and any prompt lengths.
 //! - `certs init`: write a cluster CA and a certificate per node for mutual TLS.
 //! - `gpus`: list AMD GPUs and their telemetry (amdgpu sysfs).
@@ -39,8 +40,9 @@ enum LogFormatArg {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the shipped cluster (1 prefill + 1 decode leg, in one process) over 102 prompt
-    /// lengths and compare P/D output with one-leg output.
+    /// Launch the shipped cluster (1 prefill + 1 decode leg and the router, as local processes;
+    /// `--in-process` for one process) over 102 prompt lengths and compare P/D output with
+    /// one-leg output.
     Demo(sweep_cmd::SweepArgs),
     /// Compare P/D with one-leg output for any cluster.toml and prompt lengths.
     Sweep(sweep_cmd::SweepArgs),

@@ -20,7 +20,7 @@ use pdkv_core::wire::Role;
 use pdkv_transport::tls::NodeIdentity;
 
 use crate::admin::{self, AdminState, ProcessKind};
-use crate::http::{HttpLimits, HttpServer};
+use crate::http::{HttpLimits, HttpListener};
 use crate::openai::{self, ApiState};
 
 /// Largest completions request body.
@@ -105,6 +105,7 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     }
     let admin_bind =
         resolve(node.address.bind_host(), node.address.admin_port).map_err(anyhow::Error::msg)?;
+    let admin_listener = HttpListener::bind(admin_bind, "admin")?;
     let metrics = admin::install_metrics(ProcessKind::Leg)?;
     let limits = HttpLimits::new(&config.http, crate::http::raise_file_limit());
     let drain_bound = Duration::from_millis(config.limits.request_timeout_ms);
@@ -135,13 +136,7 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
                 })
             })),
         };
-        let admin = HttpServer::start(
-            admin_bind,
-            openai::with_json_errors(admin::routes(state)),
-            1,
-            "admin",
-            limits,
-        )?;
+        let admin = admin_listener.serve(openai::with_json_errors(admin::routes(state)), 1, limits)?;
         println!(
             "READY node={} role={} control={} admin=http://{}{}",
             process.name(),
@@ -196,6 +191,7 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
     }
     let http_bind =
         resolve(config.router.bind_host(), config.router.http_port).map_err(anyhow::Error::msg)?;
+    let http_listener = HttpListener::bind(http_bind, "router")?;
     let metrics = admin::install_metrics(ProcessKind::Router)?;
     let limits = HttpLimits::new(&config.http, crate::http::raise_file_limit());
     let capacity = openai::Capacity {
@@ -232,7 +228,7 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
             next_client: Arc::new(AtomicU64::new(1)),
         };
         let app = openai::with_json_errors(openai::routes(api).merge(admin::routes(admin_state)));
-        let http = HttpServer::start(http_bind, app, 2, "router", limits)?;
+        let http = http_listener.serve(app, 2, limits)?;
         println!(
             "READY node={ROUTER_NODE} role=router control={} http=http://{}",
             process.control_addr().map_or("?".into(), |addr| addr.to_string()),

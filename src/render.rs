@@ -56,20 +56,43 @@ fn set(table: &mut toml::Table, key: &str, value: impl Into<toml::Value>) {
     table.insert(key.into(), value.into());
 }
 
+/// The certificates the rendered files use.
+enum Certificates {
+    /// `[tls] dir`, made absolute: the operator's own, used where they are.
+    Given(std::path::PathBuf),
+    /// Written into `out/certs`: they move with the rendered directory.
+    Rendered(std::path::PathBuf),
+}
+
+impl Certificates {
+    fn dir(&self) -> &Path {
+        match self {
+            Certificates::Given(dir) | Certificates::Rendered(dir) => dir,
+        }
+    }
+}
+
 /// The certificate directory the rendered files use: `[tls] dir`, or new certificates in
-/// `out/certs`.
-fn certificates(config: &AnyCluster, out: &Path) -> anyhow::Result<std::path::PathBuf> {
+/// `out/certs` — refused over existing ones unless `force`, since a new CA would lock out the
+/// nodes that run with the old one.
+fn certificates(config: &AnyCluster, out: &Path, force: bool) -> anyhow::Result<Certificates> {
     if let Some(tls) = config.tls() {
-        // Absolute, so the rendered files work from any directory.
         return std::path::absolute(&tls.dir)
+            .map(Certificates::Given)
             .with_context(|| format!("cannot resolve {}", tls.dir.display()));
     }
     let certs = out.join("certs");
+    if certs.join("ca.pem").exists() && !force {
+        bail!(
+            "{} already holds a CA: rendering again would mint a new one that nodes started from the earlier files do not trust; pass --force to replace it, or set [tls] dir to keep using it",
+            certs.display()
+        );
+    }
     let names = crate::launch::certificate_names(config);
     let names: Vec<&str> = names.iter().map(String::as_str).collect();
     write_cluster_certs(&certs, "pdkv", &names, Existing::Replace)
         .with_context(|| format!("cannot write certificates to {}", certs.display()))?;
-    Ok(certs)
+    Ok(Certificates::Rendered(certs))
 }
 
 /// Rewrites every node's and the router's host and ports: `host_of(index)` names node
@@ -124,22 +147,24 @@ fn placed(
     Ok(doc)
 }
 
-/// Writes the files for `target` into `out`; returns the paths written.
+/// Writes the files for `target` into `out` (replacing certificates rendered there before only
+/// with `force`); returns the paths written.
 pub fn render(
     target: Target,
     config_text: &str,
     out: &Path,
     image: &str,
+    force: bool,
 ) -> anyhow::Result<Vec<std::path::PathBuf>> {
     let config = AnyCluster::from_toml(config_text)?;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let out = out
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", out.display()))?;
-    let certs = certificates(&config, &out)?;
+    let certs = certificates(&config, &out, force)?;
     match target {
         Target::Slurm => render_slurm(&config, config_text, &out, &certs),
-        Target::K8s => render_k8s(&config, config_text, &out, &certs, image),
+        Target::K8s => render_k8s(&config, config_text, &out, certs.dir(), image),
     }
 }
 
@@ -147,19 +172,29 @@ fn render_slurm(
     config: &AnyCluster,
     config_text: &str,
     out: &Path,
-    certs: &Path,
+    certs: &Certificates,
 ) -> anyhow::Result<Vec<std::path::PathBuf>> {
+    // Rendered certificates are found from wherever the rendered directory is at run time.
+    let tls_dir = match certs {
+        Certificates::Given(dir) => dir.display().to_string(),
+        Certificates::Rendered(_) => "@RENDER_DIR@/certs".to_string(),
+    };
     let doc = placed(
         config_text,
         |index| format!("@HOST_{}@", index.unwrap_or(0)),
         None,
-        &certs.display().to_string(),
+        &tls_dir,
     )?;
     let text = toml::to_string(&doc)?;
     // Checked with stand-in host names: the router shares the first node's host, so their
     // ports must differ.
-    let checked = AnyCluster::from_toml(&text.replace("@HOST_", "host-").replace('@', ""))
-        .context("the rendered cluster.toml is not valid")?;
+    let checked = AnyCluster::from_toml(
+        &text
+            .replace("@RENDER_DIR@", &out.display().to_string())
+            .replace("@HOST_", "host-")
+            .replace('@', ""),
+    )
+    .context("the rendered cluster.toml is not valid")?;
     let template = out.join("cluster.toml.in");
     std::fs::write(&template, text)?;
     let nodes = config.placed();
@@ -167,13 +202,25 @@ fn render_slurm(
     let mut script = format!(
         r#"#!/usr/bin/env bash
 # Rendered by `pdkv launch --render slurm`: one host per pdkv node, the router beside the first.
-# Submit with `sbatch {out}/pdkv.sbatch`; {out} must be visible on every host.
+# Submit with `sbatch pdkv.sbatch` from this directory (or set PDKV_RENDER_DIR); the directory
+# must be visible on every host, and may be moved: paths in it are found from where it is.
 #SBATCH --job-name=pdkv
 #SBATCH --nodes={hosts}
 #SBATCH --ntasks={tasks}
 #SBATCH --output=pdkv-%j.out
 set -euo pipefail
-RENDER_DIR="${{PDKV_RENDER_DIR:-{out}}}"
+# This directory: PDKV_RENDER_DIR, else the script's own (run with bash), else the directory
+# sbatch was run from (sbatch runs a copy of the script), else where it was rendered.
+here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+if [ -n "${{PDKV_RENDER_DIR:-}}" ]; then
+  RENDER_DIR="$PDKV_RENDER_DIR"
+elif [ -f "$here/cluster.toml.in" ]; then
+  RENDER_DIR="$here"
+elif [ -f "${{SLURM_SUBMIT_DIR:-/nonexistent}}/cluster.toml.in" ]; then
+  RENDER_DIR="$SLURM_SUBMIT_DIR"
+else
+  RENDER_DIR="{out}"
+fi
 PDKV="${{PDKV_BIN:-pdkv}}"
 RUN="$RENDER_DIR/run-${{SLURM_JOB_ID:-local}}"
 mkdir -p "$RUN"
@@ -182,13 +229,14 @@ if [ "${{#HOSTS[@]}}" -lt {hosts} ]; then
   echo "pdkv: the allocation has ${{#HOSTS[@]}} hosts, the cluster needs {hosts}" >&2
   exit 1
 fi
-sed_args=()
+escaped_dir="$(printf '%s' "$RENDER_DIR" | sed -e 's/[\\|&]/\\&/g')"
+sed_args=(-e "s|@RENDER_DIR@|$escaped_dir|g")
 for i in "${{!HOSTS[@]}}"; do
   sed_args+=(-e "s/@HOST_${{i}}@/${{HOSTS[$i]}}/g")
 done
 sed "${{sed_args[@]}}" "$RENDER_DIR/cluster.toml.in" > "$RUN/cluster.toml"
-pids=()
-stop() {{ kill "${{pids[@]}}" 2>/dev/null || true; }}
+declare -A names=()
+stop() {{ kill "${{!names[@]}}" 2>/dev/null || true; }}
 trap stop EXIT INT TERM
 "#,
         out = out.display(),
@@ -196,17 +244,27 @@ trap stop EXIT INT TERM
     );
     for (index, node) in nodes.iter().enumerate() {
         script.push_str(&format!(
-            "srun --nodes=1 --ntasks=1 --overlap --nodelist=\"${{HOSTS[{index}]}}\" --output=\"$RUN/{name}.log\" \\\n  \"$PDKV\" node --config \"$RUN/cluster.toml\" --node {name} &\npids+=($!)\n",
+            "srun --nodes=1 --ntasks=1 --overlap --nodelist=\"${{HOSTS[{index}]}}\" --output=\"$RUN/{name}.log\" \\\n  \"$PDKV\" node --config \"$RUN/cluster.toml\" --node {name} &\nnames[$!]={name}\n",
             name = node.name
         ));
     }
     script.push_str(&format!(
-        "srun --nodes=1 --ntasks=1 --overlap --nodelist=\"${{HOSTS[0]}}\" --output=\"$RUN/{ROUTER_NODE}.log\" \\\n  \"$PDKV\" router --config \"$RUN/cluster.toml\" &\npids+=($!)\n\
+        "srun --nodes=1 --ntasks=1 --overlap --nodelist=\"${{HOSTS[0]}}\" --output=\"$RUN/{ROUTER_NODE}.log\" \\\n  \"$PDKV\" router --config \"$RUN/cluster.toml\" &\nnames[$!]={ROUTER_NODE}\n\
          echo \"pdkv: router at http://${{HOSTS[0]}}:{http_port}\"\n\
-         # The first process to exit ends the job (the trap stops the others).\n\
-         wait -n\n\
-         echo \"pdkv: a process exited; stopping the cluster (logs in $RUN)\" >&2\n\
-         exit 1\n",
+         # The first process to exit ends the job (the trap stops the others), named with its status.\n\
+         while :; do\n\
+         \x20 for pid in \"${{!names[@]}}\"; do\n\
+         \x20   if ! kill -0 \"$pid\" 2>/dev/null; then\n\
+         \x20     status=0\n\
+         \x20     wait \"$pid\" || status=$?\n\
+         \x20     echo \"pdkv: ${{names[$pid]}} (pid $pid) exited with status $status; stopping the cluster (its log: $RUN/${{names[$pid]}}.log)\" >&2\n\
+         \x20     unset \"names[$pid]\"\n\
+         \x20     if [ \"$status\" -eq 0 ]; then exit 1; fi\n\
+         \x20     exit \"$status\"\n\
+         \x20   fi\n\
+         \x20 done\n\
+         \x20 sleep 1\n\
+         done\n",
         http_port = checked.router().http_port,
     ));
     let path = out.join("pdkv.sbatch");
@@ -315,6 +373,10 @@ fn render_k8s(
             nodes.join(" ")
         );
         documents.push(headless_service(role, &ports));
+        let pod = Pod {
+            resources: node_resources(config, nodes),
+            writable_root: first.engine == EngineKind::Vllm,
+        };
         documents.push(stateful_set(
             role,
             nodes.len(),
@@ -323,6 +385,7 @@ fn render_k8s(
             &ports,
             "admin",
             probes,
+            &pod,
         ));
     }
     let router = placed_config.router();
@@ -332,6 +395,13 @@ fn render_k8s(
     ]);
     let script = format!("exec pdkv router --config {POD_CONFIG}/cluster.toml");
     documents.push(headless_service("router", &ports));
+    let pod = Pod {
+        resources: json!({
+            "requests": {"cpu": "1", "memory": "256Mi"},
+            "limits": {"memory": "1024Mi"},
+        }),
+        writable_root: false,
+    };
     documents.push(stateful_set(
         "router",
         1,
@@ -340,6 +410,7 @@ fn render_k8s(
         &ports,
         "http",
         ("/ready", "/live"),
+        &pod,
     ));
     documents.push(json!({
         "apiVersion": "v1",
@@ -391,6 +462,98 @@ fn headless_service(role: &str, ports: &Value) -> Value {
     })
 }
 
+/// The user pods run as: not root (the image's files must be readable by it).
+const POD_USER: u64 = 65532;
+
+/// Memory a pod of pdkv's own needs beside its KV: runtime, buffers, the HTTP servers.
+const BASE_MEMORY: u64 = 256 << 20;
+
+/// Memory requested for a vLLM leg, whose model's size cluster.toml does not know.
+const VLLM_MEMORY: &str = "8Gi";
+
+/// What a role's pods are given.
+struct Pod {
+    /// `resources` of the container.
+    resources: Value,
+    /// vLLM writes caches under its home: its root filesystem stays writable.
+    writable_root: bool,
+}
+
+/// Mebibytes, rounded up, as Kubernetes writes quantities.
+fn mebibytes(bytes: u64) -> String {
+    format!("{}Mi", bytes.div_ceil(1 << 20))
+}
+
+/// Cores in a CPU list such as "0-3,8" (one TP rank's list per '|').
+fn cores(list: &str) -> u64 {
+    list.split(['|', ','])
+        .map(|part| match part.split_once('-') {
+            Some((first, last)) => match (first.trim().parse::<u64>(), last.trim().parse::<u64>()) {
+                (Ok(first), Ok(last)) if last >= first => last - first + 1,
+                _ => 1,
+            },
+            None => 1,
+        })
+        .sum()
+}
+
+/// Requests and limits of the pods that run `names` (one template per role, so the largest
+/// node sets them): a reference leg's KV memory (every layer's region, generation tables,
+/// allocator bookkeeping) plus [`BASE_MEMORY`], and a core per compute worker plus one for its
+/// control plane; a vLLM leg's bound cores and GPUs.
+fn node_resources(config: &AnyCluster, names: &[&str]) -> Value {
+    match config {
+        AnyCluster::Reference(config) => {
+            let kv = config
+                .nodes
+                .iter()
+                .filter(|node| names.contains(&node.name.0.as_str()))
+                .filter_map(|node| {
+                    pdkv_actors::config::leg_memory_bytes(
+                        &config.layout,
+                        config.model.d_model as u64,
+                        node.blocks_per_group,
+                    )
+                })
+                .max()
+                .unwrap_or(0);
+            let memory = kv + BASE_MEMORY;
+            json!({
+                "requests": {"cpu": (config.limits.compute_workers + 1).to_string(), "memory": mebibytes(memory)},
+                // Room for buffers in flight; past it the pod is restarted rather than the host starved.
+                "limits": {"memory": mebibytes(memory.saturating_mul(2))},
+            })
+        }
+        AnyCluster::Vllm(cluster) => {
+            let nodes: Vec<_> = cluster
+                .nodes
+                .iter()
+                .filter(|node| names.contains(&node.name.0.as_str()))
+                .collect();
+            let cpus = nodes
+                .iter()
+                .map(|node| node.cpus.as_deref().map_or(1, cores))
+                .max()
+                .unwrap_or(1);
+            let gpus = nodes.iter().map(|node| node.gpus.len()).max().unwrap_or(0);
+            let mut resources = json!({
+                "requests": {"cpu": cpus.to_string(), "memory": VLLM_MEMORY},
+            });
+            let vendor = match cluster.engine.device {
+                pdkv_actors::engines::Device::Rocm => Some("amd.com/gpu"),
+                pdkv_actors::engines::Device::Cuda => Some("nvidia.com/gpu"),
+                pdkv_actors::engines::Device::Cpu => None,
+            };
+            if let (Some(vendor), true) = (vendor, gpus > 0) {
+                resources["limits"] = json!({ vendor: gpus });
+                resources["requests"][vendor] = json!(gpus);
+            }
+            resources
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn stateful_set(
     role: &str,
     replicas: usize,
@@ -399,6 +562,7 @@ fn stateful_set(
     ports: &Value,
     probe_port: &str,
     (ready_path, live_path): (&str, &str),
+    pod: &Pod,
 ) -> Value {
     let name = format!("pdkv-{role}");
     let mut set = json!({
@@ -414,11 +578,24 @@ fn stateful_set(
                 "metadata": {"labels": {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "pdkv", "pdkv/role": role}},
                 "spec": {
                     "terminationGracePeriodSeconds": 45,
+                    "securityContext": {
+                        "runAsNonRoot": true,
+                        "runAsUser": POD_USER,
+                        "runAsGroup": POD_USER,
+                        "fsGroup": POD_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
                     "containers": [{
                         "name": role,
                         "image": image,
                         "command": ["/bin/sh", "-c", script],
                         "ports": ports,
+                        "resources": pod.resources,
+                        "securityContext": {
+                            "allowPrivilegeEscalation": false,
+                            "readOnlyRootFilesystem": !pod.writable_root,
+                            "capabilities": {"drop": ["ALL"]},
+                        },
                         "env": [{"name": "RUST_LOG", "value": "info"}],
                         "readinessProbe": {"httpGet": {"path": ready_path, "port": probe_port}, "periodSeconds": 2, "failureThreshold": 3},
                         "livenessProbe": {"httpGet": {"path": live_path, "port": probe_port}, "periodSeconds": 10, "failureThreshold": 3},
@@ -429,7 +606,8 @@ fn stateful_set(
                     }],
                     "volumes": [
                         {"name": "config", "configMap": {"name": "pdkv-config"}},
-                        {"name": "certs", "secret": {"secretName": "pdkv-certs", "defaultMode": 0o400}},
+                        // Readable by the pod's group (fsGroup), not by others.
+                        {"name": "certs", "secret": {"secretName": "pdkv-certs", "defaultMode": 0o440}},
                     ],
                 },
             },

@@ -40,7 +40,7 @@ use tracing::Instrument;
 
 use crate::admin::{self, AdminState, ProcessKind};
 use crate::client::sample_sum;
-use crate::http::{HttpLimits, HttpServer};
+use crate::http::{HttpLimits, HttpListener};
 
 /// Largest request body the router reads (a long prompt as token ids fits).
 pub const MAX_BODY_BYTES: usize = 8 << 20;
@@ -881,6 +881,7 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
     }
     let bind = pdkv_actors::node::resolve(cluster.router.bind_host(), cluster.router.http_port)
         .map_err(anyhow::Error::msg)?;
+    let listener = HttpListener::bind(bind, "router")?;
     let metrics = admin::install_metrics(ProcessKind::Router)?;
     let limits = HttpLimits::new(&cluster.http, crate::http::raise_file_limit());
     let client = reqwest::Client::builder()
@@ -926,7 +927,7 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
         refresh: None,
     };
     let app = crate::openai::with_json_errors(routes(shared.clone()).merge(admin::routes(admin_state)));
-    let http = HttpServer::start(bind, app, 2, "router", limits)?;
+    let http = listener.serve(app, 2, limits)?;
     let period = Duration::from_millis(cluster.failure.heartbeat_ms);
     let poller = shared.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()

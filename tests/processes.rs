@@ -471,3 +471,136 @@ fn a_node_whose_port_is_taken_exits_with_the_reason() {
     drop(taken);
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// A taken admin port (a node) or HTTP port (the router): exit 1 naming the server and the
+/// address, never a panic.
+#[test]
+fn a_taken_http_or_admin_port_exits_1_naming_the_address() {
+    let dir = temp_dir("http-port-taken");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let ports = free_ports(7);
+    for (command, ports, server) in [
+        (
+            vec!["node", "--node", "prefill-0"],
+            (
+                [ports[0], ports[1], port],
+                [ports[2], ports[3], ports[4]],
+                [ports[5], ports[6]],
+            ),
+            "admin HTTP server",
+        ),
+        (
+            vec!["router"],
+            (
+                [ports[0], ports[1], ports[2]],
+                [ports[3], ports[4], ports[5]],
+                [ports[6], port],
+            ),
+            "router HTTP server",
+        ),
+    ] {
+        let text = fixed_ports_toml(&dir, ports.0, ports.1, ports.2);
+        let config = dir.join("cluster.toml");
+        std::fs::write(&config, &text).unwrap();
+        if !dir.join("certs").exists() {
+            certs_init(&config, &dir.join("certs"));
+        }
+        let output = pdkv()
+            .args(&command)
+            .arg("--config")
+            .arg(&config)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{command:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{command:?}: {stderr}");
+        assert!(
+            stderr.contains(server)
+                && stderr.contains(&format!("127.0.0.1:{port}"))
+                && stderr.contains("in use"),
+            "{command:?}: the error names the server, its address and the reason: {stderr}"
+        );
+    }
+    drop(taken);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// An IPv6 cluster (every node and the router on ::1) serves end to end; one that mixes IPv4 and
+/// IPv6 hosts is refused at load, naming both keys.
+#[test]
+fn an_ipv6_cluster_serves_and_a_mixed_one_is_refused_at_load() {
+    let dir = temp_dir("ipv6");
+    let mixed = format!("{}\n[router]\nhost = \"::1\"\n", cluster_toml(1, 1));
+    let config = dir.join("mixed.toml");
+    std::fs::write(&config, &mixed).unwrap();
+    let output = pdkv()
+        .args(["launch", "--config"])
+        .arg(&config)
+        .arg("--run-dir")
+        .arg(dir.join("mixed-run"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("router.host: ::1 is IPv6 but nodes[0].host is 127.0.0.1"),
+        "{stderr}"
+    );
+    if std::net::TcpListener::bind("[::1]:0").is_err() {
+        eprintln!("SKIPPED the IPv6 cluster: this host has no IPv6 loopback (::1)");
+        return;
+    }
+    let six = cluster_toml(1, 1).replace(
+        "blocks_per_group = 64\n",
+        "blocks_per_group = 64\nhost = \"::1\"\n",
+    ) + "\n[router]\nhost = \"::1\"\n";
+    let config = dir.join("six.toml");
+    std::fs::write(&config, &six).unwrap();
+    let launched = Launched::start(&config, &dir.join("six-run"));
+    assert!(
+        launched.router.starts_with("http://[::1]:"),
+        "{}",
+        launched.router
+    );
+    let (status, _, text) = post(
+        &launched.router,
+        r#"{"prompt": "over IPv6", "max_tokens": 4}"#,
+        None,
+    );
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 4);
+    assert!(answer["pdkv"]["read_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(launched.interrupt(), 0);
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// `pdkv load` against a router nobody listens on: exit 1 saying it is unreachable, after a
+/// handful of attempts spaced by a growing pause (not thousands in a tight loop).
+#[test]
+fn load_against_an_unreachable_router_backs_off_and_says_so() {
+    let port = free_ports(1)[0];
+    let output = pdkv()
+        .args([
+            "load",
+            "--router",
+            &format!("http://127.0.0.1:{port}"),
+            "--concurrency",
+            "2",
+            "--duration",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("is unreachable"), "{stderr}");
+    // Two clients, 1 s: pauses of 50, 100, 200, 400 ms allow about five attempts each.
+    let attempts: u64 = stderr
+        .rsplit_once('(')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|count| count.parse().ok())
+        .unwrap_or_else(|| panic!("no attempt count: {stderr}"));
+    assert!((2..=20).contains(&attempts), "{attempts} attempts: {stderr}");
+}

@@ -57,6 +57,38 @@ fn kubernetes_manifests_hold_a_workload_per_role_with_probes_and_certificates() 
     let config = dir.join("cluster.toml");
     std::fs::write(&config, &text).unwrap();
     render("k8s", &config, &dir.join("out"));
+    // Rendering again over the certificates it wrote is refused without --force.
+    let again = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["launch", "--render", "k8s", "--config"])
+        .arg(&config)
+        .arg("--out")
+        .arg(dir.join("out"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("already holds a CA") && stderr.contains("--force"),
+        "{stderr}"
+    );
+    let ca = std::fs::read_to_string(dir.join("out/certs/ca.pem")).unwrap();
+    let forced = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["launch", "--render", "k8s", "--force", "--config"])
+        .arg(&config)
+        .arg("--out")
+        .arg(dir.join("out"))
+        .output()
+        .unwrap();
+    assert!(
+        forced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&forced.stderr)
+    );
+    assert_ne!(
+        std::fs::read_to_string(dir.join("out/certs/ca.pem")).unwrap(),
+        ca,
+        "--force mints a new CA"
+    );
     let yaml = std::fs::read_to_string(dir.join("out/pdkv.yaml")).unwrap();
     let documents: Vec<Value> = yaml_serde::Deserializer::from_str(&yaml)
         .map(|document| Value::deserialize(document).unwrap())
@@ -101,8 +133,49 @@ fn kubernetes_manifests_hold_a_workload_per_role_with_probes_and_certificates() 
         let set = find("StatefulSet", &format!("pdkv-{role}"));
         assert_eq!(set["spec"]["replicas"], replicas);
         assert_eq!(set["spec"]["serviceName"], format!("pdkv-{role}"));
-        let container = &set["spec"]["template"]["spec"]["containers"][0];
+        let pod = &set["spec"]["template"]["spec"];
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true, "{role}");
+        assert!(
+            pod["securityContext"]["runAsUser"].as_u64().unwrap() > 0,
+            "{role}"
+        );
+        let container = &pod["containers"][0];
         let probe_port = container["readinessProbe"]["httpGet"]["port"].as_str().unwrap();
+        assert_eq!(
+            container["image"],
+            format!("pdkv:{}", env!("CARGO_PKG_VERSION")),
+            "the image of this version"
+        );
+        assert_eq!(container["securityContext"]["allowPrivilegeEscalation"], false);
+        assert_eq!(container["securityContext"]["capabilities"]["drop"][0], "ALL");
+        let memory = |quantity: &Value| -> u64 {
+            quantity
+                .as_str()
+                .unwrap()
+                .strip_suffix("Mi")
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+                << 20
+        };
+        let requested = memory(&container["resources"]["requests"]["memory"]);
+        assert!(
+            memory(&container["resources"]["limits"]["memory"]) >= requested,
+            "{role}"
+        );
+        if role != "router" {
+            // A leg's pod holds its KV: 4 layers x 65 blocks x 64 tokens x d_model 32 x K and V
+            // as f32, plus bookkeeping, plus the base allowance.
+            let kv = 4 * 65 * 64 * 32 * 2 * 4;
+            assert!(
+                requested >= kv + (256 << 20),
+                "{role}: {requested} < {kv} + 256 MiB"
+            );
+            assert_eq!(
+                container["resources"]["requests"]["cpu"], "3",
+                "two compute workers and one"
+            );
+        }
         assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/ready");
         assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/live");
         let port = container["ports"]
@@ -152,6 +225,20 @@ fn kubernetes_manifests_hold_a_workload_per_role_with_probes_and_certificates() 
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// The pid of this test's `pdkv node --node name` (its command line read from /proc).
+fn node_process(name: &str) -> Option<nix::unistd::Pid> {
+    let wanted = format!("\0--node\0{name}\0");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
+        let pid: i32 = entry.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        (cmdline.starts_with(env!("CARGO_BIN_EXE_pdkv"))
+            && cmdline.contains(&wanted)
+            && cmdline.contains("run-42"))
+        .then(|| nix::unistd::Pid::from_raw(pid))
+    })
+}
+
 fn free_port(host: &str) -> u16 {
     std::net::TcpListener::bind((host, 0))
         .unwrap()
@@ -185,8 +272,11 @@ fn the_sbatch_script_starts_a_working_cluster() {
     ));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, &text).unwrap();
-    let out = dir.join("out");
-    render("slurm", &config, &out);
+    let rendered = dir.join("out");
+    render("slurm", &config, &rendered);
+    // The rendered directory works from wherever it is moved to.
+    let out = dir.join("moved");
+    std::fs::rename(&rendered, &out).unwrap();
     let script = out.join("pdkv.sbatch");
     let syntax = Command::new("bash").arg("-n").arg(&script).output().unwrap();
     assert!(
@@ -222,8 +312,9 @@ fn the_sbatch_script_starts_a_working_cluster() {
         .env("SLURM_JOB_ID", "42")
         .env("SLURM_JOB_NODELIST", "stand-in[1-2]")
         .env("RUST_LOG", "info")
+        .env_remove("PDKV_RENDER_DIR")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let router = format!("http://{a}:{http}");
@@ -254,12 +345,21 @@ fn the_sbatch_script_starts_a_working_cluster() {
         std::thread::sleep(Duration::from_millis(50));
     }
     sweep_running(&out.join("run-42/cluster.toml"), &router, &[], "1,100,500");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(job.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    job.wait().unwrap();
+    // decode-0 dies: the job ends on its own, naming it and its status.
+    let decode = node_process("decode-0").expect("the decode node's process");
+    nix::sys::signal::kill(decode, nix::sys::signal::Signal::SIGKILL).unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(job.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let status = job.wait().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(128 + 9),
+        "the job exits with the node's status: {stderr}"
+    );
+    assert!(
+        stderr.contains("decode-0") && stderr.contains("exited with status 137"),
+        "the job names the process that ended it: {stderr}"
+    );
     // The trap stopped every step: no pdkv process of this job is left.
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

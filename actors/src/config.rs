@@ -12,7 +12,7 @@ use pdkv_core::layout::{GroupEntry, GroupEntryError};
 
 use crate::deployment::{
     HttpConfig, Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig,
-    check_host, check_ports, node_deployment,
+    check_address_families, check_host, check_ports, node_deployment,
 };
 use crate::engines::{EngineKind, EnginesSection, VllmCluster, VllmEngine, VllmNode, VllmNodeKeys};
 pub use pdkv_core::leg::PrefillTokens;
@@ -642,6 +642,23 @@ fn check_common(file: &ClusterFile) -> Result<Vec<(NodeId, Role, NodeAddress, La
         ]
     });
     check_ports(router_listeners.into_iter().chain(node_listeners))?;
+    let router_hosts = [("router.host".to_string(), file.router.host.as_str())]
+        .into_iter()
+        .chain(
+            file.router
+                .bind
+                .as_deref()
+                .map(|bind| ("router.bind".to_string(), bind)),
+        );
+    let node_hosts = placed.iter().enumerate().flat_map(|(index, (_, _, address, _))| {
+        [
+            (format!("nodes[{index}].host"), Some(address.host.as_str())),
+            (format!("nodes[{index}].bind"), address.bind.as_deref()),
+        ]
+        .into_iter()
+        .filter_map(|(key, host)| host.map(|host| (key, host)))
+    });
+    check_address_families(node_hosts.chain(router_hosts))?;
     if let Some(tls) = &file.tls
         && tls.dir.as_os_str().is_empty()
     {

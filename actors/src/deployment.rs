@@ -311,17 +311,71 @@ pub fn check_host(key: &str, host: &str) -> Result<(), ConfigError> {
 pub fn check_ports<'a>(
     listeners: impl IntoIterator<Item = (String, &'a str, u16)>,
 ) -> Result<(), ConfigError> {
-    let mut taken: HashMap<(&str, u16), String> = HashMap::new();
+    let mut taken: HashMap<(String, u16), (String, &'a str)> = HashMap::new();
     for (key, host, port) in listeners {
         if port == 0 {
             continue;
         }
-        if let Some(first) = taken.insert((host, port), key.clone()) {
+        for address in host_addresses(host) {
+            if let Some((first, first_host)) = taken.get(&(address.clone(), port)) {
+                let same = if *first_host == host {
+                    String::new()
+                } else {
+                    format!(" ({first_host} and {host} are one host)")
+                };
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("port {port} on {host} is already taken by {first}{same}"),
+                ));
+            }
+        }
+        for address in host_addresses(host) {
+            taken.insert((address, port), (key.clone(), host));
+        }
+    }
+    Ok(())
+}
+
+/// The addresses a host stands for when listeners are compared: an IP address in its one
+/// spelling, `localhost` as both loopback addresses, any other name as itself (lower case).
+fn host_addresses(host: &str) -> Vec<String> {
+    let name = host.trim_end_matches('.').to_ascii_lowercase();
+    if let Ok(ip) = name
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>()
+    {
+        return vec![ip.to_string()];
+    }
+    if name == "localhost" || name.ends_with(".localhost") {
+        return vec!["127.0.0.1".into(), "::1".into()];
+    }
+    vec![name]
+}
+
+/// Refuses a cluster whose IP-address hosts mix IPv4 and IPv6: a process's QUIC endpoint binds
+/// one family and could not dial a peer of the other. `hosts` are (key, host) of every node and
+/// the router, each node's `bind` included; names (resolved at start) are not judged.
+pub fn check_address_families<'a>(
+    hosts: impl IntoIterator<Item = (String, &'a str)>,
+) -> Result<(), ConfigError> {
+    let mut first: [Option<(String, &str)>; 2] = [None, None];
+    for (key, host) in hosts {
+        let Ok(ip) = host.parse::<std::net::IpAddr>() else {
+            continue;
+        };
+        let (family, other) = if ip.is_ipv4() { (0, 1) } else { (1, 0) };
+        if let Some((other_key, other_host)) = &first[other] {
             return Err(ConfigError::invalid(
                 key,
-                format!("port {port} on {host} is already taken by {first}"),
+                format!(
+                    "{host} is {} but {other_key} is {other_host}, {}: every node and the router must use one address family",
+                    if family == 0 { "IPv4" } else { "IPv6" },
+                    if family == 0 { "IPv6" } else { "IPv4" },
+                ),
             ));
         }
+        first[family].get_or_insert((key, host));
     }
     Ok(())
 }
@@ -341,6 +395,44 @@ mod tests {
                 format!("cluster.toml: nodes[0].host: {host:?} is neither an IP address nor a DNS name"),
             );
         }
+    }
+
+    #[test]
+    fn one_host_spelled_two_ways_takes_a_port_once() {
+        for (a, b) in [
+            ("127.0.0.1", "localhost"),
+            ("::1", "localhost"),
+            ("::1", "0:0:0:0:0:0:0:1"),
+            ("Gpu7", "gpu7."),
+        ] {
+            let error = check_ports([("x".to_string(), a, 9000), ("y".to_string(), b, 9000)]).unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                format!("cluster.toml: y: port 9000 on {b} is already taken by x ({a} and {b} are one host)"),
+            );
+        }
+        assert!(
+            check_ports([
+                ("x".to_string(), "127.0.0.1", 9000),
+                ("y".to_string(), "::1", 9000)
+            ])
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn ipv4_and_ipv6_hosts_are_not_mixed() {
+        let hosts = |list: &[(&'static str, &'static str)]| {
+            check_address_families(list.iter().map(|(key, host)| (key.to_string(), *host)))
+        };
+        assert!(hosts(&[("a", "::1"), ("b", "::1"), ("c", "localhost")]).is_ok());
+        assert!(hosts(&[("a", "127.0.0.1"), ("b", "10.0.0.2")]).is_ok());
+        assert_eq!(
+            hosts(&[("nodes[0].host", "127.0.0.1"), ("router.host", "::1")])
+                .unwrap_err()
+                .to_string(),
+            "cluster.toml: router.host: ::1 is IPv6 but nodes[0].host is 127.0.0.1, IPv4: every node and the router must use one address family"
+        );
     }
 
     #[test]

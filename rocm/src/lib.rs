@@ -179,12 +179,30 @@ impl Sysfs {
     }
 }
 
+/// The most a sysfs attribute may hold: the kernel serves at most a page per attribute, so
+/// anything longer (a file linked to `/dev/zero`, a log) is not one.
+pub const MAX_ATTRIBUTE_BYTES: u64 = 4096;
+
 fn read_optional(path: &Path) -> Result<Option<String>, RocmError> {
-    match fs::read_to_string(path) {
-        Ok(text) => Ok(Some(text)),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(error) => Err(RocmError::Io(path.to_path_buf(), error.to_string())),
+    use std::io::Read;
+    let file = match fs::File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(RocmError::Io(path.to_path_buf(), error.to_string())),
+    };
+    let mut bytes = Vec::new();
+    file.take(MAX_ATTRIBUTE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|error| RocmError::Io(path.to_path_buf(), error.to_string()))?;
+    if bytes.len() as u64 > MAX_ATTRIBUTE_BYTES {
+        return Err(RocmError::Io(
+            path.to_path_buf(),
+            format!("longer than {MAX_ATTRIBUTE_BYTES} bytes: not a sysfs attribute"),
+        ));
     }
+    String::from_utf8(bytes)
+        .map(Some)
+        .map_err(|_| RocmError::Io(path.to_path_buf(), "not text".into()))
 }
 
 fn read_number(path: &Path) -> Result<Option<u64>, RocmError> {
@@ -406,6 +424,24 @@ mod tests {
         assert_eq!(telemetry.temperature_edge_celsius, Some(41.0));
         assert_eq!(telemetry.temperature_junction_celsius, Some(52.5));
         assert_eq!(telemetry.power_average_watts, Some(156.0));
+        fs::remove_dir_all(root).unwrap();
+    }
+
+    #[test]
+    fn an_attribute_linked_to_an_endless_file_is_refused_not_read_whole() {
+        let root = fake_sysfs();
+        let used = root.join("class/drm/card1/device/mem_info_vram_used");
+        fs::remove_file(&used).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &used).unwrap();
+        let sysfs = Sysfs::new(&root);
+        let gpus = sysfs.discover().unwrap();
+        match sysfs.telemetry(&gpus[0]) {
+            Err(RocmError::Io(path, message)) => {
+                assert_eq!(path, used);
+                assert!(message.contains("longer than 4096 bytes"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
         fs::remove_dir_all(root).unwrap();
     }
 

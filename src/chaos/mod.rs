@@ -437,7 +437,8 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
         .ok()
         .and_then(|mut response| response.body_mut().read_to_string().ok())
         .and_then(|text| crate::client::sample(&text, "pdkv_retries_total", ""))
-        .unwrap_or(0.0);
+        // A counter: a whole number printed as a float.
+        .map_or(0, |retries| retries.max(0.0).round() as u64);
     watcher.stop();
     let records = std::mem::take(&mut conductor.records);
     let unexpected = std::mem::take(&mut conductor.unexpected);

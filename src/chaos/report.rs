@@ -68,7 +68,7 @@ pub(super) struct Report<'a> {
     /// Requests sent one by one after recovery.
     pub(super) probes: &'a [(Outcome, Sample)],
     pub(super) stats: anyhow::Result<Vec<pdkv_actors::allocator::LegStats>>,
-    pub(super) retries: f64,
+    pub(super) retries: u64,
     pub(super) restarts: u32,
     pub(super) unexpected: &'a [String],
     pub(super) relay_counts: (u64, u64),
@@ -299,7 +299,8 @@ impl Report<'_> {
                 "grants": grants,
                 "requests": active,
             },
-            "recovered_probes": format!("{probes_ok}/{}", self.probes.len()),
+            "probes": self.probes.len(),
+            "recovered_probes": probes_ok,
             "relays": {"forwarded": self.relay_counts.0, "dropped": self.relay_counts.1},
             "fault_log": fault_log,
             "failures": failures,
@@ -366,12 +367,13 @@ pub(super) fn print_report(report: &Value) {
     }
     let quiesce = &report["after_quiesce"];
     println!(
-        "after quiesce: {}/{} blocks held, {} grants, {} requests; requests after recovery {} ok",
+        "after quiesce: {}/{} blocks held, {} grants, {} requests; requests after recovery {}/{} ok",
         quiesce["blocks_held"],
         quiesce["blocks_capacity"],
         quiesce["grants"],
         quiesce["requests"],
-        report["recovered_probes"].as_str().unwrap_or("?"),
+        report["recovered_probes"],
+        report["probes"],
     );
     if let Some(errors) = report["errors"].as_object() {
         for (kind, count) in errors {
@@ -417,37 +419,63 @@ pub(super) fn plot(
         .map(|(_, sample)| sample.latency_s * 1e3)
         .fold(1.0, f64::max)
         * 1.1;
+    // Both panels share the time axis and the width of the label area, so they line up.
+    let label_area = 110;
     let mut requests = ChartBuilder::on(&top)
-        .caption(
-            "request latency (ms) by send time (s): ok blue, clean error orange, hung/wrong/broken red",
-            ("sans-serif", 15),
-        )
+        .caption("requests by send time", ("sans-serif", 15))
         .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(55)
+        .x_label_area_size(40)
+        .y_label_area_size(label_area)
         .build_cartesian_2d(0.0..end_s, 0.0..max_ms)
         .map_err(|error| fail(&error))?;
-    requests.configure_mesh().draw().map_err(|error| fail(&error))?;
     requests
-        .draw_series(samples.iter().zip(outcomes).map(|((_, sample), outcome)| {
-            let color = match outcome {
-                Outcome::Ok => BLUE,
-                Outcome::CleanError => RGBColor(230, 140, 0),
-                _ => RED,
-            };
-            Circle::new((sample.start_s, sample.latency_s * 1e3), 2, color.filled())
-        }))
+        .configure_mesh()
+        .x_desc("time since start (s)")
+        .y_desc("latency (ms)")
+        .draw()
+        .map_err(|error| fail(&error))?;
+    let orange = RGBColor(230, 140, 0);
+    for (label, color, wanted) in [
+        ("ok", BLUE, &[Outcome::Ok][..]),
+        ("clean error", orange, &[Outcome::CleanError][..]),
+        (
+            "hung, wrong or broken",
+            RED,
+            &[Outcome::Hung, Outcome::Wrong, Outcome::Broken][..],
+        ),
+    ] {
+        requests
+            .draw_series(
+                samples
+                    .iter()
+                    .zip(outcomes)
+                    .filter(|(_, outcome)| wanted.contains(outcome))
+                    .map(|((_, sample), _)| {
+                        Circle::new((sample.start_s, sample.latency_s * 1e3), 2, color.filled())
+                    }),
+            )
+            .map_err(|error| fail(&error))?
+            .label(label)
+            .legend(move |(x, y)| Circle::new((x + 5, y), 3, color.filled()));
+    }
+    requests
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
         .map_err(|error| fail(&error))?;
     let rows = FaultKind::ALL.len() as f64;
     let mut timeline = ChartBuilder::on(&bottom)
-        .caption("faults (s)", ("sans-serif", 15))
+        .caption("faults", ("sans-serif", 15))
         .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(90)
+        .x_label_area_size(40)
+        .y_label_area_size(label_area)
         .build_cartesian_2d(0.0..end_s, -0.5..rows - 0.5)
         .map_err(|error| fail(&error))?;
     timeline
         .configure_mesh()
+        .x_desc("time since start (s)")
+        .y_desc("fault kind")
         .y_labels(FaultKind::ALL.len())
         .y_label_formatter(&|row| {
             FaultKind::ALL
@@ -462,16 +490,16 @@ pub(super) fn plot(
             .position(|candidate| *candidate == kind)
             .unwrap_or(0) as f64
     };
+    let held = RGBColor(200, 60, 60).mix(0.5);
     timeline
         .draw_series(records.iter().map(|record| {
             let y = row(record.fault.kind);
             let (from, to) = (at(record.started), at(record.ended.unwrap_or(record.started)));
-            Rectangle::new(
-                [(from, y - 0.35), (to.max(from + 0.05), y + 0.35)],
-                RGBColor(200, 60, 60).mix(0.5).filled(),
-            )
+            Rectangle::new([(from, y - 0.35), (to.max(from + 0.05), y + 0.35)], held.filled())
         }))
-        .map_err(|error| fail(&error))?;
+        .map_err(|error| fail(&error))?
+        .label("fault held")
+        .legend(move |(x, y)| Rectangle::new([(x, y - 4), (x + 10, y + 4)], held.filled()));
     timeline
         .draw_series(records.iter().filter_map(|record| {
             Some(Circle::new(
@@ -480,7 +508,9 @@ pub(super) fn plot(
                 BLACK.filled(),
             ))
         }))
-        .map_err(|error| fail(&error))?;
+        .map_err(|error| fail(&error))?
+        .label("detected")
+        .legend(|(x, y)| Circle::new((x + 5, y), 3, BLACK.filled()));
     timeline
         .draw_series(records.iter().filter_map(|record| {
             Some(Circle::new(
@@ -489,6 +519,14 @@ pub(super) fn plot(
                 GREEN.filled(),
             ))
         }))
+        .map_err(|error| fail(&error))?
+        .label("recovered")
+        .legend(|(x, y)| Circle::new((x + 5, y), 3, GREEN.filled()));
+    timeline
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
         .map_err(|error| fail(&error))?;
     root.present().map_err(|error| fail(&error))?;
     Ok(())
