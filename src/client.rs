@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use pdkv_actors::allocator::LegStats;
+use pdkv_core::sampling::Sampling;
 use pdkv_core::wire::NodeId;
 use serde_json::{Value, json};
 
@@ -39,7 +40,19 @@ impl Client {
 
     /// `POST /v1/completions` with token ids; an error answer becomes `Err` with its message.
     pub fn complete(&self, prompt: &[u32], max_tokens: u32) -> Result<Answer, String> {
-        let body = json!({"model": crate::openai::MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens});
+        self.complete_sampled(prompt, max_tokens, &Sampling::default())
+    }
+
+    /// [`Client::complete`] with the decode leg choosing tokens by `sampling`.
+    pub fn complete_sampled(
+        &self,
+        prompt: &[u32],
+        max_tokens: u32,
+        sampling: &Sampling,
+    ) -> Result<Answer, String> {
+        let mut body =
+            json!({"model": crate::openai::MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens});
+        add_sampling(&mut body, sampling);
         let mut response = self
             .agent
             .post(format!("{}/v1/completions", self.base))
@@ -57,6 +70,34 @@ impl Client {
             ));
         }
         parse_answer(&answer)
+    }
+}
+
+/// Adds what `sampling` asks for to a request body in the API's fields (stop sequences that are
+/// not UTF-8 text cannot be written as `stop` strings and are left out).
+pub fn add_sampling(body: &mut Value, sampling: &Sampling) {
+    if !sampling.is_greedy() {
+        body["temperature"] = json!(sampling.temperature);
+        body["top_p"] = json!(sampling.top_p);
+        body["top_k"] = json!(sampling.top_k);
+        body["seed"] = json!(sampling.seed);
+    }
+    if !sampling.stop_token_ids.is_empty() {
+        body["stop_token_ids"] = json!(sampling.stop_token_ids);
+    }
+    let stops: Vec<String> = sampling
+        .stop_sequences
+        .iter()
+        .filter_map(|sequence| {
+            let bytes: Option<Vec<u8>> = sequence.iter().map(|&token| u8::try_from(token).ok()).collect();
+            String::from_utf8(bytes?).ok()
+        })
+        .collect();
+    if !stops.is_empty() {
+        body["stop"] = json!(stops);
+    }
+    if let Some(count) = sampling.logprobs {
+        body["logprobs"] = json!(count);
     }
 }
 

@@ -20,6 +20,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use pdkv_actors::config::{ClusterConfig, ROUTER_NODE};
 use pdkv_actors::engine::prompt_tokens;
+use pdkv_core::sampling::Sampling;
 use rand_chacha::ChaCha8Rng;
 use rand_core::{RngCore, SeedableRng};
 use serde_json::{Value, json};
@@ -55,6 +56,13 @@ pub struct LoadArgs {
     /// `--lengths` of them.
     #[arg(long, default_value_t = 0)]
     pub shared_prefix: usize,
+    /// Sample with this temperature (with `--top-p`, and a seed per request drawn from
+    /// `--seed`); 0, the default, decodes greedily.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With `--temperature`: the top-p of every request.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Tokens generated per request.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_tokens: u32,
@@ -128,6 +136,7 @@ pub(crate) fn complete(
     base: &str,
     prompt: &[u32],
     max_tokens: u32,
+    sampling: &Sampling,
     run_start: Instant,
 ) -> Sample {
     let started = Instant::now();
@@ -145,7 +154,8 @@ pub(crate) fn complete(
         answered: false,
     };
     let mut answered = false;
-    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true});
+    let mut body = json!({"prompt": prompt, "max_tokens": max_tokens, "stream": true});
+    crate::client::add_sampling(&mut body, sampling);
     let result = (|| -> Result<(), String> {
         let response = agent
             .post(format!("{base}/v1/completions"))
@@ -291,6 +301,15 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
     let dropped = Arc::new(AtomicUsize::new(0));
     let run_start = Instant::now();
     let (vocab, seed, max_tokens) = (config.model.vocab, args.seed, args.max_tokens);
+    let probe = Sampling {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        ..Sampling::default()
+    };
+    probe
+        .check()
+        .map_err(|error| anyhow::anyhow!("--temperature / --top-p: {error}"))?;
+    let (temperature, top_p) = (args.temperature, args.top_p);
     let lengths = Arc::new(lengths);
     // Drawn from a seed no request's own tokens use.
     let prefix: Arc<[u32]> = prompt_tokens(seed ^ SHARED_PREFIX_SEED, args.shared_prefix, vocab).into();
@@ -301,7 +320,13 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
             let length = lengths[(rng.next_u64() % lengths.len() as u64) as usize];
             let mut prompt = prefix.to_vec();
             prompt.extend(prompt_tokens(seed.wrapping_add(index), length as usize, vocab));
-            complete(agent, &base, &prompt, max_tokens, run_start)
+            let sampling = Sampling {
+                temperature,
+                top_p,
+                seed: rng.next_u64(),
+                ..Sampling::default()
+            };
+            complete(agent, &base, &prompt, max_tokens, &sampling, run_start)
         }
     };
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));

@@ -325,15 +325,18 @@ async fn compare_over_http(
     }
     let params = config.model;
     let prompt = pdkv_actors::engine::prompt_tokens(params.seed, length as usize, params.vocab);
-    let (http_client, http_prompt) = (client.clone(), prompt.clone());
-    let answer = tokio::task::spawn_blocking(move || http_client.complete(&http_prompt, max_tokens))
-        .await
-        .unwrap_or_else(|error| Err(error.to_string()));
+    let sampling = sweep::sampling_for(length, params.vocab);
+    let (http_client, http_prompt, http_sampling) = (client.clone(), prompt.clone(), sampling.clone());
+    let answer = tokio::task::spawn_blocking(move || {
+        http_client.complete_sampled(&http_prompt, max_tokens, &http_sampling)
+    })
+    .await
+    .unwrap_or_else(|error| Err(error.to_string()));
     let answer = match answer {
         Ok(answer) => answer,
         Err(error) => return failed(format!("p/d: {error}")),
     };
-    match direct.direct(prompt, max_tokens, None).await {
+    match direct.direct_sampled(prompt, max_tokens, sampling, None).await {
         Ok(reference) => Comparison {
             prompt_tokens: length,
             matched: answer.tokens == reference.tokens && answer.logits_digest == reference.logits_digest,

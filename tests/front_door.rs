@@ -293,12 +293,21 @@ fn the_api_answers_as_openai_clients_expect() {
     let answer: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(answer["usage"]["completion_tokens"], 4087 - 4080, "{text}");
 
-    // 200 prompts with multi-byte characters: streamed text equals unstreamed text, and every
-    // chunk has a choice.
+    // 200 prompts with multi-byte characters, every other one sampled with a stop string:
+    // streamed text equals unstreamed text, and every chunk has a choice.
     let mut multi_byte_answers = 0;
+    let mut stopped_answers = 0;
     for index in 0..200 {
         let prompt = format!("{index}: ünïcödé → 漢字 {}", "é".repeat(index % 7));
-        let body = |stream: bool| json!({"prompt": prompt, "max_tokens": 16, "stream": stream}).to_string();
+        let body = |stream: bool| {
+            let mut body = json!({"prompt": prompt, "max_tokens": 16, "stream": stream});
+            if index % 2 == 1 {
+                body["temperature"] = json!(0.9);
+                body["seed"] = json!(index);
+                body["stop"] = json!(["e", "\u{7f}"]);
+            }
+            body.to_string()
+        };
         let (status, whole) = post(&base, "/v1/completions", &body(false));
         assert_eq!(status, 200, "{whole}");
         let whole: Value = serde_json::from_str(&whole).unwrap();
@@ -313,8 +322,17 @@ fn the_api_answers_as_openai_clients_expect() {
         }
         assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap(), "{prompt:?}");
         let last = chunks.last().unwrap();
-        assert_eq!(last["choices"][0]["finish_reason"], "length");
+        let finish = whole["choices"][0]["finish_reason"].as_str().unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], finish);
         assert_eq!(last["pdkv"]["logits_digest"], whole["pdkv"]["logits_digest"]);
+        if finish == "stop" {
+            stopped_answers += 1;
+            assert!(
+                !text.contains('e') && !text.contains('\u{7f}'),
+                "the stop string is left out: {text:?}"
+            );
+            assert!(whole["usage"]["completion_tokens"].as_u64().unwrap() <= 16);
+        }
         if text
             .chars()
             .any(|c| c.len_utf8() > 1 && c != char::REPLACEMENT_CHARACTER)
@@ -323,6 +341,33 @@ fn the_api_answers_as_openai_clients_expect() {
         }
     }
     assert!(multi_byte_answers > 0, "no answer held a multi-byte character");
+    assert!(stopped_answers > 0, "no sampled answer met its stop string");
+
+    // A seeded sampled request repeats itself; its log-probabilities come with it.
+    let sampled =
+        json!({"prompt": "sample me", "max_tokens": 8, "temperature": 1.0, "seed": 42, "logprobs": 2})
+            .to_string();
+    let (status, first) = post(&base, "/v1/completions", &sampled);
+    assert_eq!(status, 200, "{first}");
+    let (_, second) = post(&base, "/v1/completions", &sampled);
+    let (first, second): (Value, Value) = (
+        serde_json::from_str(&first).unwrap(),
+        serde_json::from_str(&second).unwrap(),
+    );
+    assert_eq!(
+        first["choices"][0]["token_ids"],
+        second["choices"][0]["token_ids"]
+    );
+    let logprobs = &first["choices"][0]["logprobs"];
+    assert_eq!(
+        logprobs["token_logprobs"].as_array().unwrap().len(),
+        8,
+        "{logprobs}"
+    );
+    assert!(
+        logprobs["top_logprobs"][0].as_object().unwrap().len() >= 2,
+        "{logprobs}"
+    );
 
     // A usage chunk (no choices) only when asked for, last before [DONE].
     let (_, streamed) = post(
@@ -392,9 +437,13 @@ fn the_api_answers_as_openai_clients_expect() {
     let (status, text) = post(&base, "/v1/completions", r#"{"prompt":"a"}{"prompt":"b"}"#);
     assert_eq!(status, 400);
     assert!(text.contains("data after the JSON object"), "{text}");
-    let (status, text) = post(&base, "/v1/completions", r#"{"prompt":"a","stop":["Y"]}"#);
+    let (status, text) = post(
+        &base,
+        "/v1/completions",
+        r#"{"prompt":"a","presence_penalty":0.5}"#,
+    );
     assert_eq!(status, 400);
-    assert!(text.contains(r#""param":"stop""#), "{text}");
+    assert!(text.contains(r#""param":"presence_penalty""#), "{text}");
     assert_eq!(get(&format!("{base}/health")).0, 200);
     let (status, text) = get(&format!("{base}/version"));
     assert_eq!(status, 200);

@@ -48,18 +48,38 @@ def main(base_url: str) -> None:
         content += chunk.choices[0].delta.content or ""
     assert content == chat.choices[0].message.content, (content, chat)
 
-    # A seed with greedy decoding: the same answer twice.
-    seeded = [
-        client.completions.create(model=MODEL, prompt="seed", max_tokens=6, temperature=0, seed=5).choices[0].text
-        for _ in range(2)
-    ]
-    assert seeded[0] == seeded[1], seeded
+    # Seeded sampling: the same answer twice; another seed, another answer.
+    def sampled(seed):
+        return client.completions.create(
+            model=MODEL, prompt="seed", max_tokens=12, temperature=1.2, top_p=0.95, seed=seed
+        ).choices[0].text
+
+    assert sampled(5) == sampled(5)
+    assert len({sampled(seed) for seed in range(4)}) > 1
+
+    # A stop string the greedy answer holds: the answer ends before it, finish_reason "stop".
+    greedy = client.completions.create(model=MODEL, prompt="stop here", max_tokens=32).choices[0].text
+    ascii_chars = [c for c in greedy[1:] if c.isascii() and c.isprintable()]
+    if ascii_chars:
+        stop = ascii_chars[0]
+        stopped = client.completions.create(model=MODEL, prompt="stop here", max_tokens=32, stop=[stop]).choices[0]
+        assert stopped.finish_reason == "stop", stopped
+        assert stopped.text == greedy[: greedy.index(stop)], (stopped.text, greedy, stop)
+
+    # logprobs: the top 2 of each token, the chosen one among them (greedy).
+    answer = client.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=2).choices[0]
+    assert len(answer.logprobs.token_logprobs) == 4, answer.logprobs
+    assert all(len(top) >= 2 for top in answer.logprobs.top_logprobs), answer.logprobs
+    chat_logprobs = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=2
+    ).choices[0].logprobs
+    assert len(chat_logprobs.content) == 3 and len(chat_logprobs.content[0].top_logprobs) == 2, chat_logprobs
 
     # Refusals raise the right exception classes, naming the field.
     for call, field in [
-        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=4, stop=["Y"]), "stop"),
-        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=2), "logprobs"),
-        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0.7), "temperature"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=0.5), "presence_penalty"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2), "n"),
+        (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=-1), "temperature"),
         (lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=100000), "max_tokens"),
     ]:
         try:

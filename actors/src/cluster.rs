@@ -292,22 +292,47 @@ impl LocalCluster {
         Some((identity, quic.runtime_handle.clone()))
     }
 
-    /// Serves a request P/D.
+    /// Serves a request P/D, greedily.
     pub async fn generate(&self, prompt: Vec<u32>, max_tokens: u32) -> Result<Output, RequestError> {
+        self.generate_sampled(prompt, max_tokens, pdkv_core::sampling::Sampling::default())
+            .await
+    }
+
+    /// Serves a request P/D with the tokens chosen by `sampling`.
+    pub async fn generate_sampled(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        sampling: pdkv_core::sampling::Sampling,
+    ) -> Result<Output, RequestError> {
         let message = Generate {
             prompt: prompt.into(),
             max_tokens,
+            sampling,
             stream: None,
             client: None,
         };
         ask(&self.router, message, "router").await?
     }
 
-    /// Serves a request on one leg alone (by default the first prefill leg): the reference.
+    /// Serves a request on one leg alone (by default the first prefill leg), greedily: the
+    /// reference.
     pub async fn direct(
         &self,
         prompt: Vec<u32>,
         max_tokens: u32,
+        node: Option<NodeId>,
+    ) -> Result<Output, RequestError> {
+        self.direct_sampled(prompt, max_tokens, pdkv_core::sampling::Sampling::default(), node)
+            .await
+    }
+
+    /// [`Cluster::direct`] with the tokens chosen by `sampling`.
+    pub async fn direct_sampled(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: u32,
+        sampling: pdkv_core::sampling::Sampling,
         node: Option<NodeId>,
     ) -> Result<Output, RequestError> {
         let leg = match &node {
@@ -321,6 +346,7 @@ impl LocalCluster {
             request: RequestId(self.next_direct.fetch_add(1, Ordering::Relaxed)),
             prompt: prompt.into(),
             max_tokens,
+            sampling,
         };
         let timeout_ms = self.config.limits.request_timeout_ms;
         tokio::time::timeout(

@@ -16,6 +16,7 @@ use actix::{
     Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
 use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine, leg_to_retry_without};
+use pdkv_core::sampling::Sampling;
 use pdkv_core::wire::{Body, Envelope, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::{Hello, check_compat};
@@ -44,6 +45,7 @@ struct Pending {
     /// the prefill legs it failed on.
     prompt: Arc<[u32]>,
     max_tokens: u32,
+    sampling: Arc<Sampling>,
     deadline_ms: u64,
     attempts: u32,
     avoid: Vec<NodeId>,
@@ -59,6 +61,7 @@ struct Pending {
 struct Attempt {
     prompt: Arc<[u32]>,
     max_tokens: u32,
+    sampling: Arc<Sampling>,
     deadline_ms: u64,
     stream: Option<TokenStream>,
     reply: Reply,
@@ -189,7 +192,8 @@ impl Router {
             attempt.deadline_ms,
             now,
         )
-        .with_streaming(attempt.stream.is_some());
+        .with_streaming(attempt.stream.is_some())
+        .with_sampling(Sampling::clone(&attempt.sampling));
         let pending = Pending {
             machine,
             reply: Some(attempt.reply),
@@ -199,6 +203,7 @@ impl Router {
             stream: attempt.stream,
             prompt: attempt.prompt,
             max_tokens: attempt.max_tokens,
+            sampling: attempt.sampling,
             deadline_ms: attempt.deadline_ms,
             attempts: attempt.attempts,
             avoid: attempt.avoid,
@@ -331,6 +336,7 @@ impl Router {
                     let attempt = Attempt {
                         prompt: pending.prompt.clone(),
                         max_tokens: pending.max_tokens,
+                        sampling: pending.sampling.clone(),
                         deadline_ms: pending.deadline_ms,
                         stream: pending.stream.take(),
                         reply: pending.reply.take().expect("checked above"),
@@ -589,6 +595,8 @@ pub struct Generate {
     pub prompt: Arc<[u32]>,
     /// Tokens to generate.
     pub max_tokens: u32,
+    /// How the decode leg chooses tokens and when it stops early.
+    pub sampling: Sampling,
     /// Tokens as they are generated, before the answer (a streaming client): a channel with
     /// room for `max_tokens` messages.
     pub stream: Option<TokenStream>,
@@ -632,6 +640,7 @@ impl Handler<Generate> for Router {
         let attempt = Attempt {
             prompt: msg.prompt,
             max_tokens: msg.max_tokens,
+            sampling: Arc::new(msg.sampling),
             deadline_ms: self.clock.now_ms().saturating_add(self.request_timeout_ms),
             stream: msg.stream,
             reply,
@@ -723,6 +732,7 @@ impl Handler<DecodeOnly> for Router {
                 params: msg.params,
                 max_tokens: msg.max_tokens,
                 stream: false,
+                sampling: Sampling::default(),
             },
         );
         Box::pin(async move {

@@ -26,7 +26,8 @@ use actix::{
 use pdkv_core::allocator::{AllocError, Allocation, window_crosses_block};
 use pdkv_core::block::BlockId;
 use pdkv_core::layout::GroupKind;
-use pdkv_core::leg::{DecodeCommand, DecodeMachine, LegConfig, PrefillCommand, PrefillMachine};
+use pdkv_core::leg::{DecodeCommand, DecodeMachine, Generated, LegConfig, PrefillCommand, PrefillMachine};
+use pdkv_core::sampling::{self, Sampling, TokenLogprobs};
 use pdkv_core::wire::{Body, Envelope, Failure, NodeId, RequestId, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use tokio::sync::watch;
@@ -34,7 +35,7 @@ use tokio::sync::watch;
 use crate::allocator::{Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseWindow, RevokeGrant};
 use crate::compute::ComputePool;
 use crate::config::Limits;
-use crate::engine::{LogitsDigest, Model, argmax};
+use crate::engine::{LogitsDigest, Model};
 use crate::error::{RequestError, ask};
 use crate::exchange::{Deliver, ExchangeActor, Outbound};
 use crate::link::Refusal;
@@ -60,6 +61,10 @@ pub struct Output {
     pub read_runs: u64,
     /// Prefix-hit blocks the decode leg reused.
     pub cached_blocks: u64,
+    /// Why generation ended.
+    pub finish: sampling::Finish,
+    /// Per generated token, when the request asked for log-probabilities.
+    pub logprobs: Vec<TokenLogprobs>,
     /// Router's view: from sending the prefill request to receiving the KV parameters.
     pub prefill_stage: Duration,
     /// Router's view: from receiving the KV parameters to receiving the output.
@@ -81,6 +86,8 @@ impl Output {
             read_bytes: output.read_bytes,
             read_runs: output.read_runs,
             cached_blocks: output.cached_blocks,
+            finish: output.finish,
+            logprobs: output.logprobs,
             prefill_stage,
             decode_stage,
         }
@@ -570,6 +577,7 @@ impl Scheduler {
                 slots,
                 max_tokens,
                 deadline_ms,
+                sampling,
             } => {
                 let Some(job) = self.jobs.get(&request) else {
                     return;
@@ -584,6 +592,7 @@ impl Scheduler {
                     lists: job.lists.clone(),
                     slots,
                     max_tokens,
+                    sampling,
                     windows_released_for: Some(prompt.len() as u64 - 1),
                     deadline_ms,
                     sink,
@@ -667,6 +676,22 @@ impl Scheduler {
                 self.start(request, Machine::Prefill(machine), prompt_arc, deadline_ms, ctx);
                 Ok(())
             }
+            Body::Decode { sampling, .. } if sampling.check().is_err() => {
+                let detail = sampling
+                    .check()
+                    .err()
+                    .map_or_else(String::new, |error| error.to_string());
+                tracing::warn!(node = %self.leg.node(), %request, %detail, "decode refused: bad sampling");
+                let failed = Body::Failed {
+                    stage: Stage::Decode,
+                    reason: Failure::BadParams(format!("sampling: {detail}")),
+                };
+                self.send_with_budget(request, from, budget_ms, failed, ctx);
+                Err(Refusal::BadMessage {
+                    node: self.leg.node().clone(),
+                    detail: format!("sampling: {detail}"),
+                })
+            }
             Body::Decode { params, .. } if params.request != request => {
                 tracing::warn!(node = %self.leg.node(), %request, named = %params.request, "decode refused: kv params name another request");
                 // Told to the sender as a refusal and, for its request machine, as a failure.
@@ -688,6 +713,7 @@ impl Scheduler {
                 params,
                 max_tokens,
                 stream,
+                sampling,
             } if !self.jobs.contains_key(&request) => {
                 let prompt: Arc<[u32]> = params.prompt.clone().into();
                 let stream_to = stream.then(|| from.clone());
@@ -698,7 +724,8 @@ impl Scheduler {
                     max_tokens,
                     deadline_ms,
                     now,
-                );
+                )
+                .with_sampling(sampling);
                 self.start(request, Machine::Decode(machine), prompt, deadline_ms, ctx);
                 if let Some(job) = self.jobs.get_mut(&request) {
                     job.stream_to = stream_to;
@@ -832,6 +859,8 @@ struct Generation {
     lists: Vec<Vec<BlockId>>,
     slots: u64,
     max_tokens: u32,
+    /// How each token is chosen and when generation stops early.
+    sampling: Sampling,
     /// The attending token the window groups were last trimmed for (`None`: never).
     windows_released_for: Option<u64>,
     deadline_ms: u64,
@@ -850,11 +879,17 @@ struct StepRun {
     token: u32,
     digest: LogitsDigest,
     tokens: Vec<u32>,
+    /// Per token, when asked for.
+    logprobs: Vec<TokenLogprobs>,
+    /// Set once a stop ended generation before `max_tokens`.
+    stopped: Option<sampling::Finish>,
     /// A window group's oldest block fell out of the window at this attending token.
     window_moved: bool,
 }
 
-/// Computes the last prompt token and `max_tokens - 1` more, greedily, on the compute pool.
+/// Computes the last prompt token and up to `max_tokens - 1` more on the compute pool, each
+/// chosen by the request's sampler (`pdkv_core::sampling`: greedy unless asked otherwise), and
+/// stops early at a stop token or sequence.
 /// Steps run in batches: a batch ends where the allocator must act (more blocks as decoding
 /// passes the allocation, window blocks freed as the window moves). Stops between tokens once
 /// the deadline has passed or the request was aborted ([`Generation::stop`]).
@@ -862,7 +897,7 @@ async fn generate(
     leg: Arc<LegContext>,
     prompt: Arc<[u32]>,
     mut run: Generation,
-) -> Result<(Vec<u32>, u64), Failure> {
+) -> Result<Generated, Failure> {
     let first_position = prompt.len() as u64 - 1;
     let end = first_position + u64::from(run.max_tokens.max(1));
     let windows = leg.has_window_groups();
@@ -871,12 +906,14 @@ async fn generate(
         token: prompt[prompt.len() - 1],
         digest: LogitsDigest::default(),
         tokens: Vec::with_capacity(run.max_tokens as usize),
+        logprobs: Vec::new(),
+        stopped: None,
         window_moved: false,
     };
     let alloc = |error: AllocError| Failure::Alloc(error.to_string());
     let mailbox = |error: actix::MailboxError| Failure::Engine(format!("allocator unreachable: {error}"));
     let generated = metrics::counter!("pdkv_generated_tokens_total");
-    while state.position < end {
+    while state.position < end && state.stopped.is_none() {
         if state.position >= run.slots {
             run.slots = state.position + 1;
             let extend = Extend {
@@ -890,7 +927,7 @@ async fn generate(
                 .map_err(mailbox)?
                 .map_err(alloc)?;
         }
-        let (batch_leg, lists, slots, released_for, deadline_ms, sink, stop, generated) = (
+        let (batch_leg, lists, slots, released_for, deadline_ms, sink, stop, generated, sampling) = (
             leg.clone(),
             run.lists.clone(),
             run.slots,
@@ -899,6 +936,7 @@ async fn generate(
             run.sink.clone(),
             run.stop.clone(),
             generated.clone(),
+            run.sampling.clone(),
         );
         let steps = end.min(slots).saturating_sub(state.position).max(1);
         state = leg
@@ -918,13 +956,23 @@ async fn generate(
                         .step(&batch_leg.memory, &lists, state.position, state.token, true)
                         .map_err(|error| Failure::Engine(error.to_string()))?;
                     state.digest.update(&logits);
-                    state.token = argmax(&logits);
+                    let step = state.tokens.len() as u64;
+                    let choice = sampling::choose(&sampling, step, &logits)
+                        .ok_or_else(|| Failure::Engine("the model gave no logits".into()))?;
+                    state.token = choice.token;
                     state.tokens.push(state.token);
+                    if sampling.logprobs.is_some() {
+                        state.logprobs.push(choice);
+                    }
                     generated.increment(1);
                     if let Some(sink) = &sink {
                         sink(state.token);
                     }
                     state.position += 1;
+                    if let Some(finish) = sampling::stop_after(&sampling, &state.tokens) {
+                        state.stopped = Some(finish);
+                        break;
+                    }
                     let attending_token = state.position;
                     if windows
                         && released_for.is_none_or(|from| {
@@ -952,7 +1000,12 @@ async fn generate(
             run.windows_released_for = Some(state.position);
         }
     }
-    Ok((state.tokens, state.digest.finish()))
+    Ok(Generated {
+        tokens: state.tokens,
+        logits_digest: state.digest.finish(),
+        finish: state.stopped.unwrap_or(sampling::Finish::Length),
+        logprobs: state.logprobs,
+    })
 }
 
 /// Any leg: run a request alone, for reference.
@@ -965,6 +1018,8 @@ pub struct Direct {
     pub prompt: Arc<[u32]>,
     /// Tokens to generate.
     pub max_tokens: u32,
+    /// How tokens are chosen (the same sampler a decode leg runs).
+    pub sampling: Sampling,
 }
 
 impl Handler<Direct> for Scheduler {
@@ -981,6 +1036,7 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
         request,
         prompt,
         max_tokens,
+        sampling,
     } = msg;
     let num_tokens = prompt.len() as u64;
     if num_tokens == 0 {
@@ -1007,6 +1063,7 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
             lists: allocation.blocks.clone(),
             slots,
             max_tokens,
+            sampling,
             windows_released_for: None,
             deadline_ms,
             sink: None,
@@ -1021,16 +1078,18 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
         cache_prompt: None,
     };
     ask(&leg.allocator, finish, "allocator").await??;
-    let (tokens, logits_digest) = result.map_err(|failure| {
+    let generated = result.map_err(|failure| {
         RequestError::from_failure(Stage::Decode, failure, leg.limits.request_timeout_ms)
     })?;
     Ok(Output {
         request,
-        tokens,
-        logits_digest,
+        tokens: generated.tokens,
+        logits_digest: generated.logits_digest,
         read_bytes: 0,
         read_runs: 0,
         cached_blocks: 0,
+        finish: generated.finish,
+        logprobs: generated.logprobs,
         prefill_stage: Duration::ZERO,
         decode_stage: Duration::ZERO,
     })

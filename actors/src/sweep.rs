@@ -7,6 +7,7 @@
 use crate::cluster::LocalCluster;
 use crate::engine::prompt_tokens;
 use crate::error::RequestError;
+use pdkv_core::sampling::Sampling;
 
 /// The outcome of one prompt length.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,8 +29,25 @@ pub fn demo_lengths() -> Vec<u64> {
     (0..102u64).map(|i| 1 + i * 1100 / 101).collect()
 }
 
-/// Runs one length P/D and direct on `cluster` and compares. A length no node can hold fails
-/// before its prompt is built.
+/// How a sweep asks for a prompt of `prompt_len` tokens: greedily for even lengths; for odd
+/// ones sampled (temperature 0.8, top-k 40, top-p 0.95, a seed of its own) with a stop token,
+/// so sweeps check P/D against direct for sampled requests and early stops too.
+pub fn sampling_for(prompt_len: u64, vocab: u32) -> Sampling {
+    if prompt_len.is_multiple_of(2) {
+        return Sampling::default();
+    }
+    Sampling {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed: prompt_len.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        stop_token_ids: vec![(prompt_len % u64::from(vocab.max(1))) as u32],
+        ..Sampling::default()
+    }
+}
+
+/// Runs one length P/D and direct on `cluster` (with [`sampling_for`] the length) and
+/// compares. A length no node can hold fails before its prompt is built.
 pub async fn compare(cluster: &LocalCluster, prompt_len: u64, max_tokens: u32) -> Comparison {
     if let Err(error) = cluster.config().check_prompt_tokens(prompt_len) {
         return judge(prompt_len, Err(error.clone().into()), Err(error.into()));
@@ -37,8 +55,11 @@ pub async fn compare(cluster: &LocalCluster, prompt_len: u64, max_tokens: u32) -
     let params = cluster.config().model;
     // Bounded by the check above (at most MAX_PROMPT_TOKENS), so it fits in usize.
     let prompt = prompt_tokens(params.seed, prompt_len as usize, params.vocab);
-    let pd = cluster.generate(prompt.clone(), max_tokens).await;
-    let direct = cluster.direct(prompt, max_tokens, None).await;
+    let sampling = sampling_for(prompt_len, params.vocab);
+    let pd = cluster
+        .generate_sampled(prompt.clone(), max_tokens, sampling.clone())
+        .await;
+    let direct = cluster.direct_sampled(prompt, max_tokens, sampling, None).await;
     judge(prompt_len, pd, direct)
 }
 
@@ -49,7 +70,9 @@ fn judge(
 ) -> Comparison {
     match (pd, direct) {
         (Ok(pd), Ok(direct)) => {
-            let matched = pd.tokens == direct.tokens && pd.logits_digest == direct.logits_digest;
+            let matched = pd.tokens == direct.tokens
+                && pd.logits_digest == direct.logits_digest
+                && pd.finish == direct.finish;
             Comparison {
                 prompt_tokens,
                 matched,

@@ -238,6 +238,7 @@ async fn requests_wait_for_blocks_and_all_complete(links: LinkKind) {
             cluster.router().send(Generate {
                 prompt: prompt.clone().into(),
                 max_tokens: 3,
+                sampling: pdkv_core::sampling::Sampling::default(),
                 stream: None,
                 client: None,
             })
@@ -269,6 +270,7 @@ async fn the_router_prefers_the_least_loaded_leg(links: LinkKind) {
     let waiting = cluster.router().send(Generate {
         prompt: waiting_prompt.clone().into(),
         max_tokens: 2,
+        sampling: pdkv_core::sampling::Sampling::default(),
         stream: None,
         client: None,
     });
@@ -345,6 +347,7 @@ async fn a_long_prefill_computes_off_the_arbiter(links: LinkKind) {
     let long = cluster.router().send(Generate {
         prompt: long_prompt.clone().into(),
         max_tokens: 1,
+        sampling: pdkv_core::sampling::Sampling::default(),
         stream: None,
         client: None,
     });
@@ -389,6 +392,7 @@ async fn waits_for_blocks_are_bounded_in_count_and_time(links: LinkKind) {
             cluster.router().send(Generate {
                 prompt: prompt_tokens(i, 100, 256).into(),
                 max_tokens: 2,
+                sampling: pdkv_core::sampling::Sampling::default(),
                 stream: None,
                 client: None,
             })
@@ -516,6 +520,7 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant(links: LinkK
     let pending = cluster.router().send(Generate {
         prompt: prompt.clone().into(),
         max_tokens: 3,
+        sampling: pdkv_core::sampling::Sampling::default(),
         stream: None,
         client: None,
     });
@@ -871,3 +876,120 @@ on_both_links!(
     a_request_timing_out_in_decode_releases_its_grant_by_the_deadline,
     the_largest_time_limits_serve,
 );
+
+/// Sampled requests: P/D equals direct for every setting, a seed repeats its tokens, a stop
+/// sequence ends generation where it first appears, and log-probabilities come from the logits.
+async fn sampled_requests_match_direct_and_stop_where_asked(links: LinkKind) {
+    use pdkv_core::sampling::{Finish, Sampling};
+    let cluster = start(ClusterConfig::embedded_default(), links).await;
+    let params = cluster.config().model;
+    let prompt = prompt_tokens(params.seed, 130, params.vocab);
+    for (temperature, top_k, top_p, seed) in [(0.7, 0, 1.0, 1), (1.3, 40, 0.9, 2), (0.2, 5, 0.5, 3)] {
+        let sampling = Sampling {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            ..Sampling::default()
+        };
+        let pd = cluster
+            .generate_sampled(prompt.clone(), 24, sampling.clone())
+            .await
+            .unwrap();
+        let direct = cluster
+            .direct_sampled(prompt.clone(), 24, sampling.clone(), None)
+            .await
+            .unwrap();
+        assert_eq!(
+            (&pd.tokens, pd.logits_digest),
+            (&direct.tokens, direct.logits_digest),
+            "{sampling:?}"
+        );
+        let again = cluster
+            .generate_sampled(prompt.clone(), 24, sampling.clone())
+            .await
+            .unwrap();
+        assert_eq!(again.tokens, pd.tokens, "the same seed, the same tokens");
+    }
+    let hot = |seed| Sampling {
+        temperature: 1.5,
+        seed,
+        ..Sampling::default()
+    };
+    let first = cluster
+        .generate_sampled(prompt.clone(), 24, hot(10))
+        .await
+        .unwrap();
+    let second = cluster
+        .generate_sampled(prompt.clone(), 24, hot(11))
+        .await
+        .unwrap();
+    assert_ne!(first.tokens, second.tokens, "another seed draws other tokens");
+
+    // A stop sequence taken from the greedy answer: generation ends where it first appears.
+    let greedy = cluster.generate(prompt.clone(), 30).await.unwrap();
+    let stop = greedy.tokens[5..7].to_vec();
+    let end = (0..greedy.tokens.len())
+        .find(|&i| greedy.tokens[..=i].ends_with(&stop))
+        .unwrap();
+    let stopped = Sampling {
+        stop_sequences: vec![stop],
+        ..Sampling::default()
+    };
+    let pd = cluster
+        .generate_sampled(prompt.clone(), 30, stopped.clone())
+        .await
+        .unwrap();
+    assert_eq!(pd.tokens, greedy.tokens[..=end].to_vec());
+    assert_eq!(pd.finish, Finish::StopSequence(0));
+    assert_eq!(greedy.finish, Finish::Length);
+    let direct = cluster
+        .direct_sampled(prompt.clone(), 30, stopped, None)
+        .await
+        .unwrap();
+    assert_eq!((direct.tokens, direct.finish), (pd.tokens, pd.finish));
+    let by_token = Sampling {
+        stop_token_ids: vec![greedy.tokens[3]],
+        ..Sampling::default()
+    };
+    let pd = cluster
+        .generate_sampled(prompt.clone(), 30, by_token)
+        .await
+        .unwrap();
+    let first_stop = greedy
+        .tokens
+        .iter()
+        .position(|&token| token == greedy.tokens[3])
+        .unwrap();
+    assert_eq!(pd.tokens, greedy.tokens[..=first_stop].to_vec());
+    assert_eq!(pd.finish, Finish::StopToken);
+
+    // Greedy with logprobs: the chosen token is the most likely one.
+    let with_logprobs = Sampling {
+        logprobs: Some(3),
+        ..Sampling::default()
+    };
+    let pd = cluster
+        .generate_sampled(prompt.clone(), 6, with_logprobs)
+        .await
+        .unwrap();
+    assert_eq!(pd.logprobs.len(), 6);
+    for (entry, &token) in pd.logprobs.iter().zip(&pd.tokens) {
+        assert_eq!(entry.token, token);
+        assert_eq!(entry.top.len(), 3);
+        assert_eq!(entry.top[0].0, token, "greedy takes the most likely token");
+        assert!(entry.logprob <= 0.0 && entry.top[0].1 >= entry.top[1].1);
+    }
+    assert_idle(&cluster).await;
+    cluster.shutdown();
+}
+
+#[actix_rt::test]
+async fn sampled_requests_match_direct_and_stop_where_asked_on_local_links() {
+    sampled_requests_match_direct_and_stop_where_asked(LinkKind::Local).await;
+}
+
+#[actix_rt::test]
+async fn sampled_requests_match_direct_and_stop_where_asked_on_quic_links() {
+    sampled_requests_match_direct_and_stop_where_asked(LinkKind::Quic).await;
+}

@@ -161,6 +161,8 @@ async fn forged_misrouted_and_unknown_messages_are_refused_by_name() {
         read_bytes: 0,
         read_runs: 0,
         cached_blocks: 0,
+        finish: pdkv_core::sampling::Finish::Length,
+        logprobs: Vec::new(),
     });
     assert_eq!(
         refusal(&to_decode, envelope("router", router, 424_242, output)).await,
@@ -232,6 +234,7 @@ async fn a_decode_request_whose_params_name_another_request_fails_cleanly() {
             params: other,
             max_tokens: 2,
             stream: false,
+            sampling: pdkv_core::sampling::Sampling::default(),
         },
     );
     assert_eq!(

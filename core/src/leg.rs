@@ -31,6 +31,7 @@ use crate::allocator::{AllocError, Allocation};
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::exchange::{self, Pairing, PairingMode};
 use crate::layout::KvLayout;
+use crate::sampling::{Finish, Sampling, TokenLogprobs};
 use crate::wire::{Body, DecodeOutput, Failure, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage};
 
 /// How much of a prompt a prefill leg computes and keeps.
@@ -544,6 +545,8 @@ pub enum DecodeCommand {
         max_tokens: u32,
         /// When to stop.
         deadline_ms: u64,
+        /// How each token is chosen, and the stops that end generation early.
+        sampling: Sampling,
     },
     /// The request was aborted while [`DecodeCommand::Generate`] runs: stop it at the next token
     /// boundary instead of decoding to the end for nobody, and answer with
@@ -604,7 +607,33 @@ pub struct DecodeMachine {
     allocated: Option<Allocation>,
     read: ReadDone,
     aborted: bool,
+    /// How tokens are chosen (boxed: most requests are greedy and the machine stays small).
+    sampling: Box<Sampling>,
     commands: VecDeque<DecodeCommand>,
+}
+
+/// What a finished generation produced.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Generated {
+    /// The tokens, in order.
+    pub tokens: Vec<u32>,
+    /// Digest of every step's logits.
+    pub logits_digest: u64,
+    /// Why it ended.
+    pub finish: Finish,
+    /// Per token, when asked for.
+    pub logprobs: Vec<TokenLogprobs>,
+}
+
+impl From<(Vec<u32>, u64)> for Generated {
+    /// `max_tokens` greedy tokens and their digest.
+    fn from((tokens, logits_digest): (Vec<u32>, u64)) -> Self {
+        Generated {
+            tokens,
+            logits_digest,
+            ..Generated::default()
+        }
+    }
 }
 
 impl DecodeMachine {
@@ -632,6 +661,7 @@ impl DecodeMachine {
             allocated: None,
             read: ReadDone::default(),
             aborted: false,
+            sampling: Box::default(),
             commands: VecDeque::new(),
         };
         let num_tokens = machine.params.prompt.len() as u64;
@@ -684,6 +714,12 @@ impl DecodeMachine {
     /// The incarnation of the prefill node that issued the grant.
     pub fn prefill_incarnation(&self) -> Incarnation {
         self.params.prefill_incarnation
+    }
+
+    /// Chooses tokens with `sampling` instead of greedily (set before the READ ends).
+    pub fn with_sampling(mut self, sampling: Sampling) -> Self {
+        self.sampling = Box::new(sampling);
+        self
     }
 
     /// The grant the READ runs under.
@@ -827,20 +863,21 @@ impl DecodeMachine {
                     slots: self.slots,
                     max_tokens: self.max_tokens,
                     deadline_ms: self.deadline_ms,
+                    sampling: (*self.sampling).clone(),
                 });
             }
         }
     }
 
-    /// The engine answered [`DecodeCommand::Generate`]: tokens and their logits digest.
-    pub fn handle_generated(&mut self, result: Result<(Vec<u32>, u64), Failure>) {
+    /// The engine answered [`DecodeCommand::Generate`]: what it generated.
+    pub fn handle_generated(&mut self, result: Result<Generated, Failure>) {
         if self.state != DecodeState::Generating {
             return;
         }
         match result {
             _ if self.aborted => self.end_quietly(),
             Err(reason) => self.fail(Stage::Decode, reason),
-            Ok((tokens, logits_digest)) => {
+            Ok(generated) => {
                 let cached_blocks = self
                     .allocated
                     .as_ref()
@@ -850,11 +887,13 @@ impl DecodeMachine {
                 self.allocated = None;
                 self.state = DecodeState::Done;
                 let output = DecodeOutput {
-                    tokens,
-                    logits_digest,
+                    tokens: generated.tokens,
+                    logits_digest: generated.logits_digest,
                     read_bytes: self.read.bytes,
                     read_runs: self.read.runs,
                     cached_blocks,
+                    finish: generated.finish,
+                    logprobs: generated.logprobs,
                 };
                 self.send_router(Body::Output(output));
             }
@@ -1005,6 +1044,8 @@ pub struct RouterMachine {
     max_tokens: u32,
     /// The client streams: the decode leg sends tokens as it generates them.
     stream: bool,
+    /// How the decode leg chooses tokens.
+    sampling: Sampling,
     deadline_ms: u64,
     state: RouterState,
     /// Incarnation of each leg when the request started; a message from another is stale.
@@ -1075,6 +1116,7 @@ impl RouterMachine {
             decode: decode.0,
             max_tokens,
             stream: false,
+            sampling: Sampling::default(),
             deadline_ms,
             state: RouterState::Prefilling,
             incarnations,
@@ -1097,6 +1139,12 @@ impl RouterMachine {
     /// The request.
     pub fn request(&self) -> RequestId {
         self.request
+    }
+
+    /// Asks the decode leg to choose tokens with `sampling` (greedy by default).
+    pub fn with_sampling(mut self, sampling: Sampling) -> Self {
+        self.sampling = sampling;
+        self
     }
 
     /// Asks the decode leg to send each token as it is generated (a streaming client).
@@ -1143,6 +1191,7 @@ impl RouterMachine {
                         params,
                         max_tokens: self.max_tokens,
                         stream: self.stream,
+                        sampling: self.sampling.clone(),
                     },
                 );
             }

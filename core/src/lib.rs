@@ -29,6 +29,7 @@ pub mod layout;
 pub mod leg;
 pub mod plan;
 pub mod proxy;
+pub mod sampling;
 pub mod scenario;
 #[cfg(feature = "testing")]
 pub mod testing;

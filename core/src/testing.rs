@@ -30,8 +30,8 @@ use crate::exchange::{Pairing, PairingMode};
 use crate::grant::GrantTable;
 use crate::layout::{GroupKind, GroupSpec, KvLayout};
 use crate::leg::{
-    DecodeCommand, DecodeMachine, GenerationCheck, IssuedGrant, LegConfig, PrefillCommand, PrefillMachine,
-    PrefillTokens, ReadDone, RequestOutcome, RouterCommand, RouterMachine,
+    DecodeCommand, DecodeMachine, Generated, GenerationCheck, IssuedGrant, LegConfig, PrefillCommand,
+    PrefillMachine, PrefillTokens, ReadDone, RequestOutcome, RouterCommand, RouterMachine,
 };
 use crate::wire::{Body, Envelope, Failure, Incarnation, NodeId, RequestId};
 
@@ -869,7 +869,7 @@ impl Sim {
                 let result = if stopped {
                     Err(Failure::Cancelled)
                 } else {
-                    self.generate(request)
+                    self.generate(request).map(Generated::from)
                 };
                 if let Some(machine) = self.decode.decodes.get_mut(&request) {
                     machine.handle_generated(result);

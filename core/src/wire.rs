@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::exchange::Offer;
+use crate::sampling::{Finish, Sampling, TokenLogprobs};
 
 /// A request's id, unique within a cluster run (assigned by the router).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -229,6 +230,10 @@ pub struct DecodeOutput {
     pub read_runs: u64,
     /// Prefix-hit blocks the decode leg reused.
     pub cached_blocks: u64,
+    /// Why generation ended.
+    pub finish: Finish,
+    /// Per generated token, when the request asked for log-probabilities (else empty).
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// Everything that crosses between the router and the legs, or between legs, for one request.
@@ -251,6 +256,8 @@ pub enum Body {
         max_tokens: u32,
         /// Send the router each token as it is generated (`Tokens`), for a streaming client.
         stream: bool,
+        /// How each token is chosen and when generation stops.
+        sampling: Sampling,
     },
     /// Decode leg → prefill leg: still waiting, keep the grant.
     Renew {

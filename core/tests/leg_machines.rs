@@ -10,6 +10,7 @@ use pdkv_core::leg::{
     DecodeCommand, DecodeMachine, IssuedGrant, LegConfig, PrefillCommand, PrefillMachine, PrefillTokens,
     ReadDone, RequestOutcome, RouterCommand, RouterMachine,
 };
+use pdkv_core::sampling::{Finish, Sampling};
 use pdkv_core::wire::{
     Body, DecodeOutput, Failure, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage,
 };
@@ -390,10 +391,11 @@ fn a_decode_releases_before_it_decodes_and_answers_once() {
         DecodeCommand::Generate {
             slots: 13,
             max_tokens: 2,
-            deadline_ms: 500
+            deadline_ms: 500,
+            sampling: Sampling::default(),
         }
     );
-    machine.handle_generated(Ok((vec![7, 8], 99)));
+    machine.handle_generated(Ok((vec![7, 8], 99).into()));
     let commands = drain_decode(&mut machine);
     assert_eq!(commands[0], DecodeCommand::Finish { cache_prompt: true });
     let DecodeCommand::Send {
@@ -407,7 +409,7 @@ fn a_decode_releases_before_it_decodes_and_answers_once() {
         (output.read_bytes, output.read_runs, output.logits_digest),
         (640, 3, 99)
     );
-    machine.handle_generated(Ok((vec![7, 8], 99)));
+    machine.handle_generated(Ok((vec![7, 8], 99).into()));
     assert_eq!(
         drain_decode(&mut machine),
         vec![],
@@ -504,6 +506,8 @@ fn a_duplicated_output_completes_once() {
         read_bytes: 3,
         read_runs: 1,
         cached_blocks: 0,
+        finish: Finish::Length,
+        logprobs: Vec::new(),
     };
     for _ in 0..2 {
         machine.handle_message(&node("d"), Incarnation(0xDDDD), Body::Output(output.clone()));
@@ -821,7 +825,7 @@ mod allocation_bounds {
     #[test]
     fn an_aborted_decode_answers_nothing_after_generating() {
         let mut machine = aborted_while_generating();
-        machine.handle_generated(Ok((vec![1], 7)));
+        machine.handle_generated(Ok((vec![1], 7).into()));
         let commands = drain_decode(&mut machine);
         assert_eq!(commands, vec![DecodeCommand::Finish { cache_prompt: false }]);
         assert!(machine.is_done());
@@ -916,6 +920,8 @@ fn answers_from_the_wrong_leg_are_ignored() {
         read_bytes: 0,
         read_runs: 0,
         cached_blocks: 0,
+        finish: Finish::Length,
+        logprobs: Vec::new(),
     };
     machine.handle_message(&node("p"), PREFILL_INCARNATION, Body::Output(output.clone()));
     assert_eq!(

@@ -133,6 +133,8 @@ pub struct ChaosArgs {
 /// One prompt of the pool and its direct output.
 struct Reference {
     prompt: Vec<u32>,
+    /// How it is asked for: every other prompt sampled ([`pdkv_actors::sweep::sampling_for`]).
+    sampling: pdkv_core::sampling::Sampling,
     tokens: Vec<u32>,
     logits_digest: u64,
 }
@@ -172,6 +174,7 @@ fn references(
             )
         })
         .collect();
+    let vocab = config.model.vocab;
     let mut reference = config.clone();
     reference.transport.read_engine = ReadEngineKind::Local;
     reference.transport.links = LinkKind::Local;
@@ -181,13 +184,15 @@ fn references(
             .await
             .context("cannot start the in-process reference leg")?;
         let mut references = Vec::with_capacity(pool.len());
-        for prompt in pool {
+        for (index, prompt) in pool.into_iter().enumerate() {
+            let sampling = pdkv_actors::sweep::sampling_for(index as u64, vocab);
             let output = direct
-                .direct(prompt.clone(), max_tokens, None)
+                .direct_sampled(prompt.clone(), max_tokens, sampling.clone(), None)
                 .await
                 .map_err(|error| anyhow::anyhow!("direct run: {error}"))?;
             references.push(Reference {
                 prompt,
+                sampling,
                 tokens: output.tokens,
                 logits_digest: output.logits_digest,
             });
@@ -207,7 +212,7 @@ struct Load {
 impl Load {
     fn start(
         base: &str,
-        prompts: Arc<Vec<Vec<u32>>>,
+        prompts: Arc<Vec<(Vec<u32>, pdkv_core::sampling::Sampling)>>,
         args: &ChaosArgs,
         timeout: Duration,
         run_start: Instant,
@@ -224,7 +229,8 @@ impl Load {
                     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (u64::from(client) << 32));
                     while !stop.load(Ordering::Relaxed) {
                         let index = (rng.next_u64() % prompts.len() as u64) as usize;
-                        let sample = complete(&agent, &base, &prompts[index], max_tokens, run_start);
+                        let (prompt, sampling) = &prompts[index];
+                        let sample = complete(&agent, &base, prompt, max_tokens, sampling, run_start);
                         if sample.error.is_some() {
                             std::thread::sleep(ERROR_BACKOFF);
                         }
@@ -364,7 +370,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
     let prompts = Arc::new(
         references
             .iter()
-            .map(|reference| reference.prompt.clone())
+            .map(|reference| (reference.prompt.clone(), reference.sampling.clone()))
             .collect::<Vec<_>>(),
     );
     let router_url = cluster.router_url.clone();
@@ -419,6 +425,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
                 &router_url,
                 &reference.prompt,
                 args.max_tokens,
+                &reference.sampling,
                 run_start,
             );
             (classify(&sample, reference, deadline), sample)

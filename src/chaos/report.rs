@@ -561,6 +561,7 @@ mod tests {
     #[test]
     fn answers_are_judged_against_the_direct_run_and_errors_by_who_gave_them_and_when() {
         let reference = Reference {
+            sampling: pdkv_core::sampling::Sampling::default(),
             prompt: vec![1, 2, 3],
             tokens: vec![4, 5],
             logits_digest: 0xabc,

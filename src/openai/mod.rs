@@ -13,7 +13,7 @@ mod text;
 
 pub use error::{ApiError, request_error, with_json_errors};
 pub use request::{Capacity, Completion, Endpoint, MAX_COMPLETION_TOKENS, MODEL_NAME, chat_template, parse};
-pub use text::{TextStream, token_text};
+pub use text::{TextStream, token_text, visible_text};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +29,7 @@ use axum::routing::{get, post};
 use pdkv_actors::error::RequestError;
 use pdkv_actors::router::{Cancel, Generate, Router as RouterActor};
 use pdkv_actors::scheduler::Output;
+use pdkv_core::sampling::Finish;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -261,6 +262,7 @@ async fn serve_completion(
     let generate = Generate {
         prompt: completion.prompt.clone().into(),
         max_tokens: completion.max_tokens,
+        sampling: completion.sampling.clone(),
         stream: token_tx,
         client: Some(client),
     };
@@ -364,32 +366,97 @@ impl Reply {
             return StatusCode::INTERNAL_SERVER_ERROR.into_response();
         };
         if self.completion.stream {
-            let mut text = TextStream::default();
+            let mut text = TextStream::new(&self.completion.sampling);
             let mut events = vec![self.chunk(&output.tokens, &mut text, true)];
             events.extend(self.ending(&output, &mut text));
             return sse_response(Body::from(sse(&events)));
         }
-        let text = token_text(&output.tokens);
+        let mut text = visible_text(&output.tokens, &self.completion.sampling, output.finish);
+        if self.completion.echo {
+            text.insert_str(0, &token_text(&self.completion.prompt));
+        }
+        let finish = finish_reason(output.finish);
+        let logprobs = self.logprobs(&output);
         let choice = match self.completion.endpoint {
             Endpoint::Completions => json!({
                 "index": 0,
                 "text": text,
                 "token_ids": output.tokens,
-                "logprobs": null,
-                "finish_reason": "length",
+                "logprobs": logprobs,
+                "finish_reason": finish,
             }),
             Endpoint::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "token_ids": output.tokens,
-                "logprobs": null,
-                "finish_reason": "length",
+                "logprobs": logprobs,
+                "finish_reason": finish,
             }),
         };
         let mut body = self.object(json!([choice]), false);
         body["usage"] = usage(self.completion.prompt.len(), output.tokens.len());
         body["pdkv"] = json!(pdkv_info(&output));
         axum::Json(body).into_response()
+    }
+
+    /// The answer's log-probabilities in the endpoint's shape, or null when not asked for:
+    /// completions as `tokens` / `token_logprobs` / `top_logprobs` (the top n and the chosen
+    /// token, as vLLM) / `text_offset` (byte offsets into the generated text); chat as
+    /// `content`, one entry per token with its `bytes` and its top n.
+    fn logprobs(&self, output: &Output) -> Value {
+        let Some(count) = self.completion.sampling.logprobs else {
+            return Value::Null;
+        };
+        match self.completion.endpoint {
+            Endpoint::Completions => {
+                let mut text_offset = Vec::new();
+                let mut tokens = Vec::new();
+                let mut token_logprobs = Vec::new();
+                let mut top = Vec::new();
+                // One token is one byte of text.
+                for (offset, entry) in output.logprobs.iter().enumerate() {
+                    text_offset.push(offset);
+                    tokens.push(token_piece(entry.token));
+                    token_logprobs.push(entry.logprob);
+                    let mut dict = serde_json::Map::new();
+                    for &(token, logprob) in entry.top.iter().take(count as usize) {
+                        dict.insert(token_piece(token), json!(logprob));
+                    }
+                    dict.entry(token_piece(entry.token))
+                        .or_insert(json!(entry.logprob));
+                    top.push(Value::Object(dict));
+                }
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": token_logprobs,
+                    "top_logprobs": top,
+                    "text_offset": text_offset,
+                })
+            }
+            Endpoint::Chat => {
+                let content: Vec<Value> = output
+                    .logprobs
+                    .iter()
+                    .map(|entry| {
+                        let top: Vec<Value> = entry
+                            .top
+                            .iter()
+                            .take(count as usize)
+                            .map(|&(token, logprob)| {
+                                json!({"token": token_piece(token), "logprob": logprob, "bytes": [token]})
+                            })
+                            .collect();
+                        json!({
+                            "token": token_piece(entry.token),
+                            "logprob": entry.logprob,
+                            "bytes": [entry.token],
+                            "top_logprobs": top,
+                        })
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+        }
     }
 
     /// What every answer and chunk of this completion says, around its `choices`.
@@ -435,9 +502,13 @@ impl Reply {
         }
     }
 
-    /// A chunk of `tokens`, their text in whole characters.
+    /// A chunk of `tokens`, their text in whole characters (the first after the prompt's text
+    /// with `echo`).
     fn chunk(&self, tokens: &[u32], text: &mut TextStream, first: bool) -> Value {
-        let piece = text.push(tokens);
+        let mut piece = text.push(tokens);
+        if first && self.completion.echo {
+            piece.insert_str(0, &token_text(&self.completion.prompt));
+        }
         self.object(json!([self.choice(piece, tokens, first, None)]), true)
     }
 
@@ -445,7 +516,12 @@ impl Reply {
     /// `usage` (with no choices) if asked for.
     fn ending(&self, output: &Output, text: &mut TextStream) -> Vec<Value> {
         let mut last = self.object(
-            json!([self.choice(text.finish(), &[], false, Some("length"))]),
+            json!([self.choice(
+                text.finish(output.finish),
+                &[],
+                false,
+                Some(finish_reason(output.finish))
+            )]),
             true,
         );
         last["pdkv"] = json!(pdkv_info(output));
@@ -456,6 +532,24 @@ impl Reply {
             chunks.push(tail);
         }
         chunks
+    }
+}
+
+/// OpenAI's name for why an answer ended.
+fn finish_reason(finish: Finish) -> &'static str {
+    match finish {
+        Finish::Length => "length",
+        Finish::StopToken | Finish::StopSequence(_) => "stop",
+    }
+}
+
+/// A token as log-probability listings name it: the character for an ASCII byte, `<0xNN>` for
+/// any other byte (it is part of a character, not one), as byte-fallback vocabularies do.
+fn token_piece(token: u32) -> String {
+    match u8::try_from(token) {
+        Ok(byte) if byte.is_ascii() => char::from(byte).to_string(),
+        Ok(byte) => format!("<0x{byte:02X}>"),
+        Err(_) => format!("<{token}>"),
     }
 }
 
@@ -500,7 +594,7 @@ fn stream_live(
     let (events, body) =
         tokio::sync::mpsc::channel::<Result<axum::body::Bytes, std::convert::Infallible>>(STREAM_BUFFER);
     tokio::spawn(async move {
-        let mut text = TextStream::default();
+        let mut text = TextStream::new(&reply.completion.sampling);
         let mut sent = first.clone();
         // A client that went away ends the writing, not the request.
         let _ = events

@@ -1,13 +1,16 @@
 //! A completions or chat request as the router takes it: parsed, checked field by field, and
 //! admitted against what the cluster can hold, before any leg does work for it.
 //!
-//! vLLM's OpenAI server is the reference. What pdkv's reference engine does not do (sampling,
-//! stop sequences, logprobs, echo, penalties) is refused with a 400 naming the field unless the
-//! value asks for what it does anyway (`temperature: 0`, `top_p: 1`, `stop: []`, …): a field is
+//! vLLM's OpenAI server is the reference. Sampling (`temperature`, `top_p`, `top_k`, `seed`),
+//! stops (`stop`, `stop_token_ids`), `logprobs` and `echo` are honoured by the decode leg's
+//! seeded sampler (`pdkv_core::sampling`); what the reference engine does not do (penalties,
+//! `logit_bias`, `min_p`, several completions, suffixes) is refused with a 400 naming the field
+//! unless the value asks for what it does anyway (`presence_penalty: 0`, `n: 1`, …): a field is
 //! never silently ignored.
 
 use axum::http::StatusCode;
 use pdkv_actors::config::{PromptLimit, PromptTooLong};
+use pdkv_core::sampling::{MAX_LOGPROBS, Sampling};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
@@ -49,7 +52,17 @@ pub struct Completion {
     pub stream: bool,
     /// Add a usage chunk to the stream.
     pub include_usage: bool,
+    /// How the decode leg chooses tokens and stops.
+    pub sampling: Sampling,
+    /// Completions: the answer's text starts with the prompt's.
+    pub echo: bool,
 }
+
+/// Most stop strings or stop token ids one request may give.
+pub const MAX_STOPS: usize = 16;
+
+/// The largest temperature taken.
+const MAX_TEMPERATURE: f64 = 100.0;
 
 /// The roles a chat message may have.
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
@@ -123,13 +136,216 @@ pub fn parse(
         _ => ("max_tokens", count(&fields, "max_tokens")?),
     };
     let max_tokens = admit(key, prompt.len() as u64, asked, capacity)?;
+    let sampling = sampling(endpoint, &fields, vocab, stream)?;
+    let echo = boolean(&fields, "echo")?.unwrap_or(false);
+    if echo && sampling.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "echo",
+            "with logprobs would need the prompt's log-probabilities, which are not computed",
+        ));
+    }
     Ok(Completion {
         endpoint,
         prompt,
         max_tokens,
         stream,
         include_usage,
+        sampling,
+        echo,
     })
+}
+
+/// A number field within `range`.
+fn number(
+    fields: &Map<String, Value>,
+    key: &str,
+    range: std::ops::RangeInclusive<f64>,
+    what: &str,
+) -> Result<Option<f64>, ApiError> {
+    present(fields, key)
+        .map(|value| {
+            value
+                .as_f64()
+                .filter(|number| number.is_finite() && range.contains(number))
+                .ok_or_else(|| ApiError::invalid(key, format!("{value} is not {what}")))
+        })
+        .transpose()
+}
+
+/// A fresh seed for a sampled request that names none: the request's tokens are drawn from it
+/// on whichever decode leg serves it, so a retry on another leg repeats them.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_nanos()),
+    );
+    hasher.finish()
+}
+
+/// Stop strings (a string or an array of them) as token sequences, each non-empty.
+fn stop_strings(fields: &Map<String, Value>, vocab: u32) -> Result<Vec<Vec<u32>>, ApiError> {
+    let strings: Vec<&str> = match present(fields, "stop") {
+        None => Vec::new(),
+        Some(Value::String(text)) if text.is_empty() => Vec::new(),
+        Some(Value::String(text)) => vec![text.as_str()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(index, item)| {
+                item.as_str()
+                    .filter(|text| !text.is_empty())
+                    .ok_or_else(|| ApiError::invalid(format!("stop[{index}]"), "must be a non-empty string"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "must be a string or an array of strings",
+            ));
+        }
+    };
+    if strings.len() > MAX_STOPS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("{} stop strings, at most {MAX_STOPS}", strings.len()),
+        ));
+    }
+    strings
+        .iter()
+        .enumerate()
+        .map(|(index, text)| text_tokens(&format!("stop[{index}]"), text, vocab))
+        .collect()
+}
+
+/// The sampler a request asks for: greedy unless `temperature` is above 0, a seed drawn here
+/// when it samples and names none.
+fn sampling(
+    endpoint: Endpoint,
+    fields: &Map<String, Value>,
+    vocab: u32,
+    stream: bool,
+) -> Result<Sampling, ApiError> {
+    let temperature = number(
+        fields,
+        "temperature",
+        0.0..=MAX_TEMPERATURE,
+        &format!("a temperature in 0..={MAX_TEMPERATURE}"),
+    )?
+    .unwrap_or(0.0);
+    let top_p = number(
+        fields,
+        "top_p",
+        f64::MIN_POSITIVE..=1.0,
+        "a probability in (0, 1]",
+    )?
+    .unwrap_or(1.0);
+    let top_k = match present(fields, "top_k") {
+        None => 0,
+        Some(value) => match value.as_i64() {
+            Some(-1 | 0) => 0,
+            Some(k) if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+            _ => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("{value} is not -1, 0 or a positive integer"),
+                ));
+            }
+        },
+    };
+    let seed = match present(fields, "seed") {
+        None => None,
+        Some(value) => Some(
+            value
+                .as_u64()
+                .or_else(|| value.as_i64().map(|seed| seed as u64))
+                .ok_or_else(|| ApiError::invalid("seed", "must be an integer"))?,
+        ),
+    };
+    let stop_token_ids = match present(fields, "stop_token_ids") {
+        None => Vec::new(),
+        Some(Value::Array(items)) if items.len() <= MAX_STOPS => items
+            .iter()
+            .enumerate()
+            .map(|(index, item)| {
+                item.as_u64()
+                    .filter(|&token| token < u64::from(vocab))
+                    .map(|token| token as u32)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            format!("stop_token_ids[{index}]"),
+                            format!("{item} is not a token id below {vocab}"),
+                        )
+                    })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop_token_ids",
+                format!("must be an array of at most {MAX_STOPS} token ids"),
+            ));
+        }
+    };
+    let logprobs = match endpoint {
+        Endpoint::Completions => match present(fields, "logprobs") {
+            None => None,
+            Some(value) => Some(
+                value
+                    .as_u64()
+                    .filter(|&count| count <= u64::from(MAX_LOGPROBS))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "logprobs",
+                            format!("{value} is not a count in 0..={MAX_LOGPROBS}"),
+                        )
+                    })? as u32,
+            ),
+        },
+        Endpoint::Chat => {
+            let wanted = boolean(fields, "logprobs")?.unwrap_or(false);
+            let top = match present(fields, "top_logprobs") {
+                None => 0,
+                Some(value) => value
+                    .as_u64()
+                    .filter(|&count| count <= u64::from(MAX_LOGPROBS))
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "top_logprobs",
+                            format!("{value} is not a count in 0..={MAX_LOGPROBS}"),
+                        )
+                    })? as u32,
+            };
+            if top > 0 && !wanted {
+                return Err(ApiError::invalid("top_logprobs", "needs logprobs: true"));
+            }
+            wanted.then_some(top)
+        }
+    };
+    if logprobs.is_some() && stream {
+        return Err(ApiError::invalid(
+            "logprobs",
+            "not supported with stream: true yet; ask without streaming",
+        ));
+    }
+    let sampling = Sampling {
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        seed: match seed {
+            Some(seed) => seed,
+            None if temperature > 0.0 => fresh_seed(),
+            None => 0,
+        },
+        stop_token_ids,
+        stop_sequences: stop_strings(fields, vocab)?,
+        logprobs,
+    };
+    sampling
+        .check()
+        .map_err(|error| ApiError::invalid("temperature", error.to_string()))?;
+    Ok(sampling)
 }
 
 /// The tokens a request may generate: `asked`, or (absent) what fits, as vLLM defaults to the
@@ -244,18 +460,10 @@ fn count(fields: &Map<String, Value>, key: &str) -> Result<Option<u64>, ApiError
 fn neutral(key: &str, value: &Value) -> Option<bool> {
     let number = value.as_f64();
     Some(match key {
-        "temperature" => number? == 0.0,
-        "top_p" => number? == 1.0,
-        "top_k" => matches!(value.as_i64()?, -1 | 0),
         "min_p" | "presence_penalty" | "frequency_penalty" => number? == 0.0,
         "repetition_penalty" => number? == 1.0,
         "n" | "best_of" => value.as_u64()? == 1,
         "min_tokens" => value.as_u64()? == 0,
-        "echo" => !value.as_bool()?,
-        "logprobs" => value.as_bool() == Some(false),
-        "top_logprobs" => value.as_u64()? == 0,
-        "stop" => value.as_str().is_some_and(str::is_empty) || value.as_array().is_some_and(Vec::is_empty),
-        "stop_token_ids" => value.as_array()?.is_empty(),
         "logit_bias" => value.as_object()?.is_empty(),
         "suffix" => value.as_str()?.is_empty(),
         _ => return None,
@@ -265,14 +473,10 @@ fn neutral(key: &str, value: &Value) -> Option<bool> {
 /// Why a field the reference engine does not act on is refused.
 fn unsupported(key: &str) -> &'static str {
     match key {
-        "temperature" | "top_p" | "top_k" | "min_p" => {
-            "sampling is not supported: the reference engine decodes greedily (temperature 0)"
-        }
+        "min_p" => "min_p is not supported (temperature, top_k and top_p are)",
         "n" | "best_of" => "pdkv answers one completion per request",
-        "logprobs" | "top_logprobs" => "logprobs are not supported",
-        "echo" => "echo is not supported",
-        "stop" | "stop_token_ids" => "stop sequences are not supported",
         "suffix" => "suffixes are not supported",
+        "min_tokens" => "min_tokens is not supported",
         _ => "penalties and logit biases are not supported",
     }
 }
@@ -284,7 +488,14 @@ const COMPLETIONS_FIELDS: &[&str] = &[
     "max_tokens",
     "stream",
     "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
     "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "echo",
     "user",
     "ignore_eos",
 ];
@@ -295,7 +506,14 @@ const CHAT_FIELDS: &[&str] = &[
     "max_completion_tokens",
     "stream",
     "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
     "seed",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "top_logprobs",
     "user",
     "ignore_eos",
 ];
@@ -311,17 +529,14 @@ fn check_field(endpoint: Endpoint, key: &str, value: &Value) -> Result<(), ApiEr
     };
     if known.contains(&key) {
         return match key {
-            // Greedy decoding is deterministic: any seed gives the same answer.
-            "seed" if value.as_i64().is_none() && value.as_u64().is_none() => {
-                Err(ApiError::invalid(key, "must be an integer"))
-            }
             "user" if !value.is_string() => Err(ApiError::invalid(key, "must be a string")),
             // The byte vocabulary has no end-of-sequence token: there is none to ignore.
             "ignore_eos" if !value.is_boolean() => Err(ApiError::invalid(key, "must be true or false")),
             _ => Ok(()),
         };
     }
-    let chat_only = endpoint == Endpoint::Completions && matches!(key, "top_logprobs");
+    let chat_only =
+        endpoint == Endpoint::Completions && matches!(key, "top_logprobs" | "max_completion_tokens");
     let completions_only = endpoint == Endpoint::Chat && matches!(key, "echo" | "suffix" | "best_of");
     match neutral(key, value) {
         _ if chat_only || completions_only => Err(ApiError::invalid(key, "not a field of this endpoint")),
@@ -342,23 +557,17 @@ fn check_field(endpoint: Endpoint, key: &str, value: &Value) -> Result<(), ApiEr
 fn neutral_key(key: &str) -> bool {
     matches!(
         key,
-        "temperature"
-            | "top_p"
-            | "top_k"
-            | "min_p"
+        "min_p"
             | "presence_penalty"
             | "frequency_penalty"
             | "repetition_penalty"
             | "n"
             | "best_of"
             | "min_tokens"
-            | "echo"
-            | "logprobs"
-            | "top_logprobs"
-            | "stop"
-            | "stop_token_ids"
             | "logit_bias"
             | "suffix"
+            | "echo"
+            | "top_logprobs"
     )
 }
 
@@ -548,7 +757,7 @@ mod tests {
         assert!(ok.stream && ok.include_usage);
         // Values that ask for what greedy decoding does are taken.
         let ok = parse_completions(
-            r#"{"prompt": "x", "max_tokens": 1, "temperature": 0, "top_p": 1, "top_k": -1, "seed": 7, "n": 1, "stop": [], "echo": false, "logprobs": null, "user": "u", "model": "pdkv-reference"}"#,
+            r#"{"prompt": "x", "max_tokens": 1, "temperature": 0, "top_p": 1, "top_k": -1, "seed": 7, "n": 1, "stop": [], "echo": false, "logprobs": null, "user": "u", "model": "pdkv-reference", "presence_penalty": 0}"#,
         );
         assert!(ok.is_ok(), "{ok:?}");
     }
@@ -614,17 +823,6 @@ mod tests {
     fn options_the_engine_would_not_honour_are_refused_by_name() {
         for (body, field, says) in [
             (
-                r#"{"prompt": "x", "temperature": 0.7}"#,
-                "temperature",
-                "sampling",
-            ),
-            (r#"{"prompt": "x", "top_p": 0.9}"#, "top_p", "sampling"),
-            (r#"{"prompt": "x", "top_k": 5}"#, "top_k", "sampling"),
-            (r#"{"prompt": "x", "stop": ["Y"]}"#, "stop", "stop sequences"),
-            (r#"{"prompt": "x", "stop": "Y"}"#, "stop", "stop sequences"),
-            (r#"{"prompt": "x", "logprobs": 2}"#, "logprobs", "logprobs"),
-            (r#"{"prompt": "x", "echo": true}"#, "echo", "echo"),
-            (
                 r#"{"prompt": "x", "presence_penalty": 0.5}"#,
                 "presence_penalty",
                 "penalties",
@@ -635,27 +833,123 @@ mod tests {
                 "penalties",
             ),
             (r#"{"prompt": "x", "best_of": 3}"#, "best_of", "one completion"),
-            (
-                r#"{"prompt": "x", "temperature": "hot"}"#,
-                "temperature",
-                "not a valid value",
-            ),
+            (r#"{"prompt": "x", "min_p": 0.1}"#, "min_p", "min_p"),
             (
                 r#"{"prompt": "x", "frobnicate": 1}"#,
                 "frobnicate",
                 "unknown field",
             ),
+            (
+                r#"{"prompt": "x", "temperature": "hot"}"#,
+                "temperature",
+                "is not a temperature",
+            ),
+            (
+                r#"{"prompt": "x", "temperature": -1}"#,
+                "temperature",
+                "is not a temperature",
+            ),
+            (r#"{"prompt": "x", "top_p": 0}"#, "top_p", "is not a probability"),
+            (
+                r#"{"prompt": "x", "top_p": 1.5}"#,
+                "top_p",
+                "is not a probability",
+            ),
+            (
+                r#"{"prompt": "x", "top_k": -2}"#,
+                "top_k",
+                "is not -1, 0 or a positive",
+            ),
             (r#"{"prompt": "x", "seed": "s"}"#, "seed", "integer"),
+            (r#"{"prompt": "x", "stop": [""]}"#, "stop[0]", "non-empty"),
+            (r#"{"prompt": "x", "stop": 3}"#, "stop", "a string or an array"),
+            (
+                r#"{"prompt": "x", "stop_token_ids": [256]}"#,
+                "stop_token_ids[0]",
+                "below 256",
+            ),
+            (r#"{"prompt": "x", "logprobs": 21}"#, "logprobs", "0..=20"),
+            (
+                r#"{"prompt": "x", "logprobs": 2, "stream": true}"#,
+                "logprobs",
+                "stream",
+            ),
+            (
+                r#"{"prompt": "x", "logprobs": 2, "echo": true}"#,
+                "echo",
+                "prompt's log-probabilities",
+            ),
         ] {
             let (status, param, message) = refused(Endpoint::Completions, body);
             assert_eq!((status, param.as_str()), (400, field), "{body}: {message}");
             assert!(message.contains(says), "{body}: {message}");
         }
-        let (_, param, _) = refused(
-            Endpoint::Chat,
-            r#"{"messages": [{"role": "user", "content": "x"}], "echo": true}"#,
+        let stops = format!(r#"{{"prompt": "x", "stop": {:?}}}"#, vec!["s"; 17]);
+        assert_eq!(param(&stops), "stop");
+        for (body, field) in [
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "echo": true}"#,
+                "echo",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": 2}"#,
+                "logprobs",
+            ),
+        ] {
+            assert_eq!(refused(Endpoint::Chat, body).1, field, "{body}");
+        }
+        assert_eq!(param(r#"{"prompt": "x", "top_logprobs": 2}"#), "top_logprobs");
+    }
+
+    #[test]
+    fn sampling_options_reach_the_sampler() {
+        let sampled = parse_completions(
+            r#"{"prompt": "x", "max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3, "stop": ["Y", "ab"], "stop_token_ids": [7], "logprobs": 2}"#,
+        )
+        .unwrap()
+        .sampling;
+        assert_eq!(
+            sampled,
+            Sampling {
+                temperature: 0.7,
+                top_k: 5,
+                top_p: 0.9,
+                seed: 3,
+                stop_token_ids: vec![7],
+                stop_sequences: vec![vec![u32::from(b'Y')], vec![u32::from(b'a'), u32::from(b'b')]],
+                logprobs: Some(2),
+            }
         );
-        assert_eq!(param, "echo");
+        let greedy = parse_completions(r#"{"prompt": "x", "max_tokens": 1, "stop": "Z", "top_k": -1}"#)
+            .unwrap()
+            .sampling;
+        assert!(greedy.is_greedy());
+        assert_eq!((greedy.top_k, greedy.seed), (0, 0));
+        assert_eq!(greedy.stop_sequences, vec![vec![u32::from(b'Z')]]);
+        // A sampled request without a seed gets one drawn for it.
+        let seeds: std::collections::HashSet<u64> = (0..8)
+            .map(|_| {
+                parse_completions(r#"{"prompt": "x", "max_tokens": 1, "temperature": 1}"#)
+                    .unwrap()
+                    .sampling
+                    .seed
+            })
+            .collect();
+        assert!(seeds.len() > 1, "fresh seeds differ: {seeds:?}");
+        let chat = parse(
+            Endpoint::Chat,
+            br#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "logprobs": true, "top_logprobs": 3}"#,
+            256,
+            &capacity(),
+        )
+        .unwrap();
+        assert_eq!(chat.sampling.logprobs, Some(3));
+        let echo = parse_completions(r#"{"prompt": "x", "max_tokens": 1, "echo": true}"#).unwrap();
+        assert!(echo.echo);
     }
 
     #[test]

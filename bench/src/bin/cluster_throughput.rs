@@ -161,6 +161,7 @@ async fn run_cluster(
                 cluster.router().send(Generate {
                     prompt: Arc::from(prompt.clone()),
                     max_tokens: MAX_TOKENS,
+                    sampling: pdkv_core::sampling::Sampling::default(),
                     stream: None,
                     client: None,
                 })
