@@ -30,7 +30,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures_util::StreamExt;
 use pdkv_actors::config::ROUTER_NODE;
-use pdkv_actors::deployment::Selection;
 use pdkv_actors::engines::VllmCluster;
 use pdkv_actors::node::{PeerState, Readiness};
 use pdkv_core::proxy::{ChunkAction, LegLoad, Loads, Policy, ProxyRequest, Replay, StageFailure, Step};
@@ -908,10 +907,7 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
         decode: legs_of(Role::Decode),
         client,
         model: cluster.engine.served_model_name.clone(),
-        policy: match cluster.router.selection {
-            Selection::LeastLoaded => Policy::LeastLoaded,
-            Selection::RoundRobin => Policy::RoundRobin,
-        },
+        policy: cluster.router.selection,
         max_retries: cluster.failure.max_retries,
         misses_allowed: cluster.failure.heartbeat_misses,
         request_timeout,

@@ -258,6 +258,38 @@ fn http_api_answers_like_openai_and_ctrl_c_leaves_no_process() {
     assert!(report["kv_read_gb_per_s"].as_f64().unwrap() > 0.0, "{report}");
     assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
 
+    // A sampled workload over a shared prefix is served as well; a bad temperature is refused
+    // before any request is sent.
+    let sampled = pdkv()
+        .args(["load", "--router", &base, "--concurrency", "2", "--duration", "1"])
+        .args([
+            "--lengths",
+            "8..64",
+            "--shared-prefix",
+            "16",
+            "--temperature",
+            "0.8",
+        ])
+        .args(["--top-p", "0.9", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        sampled.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&sampled.stderr)
+    );
+    let report: Value = serde_json::from_slice(&sampled.stdout).unwrap();
+    assert!(report["requests"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["errors"], 0, "{report}");
+    let refused = pdkv()
+        .args(["load", "--router", &base, "--duration", "1", "--temperature=-1"])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("--temperature"), "{stderr}");
+
     // Ctrl-C: every process the launcher started is gone afterwards.
     let pids: Vec<u32> = launched.members.iter().map(|member| member.1).collect();
     assert!(pids.iter().all(|&pid| process_alive(pid)));

@@ -78,16 +78,8 @@ pub enum LaunchKind {
     Ssh,
 }
 
-/// How the router chooses legs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Selection {
-    /// The leg with the fewest of the router's requests in flight (ties taken in turn).
-    #[default]
-    LeastLoaded,
-    /// Each role's legs in turn.
-    RoundRobin,
-}
+/// How the router chooses legs (`[router] selection`): the rule both routers share.
+pub use pdkv_core::proxy::Policy as Selection;
 
 /// `[router]`: the router's front door.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

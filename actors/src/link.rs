@@ -136,6 +136,14 @@ pub enum Refusal {
         /// The request.
         request: RequestId,
     },
+    /// The request already started here: the message is a duplicate or came late.
+    #[error("{node}: {request} already started here (a duplicated or late message)")]
+    Duplicate {
+        /// This node.
+        node: NodeId,
+        /// The request.
+        request: RequestId,
+    },
     /// The peers cannot work together (protocol, layout, names).
     #[error("incompatible peer: {0}")]
     Incompatible(String),

@@ -16,8 +16,9 @@ use actix::{
     Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
 use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine, leg_to_retry_without};
+use pdkv_core::proxy;
 use pdkv_core::sampling::Sampling;
-use pdkv_core::wire::{Body, Envelope, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
+use pdkv_core::wire::{Body, Envelope, Incarnation, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::{Hello, check_compat};
 use tokio::sync::oneshot;
@@ -109,6 +110,15 @@ pub struct Router {
     clients: HashMap<u64, RequestId>,
 }
 
+/// The first request id of a router incarnation. Legs key requests (and the tombstones of
+/// those they started or saw aborted) by id, so each incarnation numbers its requests in a
+/// space of its own: 2^32 ids from a base taken from its (random) incarnation, below the
+/// in-process direct runs' `1 << 62`. A restarted router, or a second one, does not reuse
+/// the ids of requests the legs still remember.
+pub fn first_request_id(incarnation: Incarnation) -> u64 {
+    ((incarnation.0 % ((1 << 30) - 1)) + 1) << 32
+}
+
 impl Router {
     /// A router that says `hello` to the legs.
     pub fn new(
@@ -119,13 +129,13 @@ impl Router {
         mailbox: usize,
     ) -> Self {
         Router {
+            next_request: first_request_id(hello.incarnation),
             max_retries: 0,
             clients: HashMap::new(),
             selection,
             peers: Peers::new(hello.node.clone(), hello.incarnation),
             hello,
             clock: MonotonicClock::new(),
-            next_request: 1,
             next_prefill: 0,
             next_decode: 0,
             request_timeout_ms,
@@ -234,55 +244,52 @@ impl Router {
         Ok(())
     }
 
-    /// The next leg of `role` among those linked both ways (in name order). `least_loaded`: the
-    /// one with the fewest requests — this router's in flight there, or the leg's own last
-    /// report (which also counts other routers' requests), whichever is more — then the one
-    /// whose scarcest group has the largest free share (from its report); ties go round-robin.
-    /// `round_robin`: each in turn.
+    /// The next leg of `role` among those linked both ways (in name order), chosen by the one
+    /// rule both routers share ([`proxy::choose`]): `least_loaded` takes the leg with the
+    /// fewest requests — this router's in flight there, or the leg's own last report (which
+    /// also counts other routers' requests), whichever is more — then the one whose scarcest
+    /// group has the largest free share; ties go in turn. `round_robin`: each in turn.
     fn pick(&mut self, role: Role, avoid: &[NodeId]) -> Result<Hello, RequestError> {
         let mut legs: Vec<&Hello> = self
             .peers
             .linked_hellos()
-            .filter(|hello| hello.role == role && !avoid.contains(&hello.node))
+            .filter(|hello| hello.role == role)
             .collect();
-        if legs.is_empty() {
-            return Err(RequestError::NoLeg {
-                role,
-                avoided: avoid.to_vec(),
-            });
-        }
         legs.sort_by(|a, b| a.node.cmp(&b.node));
-        let next = match role {
+        let views: Vec<proxy::LegLoad> = legs
+            .iter()
+            .map(|leg| {
+                let in_flight = self
+                    .requests
+                    .values()
+                    .filter(|pending| {
+                        let (prefill, decode) = pending.machine.legs();
+                        *prefill == leg.node || *decode == leg.node
+                    })
+                    .count();
+                let report = self.loads.get(&leg.node);
+                proxy::LegLoad {
+                    healthy: true,
+                    in_flight: u32::try_from(in_flight).unwrap_or(u32::MAX),
+                    reported: report.map_or(0, |load| u32::try_from(load.requests).unwrap_or(u32::MAX)),
+                    kv_usage: report.map_or(0.0, |load| 1.0 - load.free_share()),
+                }
+            })
+            .collect();
+        let avoided: Vec<usize> = (0..legs.len())
+            .filter(|&index| avoid.contains(&legs[index].node))
+            .collect();
+        let turn = match role {
             Role::Prefill => &mut self.next_prefill,
             _ => &mut self.next_decode,
         };
-        let start = *next % legs.len();
-        *next = next.wrapping_add(1);
-        let rotated = (0..legs.len()).map(|offset| legs[(start + offset) % legs.len()]);
-        let hello = match self.selection {
-            Selection::RoundRobin => legs[start],
-            Selection::LeastLoaded => {
-                let in_flight = |leg: &Hello| {
-                    self.requests
-                        .values()
-                        .filter(|pending| {
-                            let (prefill, decode) = pending.machine.legs();
-                            *prefill == leg.node || *decode == leg.node
-                        })
-                        .count()
-                };
-                let load = |leg: &Hello| {
-                    let report = self.loads.get(&leg.node);
-                    let requests = report.map_or(0, |load| load.requests as usize);
-                    // Used share of the scarcest group, in thousandths: lower is better.
-                    let used = report.map_or(0, |load| ((1.0 - load.free_share()) * 1000.0) as u64);
-                    (in_flight(leg).max(requests), used)
-                };
-                // `min_by_key` keeps the first of equals: the rotation breaks ties.
-                rotated.min_by_key(|leg| load(leg)).unwrap_or(legs[start])
-            }
-        };
-        Ok(hello.clone())
+        match proxy::choose(&views, &avoided, self.selection, turn) {
+            Some(index) => Ok(legs[index].clone()),
+            None => Err(RequestError::NoLeg {
+                role,
+                avoided: avoid.to_vec(),
+            }),
+        }
     }
 
     fn new_request(&mut self) -> RequestId {
@@ -750,5 +757,33 @@ impl Handler<DecodeOnly> for Router {
                 ))),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_router_incarnation_numbers_requests_in_a_space_of_its_own() {
+        const SPACE: u64 = 1 << 32;
+        const DIRECT_BASE: u64 = 1 << 62;
+        let incarnations = [
+            0,
+            1,
+            2,
+            (1 << 30) - 2,
+            (1 << 30) - 1,
+            u64::MAX,
+            0x5eed_1234_abcd_0001,
+        ];
+        for incarnation in incarnations {
+            let first = first_request_id(Incarnation(incarnation));
+            assert_eq!(first % SPACE, 0, "{incarnation:#x}");
+            assert!(first >= SPACE, "id 0 is the load reports'");
+            assert!(first + (SPACE - 1) < DIRECT_BASE, "{incarnation:#x}");
+        }
+        // Neighbouring incarnations get other spaces.
+        assert_ne!(first_request_id(Incarnation(7)), first_request_id(Incarnation(8)));
     }
 }

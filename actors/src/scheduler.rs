@@ -15,7 +15,7 @@
 //! [`Direct`] runs a request on this leg alone, outside the protocol: it is the reference that
 //! P/D output is checked against.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -43,8 +43,18 @@ use crate::memory::LegMemory;
 use crate::timer::{self, MachineTimer};
 use crate::transfer::{Read, TransferActor};
 
-/// Aborted requests a leg remembers, so that a late request for one is refused.
-const ABORTED_REMEMBERED: usize = 4096;
+/// Requests a leg remembers having started or seen aborted, so that a duplicated or late
+/// request for one is refused instead of computed again.
+const TOMBSTONES_REMEMBERED: usize = 16384;
+
+/// How a remembered request was seen here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tombstone {
+    /// It started here (and may have ended).
+    Started,
+    /// It was aborted before it started here.
+    Aborted,
+}
 
 /// A finished request's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -218,10 +228,11 @@ pub struct Scheduler {
     leg: Arc<LegContext>,
     exchange: Addr<ExchangeActor>,
     jobs: HashMap<RequestId, Job>,
-    /// Requests aborted before they started here, newest last (at most [`ABORTED_REMEMBERED`]):
-    /// a request or its parameters reordered past the abort are refused, not started.
-    aborted: VecDeque<RequestId>,
-    aborted_set: HashSet<RequestId>,
+    /// Requests started or aborted here, oldest first (at most [`TOMBSTONES_REMEMBERED`]): a
+    /// request message for one — duplicated, or reordered past its abort — is refused, not
+    /// started again.
+    tombstone_order: VecDeque<RequestId>,
+    tombstones: HashMap<RequestId, Tombstone>,
     /// Taken while a wait for the next free is pending.
     freed: Option<watch::Receiver<u64>>,
     /// New requests are refused ([`Drain`]).
@@ -236,8 +247,8 @@ impl Scheduler {
             leg,
             exchange,
             jobs: HashMap::new(),
-            aborted: VecDeque::new(),
-            aborted_set: HashSet::new(),
+            tombstone_order: VecDeque::new(),
+            tombstones: HashMap::new(),
             freed,
             draining: false,
         }
@@ -655,11 +666,23 @@ impl Scheduler {
                 detail: reason,
             });
         }
-        if matches!(body, Body::Prefill { .. } | Body::Decode { .. }) && self.aborted_set.contains(&request) {
-            return Err(Refusal::Aborted {
-                node: self.leg.node().clone(),
-                request,
-            });
+        if matches!(body, Body::Prefill { .. } | Body::Decode { .. }) {
+            match self.tombstones.get(&request) {
+                Some(Tombstone::Aborted) => {
+                    return Err(Refusal::Aborted {
+                        node: self.leg.node().clone(),
+                        request,
+                    });
+                }
+                Some(Tombstone::Started) => {
+                    tracing::debug!(node = %self.leg.node(), %request, kind = body.kind(), "refused: already started here");
+                    return Err(Refusal::Duplicate {
+                        node: self.leg.node().clone(),
+                        request,
+                    });
+                }
+                None => {}
+            }
         }
         match body {
             Body::Prefill { prompt, decode } if !self.jobs.contains_key(&request) => {
@@ -752,7 +775,7 @@ impl Scheduler {
             Body::Abort => {
                 match self.jobs.get_mut(&request) {
                     Some(job) => job.machine.handle_abort(),
-                    None => self.remember_aborted(request),
+                    None => self.remember(request, Tombstone::Aborted),
                 }
                 self.drive(request, ctx);
                 Ok(())
@@ -764,15 +787,15 @@ impl Scheduler {
         }
     }
 
-    fn remember_aborted(&mut self, request: RequestId) {
-        if !self.aborted_set.insert(request) {
+    fn remember(&mut self, request: RequestId, how: Tombstone) {
+        if self.tombstones.insert(request, how).is_some() {
             return;
         }
-        self.aborted.push_back(request);
-        if self.aborted.len() > ABORTED_REMEMBERED
-            && let Some(oldest) = self.aborted.pop_front()
+        self.tombstone_order.push_back(request);
+        if self.tombstone_order.len() > TOMBSTONES_REMEMBERED
+            && let Some(oldest) = self.tombstone_order.pop_front()
         {
-            self.aborted_set.remove(&oldest);
+            self.tombstones.remove(&oldest);
         }
     }
 
@@ -789,6 +812,7 @@ impl Scheduler {
             Machine::Decode(_) => "decode",
         };
         metrics::counter!("pdkv_leg_requests_total", "stage" => stage).increment(1);
+        self.remember(request, Tombstone::Started);
         let job = Job {
             machine,
             prompt,

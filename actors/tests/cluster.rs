@@ -548,7 +548,7 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant(links: LinkK
     cluster.shutdown();
 }
 
-/// Bytes a decode leg must read for an `n`-token prompt, from the definition (DESIGN.md, "The
+/// Bytes a decode leg must read for an `n`-token prompt, from the definition (docs/ARCHITECTURE.md, "The
 /// exchange"): per layer, one block per position holding a token it does not recompute
 /// (`0 ..= n - 2`, or `max(0, n - W) ..= n - 2` in a window group), minus prefix hits; one state
 /// per mamba layer. Counted token by token, not through the exchange code.
@@ -970,9 +970,17 @@ async fn sampled_requests_match_direct_and_stop_where_asked(links: LinkKind) {
         ..Sampling::default()
     };
     let pd = cluster
-        .generate_sampled(prompt.clone(), 6, with_logprobs)
+        .generate_sampled(prompt.clone(), 6, with_logprobs.clone())
         .await
         .unwrap();
+    let direct = cluster
+        .direct_sampled(prompt.clone(), 6, with_logprobs, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        pd.logprobs, direct.logprobs,
+        "P/D's log-probabilities are direct's"
+    );
     assert_eq!(pd.logprobs.len(), 6);
     for (entry, &token) in pd.logprobs.iter().zip(&pd.tokens) {
         assert_eq!(entry.token, token);

@@ -189,6 +189,25 @@ async fn forged_misrouted_and_unknown_messages_are_refused_by_name() {
         "prefill-0: req-515151 was aborted"
     );
 
+    // A request that started here is not started again: a duplicated (or late) copy is refused
+    // by name. The router's abort then ends the first copy's hand-off.
+    let prefill = || Body::Prefill {
+        prompt: vec![4, 5, 6, 7],
+        decode: NodeId("decode-0".into()),
+    };
+    router_to_prefill
+        .request::<_, ()>(envelope("router", router, 616_161, prefill()), TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(
+        refusal(&router_to_prefill, envelope("router", router, 616_161, prefill())).await,
+        "prefill-0: req-616161 already started here (a duplicated or late message)"
+    );
+    router_to_prefill
+        .request::<_, ()>(envelope("router", router, 616_161, Body::Abort), TIMEOUT)
+        .await
+        .unwrap();
+
     assert_serves_and_is_idle(&cluster).await;
     cluster.shutdown();
 }

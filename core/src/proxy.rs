@@ -23,8 +23,9 @@
 
 use serde::{Deserialize, Serialize};
 
-/// How legs are chosen.
+/// How legs are chosen (`[router] selection` in cluster.toml: `least_loaded`, `round_robin`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Policy {
     /// The least loaded leg (requests there, then the share of its KV in use), ties in turn.
     #[default]

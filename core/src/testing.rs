@@ -7,7 +7,7 @@
 //! prefixes, and (optionally) faults on a seeded schedule: messages dropped, duplicated or
 //! delayed (and so reordered), a leg frozen, a lease lapsed (the decode leg frozen past it), a
 //! READ failed half way, a leg restarted with a new incarnation. After every step it checks
-//! DESIGN.md's invariants; the run's [`SimReport`] lists any violation with the seed that
+//! the invariants of docs/ARCHITECTURE.md; the run's [`SimReport`] lists any violation with the seed that
 //! replays it:
 //!
 //! - no request's output comes from wrong or partial KV: the KV the decode leg read is compared

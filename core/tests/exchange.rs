@@ -2,7 +2,7 @@
 //! layouts and prompts, and refusals that name what is wrong.
 //!
 //! Expected positions never come from `needed_positions` (the code under test): they come from
-//! [`positions_by_definition`], which walks the tokens DESIGN.md's exchange section says the
+//! [`positions_by_definition`], which walks the tokens docs/ARCHITECTURE.md's exchange section says the
 //! decode leg reads and maps each to its block.
 
 use std::collections::{BTreeSet, HashMap};
@@ -26,7 +26,7 @@ fn seed_layout() -> KvLayout {
     .unwrap()
 }
 
-/// DESIGN.md, "The exchange", step 2: the decode leg recomputes token `N - 1`, so it reads the KV
+/// docs/ARCHITECTURE.md, "The exchange", step 2: the decode leg recomputes token `N - 1`, so it reads the KV
 /// of tokens `0 ..= N - 2` (full groups) or `max(0, N - W) ..= N - 2` (window groups), each in
 /// block `token / (B * dcp)`; a mamba group reads its state (position 0). Token by token, no
 /// shortcut.

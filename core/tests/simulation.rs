@@ -1,5 +1,5 @@
 //! The leg protocol under a deterministic simulation: many seeded scenarios, with and without
-//! faults, each checked against DESIGN.md's invariants after every step. A failing seed is named
+//! faults, each checked against docs/ARCHITECTURE.md's invariants after every step. A failing seed is named
 //! in the violation and replays with `pdkv sim --seed S`.
 
 use pdkv_core::testing::{SimConfig, simulate};

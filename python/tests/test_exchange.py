@@ -1,4 +1,4 @@
-"""pdkv's exchange from Python, against an oracle written from the definition (DESIGN.md, "The
+"""pdkv's exchange from Python, against an oracle written from the definition (docs/ARCHITECTURE.md, "The
 exchange"), not from the code under test.
 
 The decode leg recomputes the last prompt token (N-1) itself, so it reads the KV of tokens

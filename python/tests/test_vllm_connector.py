@@ -1,7 +1,7 @@
 """PdkvConnector under vLLM's real scheduler on CPU: P/D lifecycles on both legs, byte-exact KV,
 clean failures, no leaked blocks.
 
-Expected values come from the definition (DESIGN.md, "The exchange"): the decoder recomputes
+Expected values come from the definition (docs/ARCHITECTURE.md, "The exchange"): the decoder recomputes
 token N-1, so it must hold the prefill's KV of tokens 0 ..= N-2 (window groups: N-W ..= N-2) and
 the mamba state after N-1 tokens. ``oracle_positions`` and the tags are computed here, not by
 pdkv.
