@@ -121,6 +121,18 @@ pub enum BodyError {
     Failed,
 }
 
+impl BodyError {
+    /// The status a client gets for it: 413, 408, or 400.
+    pub fn status(&self) -> axum::http::StatusCode {
+        use axum::http::StatusCode;
+        match self {
+            BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            BodyError::TimedOut(_) => StatusCode::REQUEST_TIMEOUT,
+            BodyError::Failed => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
 /// Reads a whole request body of at most `limit` bytes within `deadline`.
 pub async fn read_body(body: Body, limit: usize, deadline: Duration) -> Result<Bytes, BodyError> {
     let limited = http_body_util::Limited::new(body, limit);

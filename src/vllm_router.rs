@@ -787,11 +787,7 @@ async fn serve_in_span(shared: Arc<Shared>, api: Api, body: Body) -> Response {
     let bytes = match crate::http::read_body(body, MAX_BODY_BYTES, shared.body_timeout).await {
         Ok(bytes) => bytes,
         Err(error) => {
-            let status = match error {
-                crate::http::BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-                crate::http::BodyError::TimedOut(_) => StatusCode::REQUEST_TIMEOUT,
-                crate::http::BodyError::Failed => StatusCode::BAD_REQUEST,
-            };
+            let status = error.status();
             metrics::counter!("pdkv_requests_total", "outcome" => "bad_request").increment(1);
             return error_response(status, &error.to_string(), "BadRequestError", Some("body"));
         }

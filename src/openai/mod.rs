@@ -232,11 +232,7 @@ async fn serve_completion(
     let bytes = match crate::http::read_body(body, state.max_body_bytes, state.body_timeout).await {
         Ok(bytes) => bytes,
         Err(error) => {
-            let status = match error {
-                crate::http::BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-                crate::http::BodyError::TimedOut(_) => StatusCode::REQUEST_TIMEOUT,
-                crate::http::BodyError::Failed => StatusCode::BAD_REQUEST,
-            };
+            let status = error.status();
             let error = ApiError {
                 status,
                 message: error.to_string(),

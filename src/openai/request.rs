@@ -481,10 +481,9 @@ fn unsupported(key: &str) -> &'static str {
     }
 }
 
-/// The fields each endpoint takes besides those [`neutral`] knows.
-const COMPLETIONS_FIELDS: &[&str] = &[
+/// The fields both endpoints take besides those [`neutral`] knows.
+const COMMON_FIELDS: &[&str] = &[
     "model",
-    "prompt",
     "max_tokens",
     "stream",
     "stream_options",
@@ -495,28 +494,13 @@ const COMPLETIONS_FIELDS: &[&str] = &[
     "stop",
     "stop_token_ids",
     "logprobs",
-    "echo",
     "user",
     "ignore_eos",
 ];
-const CHAT_FIELDS: &[&str] = &[
-    "model",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "stream",
-    "stream_options",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "logprobs",
-    "top_logprobs",
-    "user",
-    "ignore_eos",
-];
+/// The fields only completions take.
+const COMPLETIONS_FIELDS: &[&str] = &["prompt", "echo"];
+/// The fields only chat completions take.
+const CHAT_FIELDS: &[&str] = &["messages", "max_completion_tokens", "top_logprobs"];
 
 /// Refuses a field `endpoint` does not take, or a value of it the engine would not honour.
 fn check_field(endpoint: Endpoint, key: &str, value: &Value) -> Result<(), ApiError> {
@@ -527,7 +511,7 @@ fn check_field(endpoint: Endpoint, key: &str, value: &Value) -> Result<(), ApiEr
         Endpoint::Completions => COMPLETIONS_FIELDS,
         Endpoint::Chat => CHAT_FIELDS,
     };
-    if known.contains(&key) {
+    if COMMON_FIELDS.contains(&key) || known.contains(&key) {
         return match key {
             "user" if !value.is_string() => Err(ApiError::invalid(key, "must be a string")),
             // The byte vocabulary has no end-of-sequence token: there is none to ignore.
