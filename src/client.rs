@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use pdkv_actors::allocator::LegStats;
 use pdkv_core::sampling::Sampling;
-use pdkv_core::wire::NodeId;
+use pdkv_core::wire::{LegLoad, NodeId};
 use serde_json::{Value, json};
 
 use crate::launch::http_agent;
@@ -216,21 +216,23 @@ pub fn leg_stats(node: &str, admin_url: &str, groups: usize) -> Result<LegStats,
     for group in 0..groups {
         let labels = format!("group=\"{group}\"");
         free.push(
-            sample(&text, "pdkv_blocks_free", &labels).ok_or_else(|| missing("pdkv_blocks_free"))? as usize,
+            sample(&text, "pdkv_blocks_free", &labels).ok_or_else(|| missing("pdkv_blocks_free"))? as u64,
         );
         capacity.push(
             sample(&text, "pdkv_blocks_capacity", &labels).ok_or_else(|| missing("pdkv_blocks_capacity"))?
-                as u32,
+                as u64,
         );
     }
     Ok(LegStats {
         node: NodeId(node.into()),
-        free,
-        capacity,
-        requests: sample(&text, "pdkv_requests_active", "").ok_or_else(|| missing("pdkv_requests_active"))?
-            as usize,
-        grants: sample(&text, "pdkv_grants_active", "").ok_or_else(|| missing("pdkv_grants_active"))?
-            as usize,
+        load: LegLoad {
+            free_blocks: free,
+            capacity,
+            requests: sample(&text, "pdkv_requests_active", "")
+                .ok_or_else(|| missing("pdkv_requests_active"))? as u64,
+            grants: sample(&text, "pdkv_grants_active", "").ok_or_else(|| missing("pdkv_grants_active"))?
+                as u64,
+        },
     })
 }
 

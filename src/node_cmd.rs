@@ -171,13 +171,14 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
 
 /// Sets the leg's block gauges from its allocator's accounting.
 fn export_stats(stats: &pdkv_actors::allocator::LegStats) {
-    for (group, (&free, &capacity)) in stats.free.iter().zip(&stats.capacity).enumerate() {
+    let load = &stats.load;
+    for (group, (&free, &capacity)) in load.free_blocks.iter().zip(&load.capacity).enumerate() {
         let group = group.to_string();
         metrics::gauge!("pdkv_blocks_free", "group" => group.clone()).set(free as f64);
-        metrics::gauge!("pdkv_blocks_capacity", "group" => group).set(f64::from(capacity));
+        metrics::gauge!("pdkv_blocks_capacity", "group" => group).set(capacity as f64);
     }
-    metrics::gauge!("pdkv_grants_active").set(stats.grants as f64);
-    metrics::gauge!("pdkv_requests_active").set(stats.requests as f64);
+    metrics::gauge!("pdkv_grants_active").set(load.grants as f64);
+    metrics::gauge!("pdkv_requests_active").set(load.requests as f64);
 }
 
 /// Runs `pdkv router`.

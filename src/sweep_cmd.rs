@@ -473,10 +473,10 @@ fn report(
             println!(
                 "leg {}: free blocks {:?} of {:?}, {} requests, {} grants{}",
                 leg.node,
-                leg.free,
-                leg.capacity,
-                leg.requests,
-                leg.grants,
+                leg.load.free_blocks,
+                leg.load.capacity,
+                leg.load.requests,
+                leg.load.grants,
                 if leg.is_idle() { "" } else { "  <- LEAK" }
             );
         }

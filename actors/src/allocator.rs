@@ -14,7 +14,7 @@ use pdkv_core::allocator::{AllocError, Allocation, Allocator};
 use pdkv_core::block::BlockId;
 use pdkv_core::grant::{GrantError, GrantTable};
 use pdkv_core::leg::IssuedGrant;
-use pdkv_core::wire::{GrantId, NodeId, RequestId};
+use pdkv_core::wire::{GrantId, LegLoad, NodeId, RequestId};
 use pdkv_transport::clock::MonotonicClock;
 use tokio::sync::watch;
 
@@ -361,31 +361,20 @@ impl Handler<RenewGrant> for AllocatorActor {
     }
 }
 
-/// A leg's block accounting, for leak checks and the demo's summary.
+/// A leg's block accounting, for leak checks and the demo's summary: its name and the load
+/// it reports to routers (one type for both).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LegStats {
     /// Leg name.
     pub node: NodeId,
-    /// Free (or evictable) blocks per group.
-    pub free: Vec<usize>,
-    /// Capacity per group.
-    pub capacity: Vec<u32>,
-    /// Requests holding blocks.
-    pub requests: usize,
-    /// Live grants.
-    pub grants: usize,
+    /// Requests, grants and free blocks per group.
+    pub load: LegLoad,
 }
 
 impl LegStats {
     /// Whether nothing is held: free equals capacity in every group, no request, no grant.
     pub fn is_idle(&self) -> bool {
-        self.requests == 0
-            && self.grants == 0
-            && self
-                .free
-                .iter()
-                .zip(&self.capacity)
-                .all(|(&free, &capacity)| free == capacity as usize)
+        self.load.is_idle()
     }
 }
 
@@ -401,12 +390,16 @@ impl Handler<Stats> for AllocatorActor {
         let groups = self.memory.generations.len();
         MessageResult(LegStats {
             node: self.node.clone(),
-            free: (0..groups)
-                .map(|group| self.allocator.free_blocks(group))
-                .collect(),
-            capacity: (0..groups).map(|group| self.allocator.capacity(group)).collect(),
-            requests: self.allocator.num_requests(),
-            grants: self.table().len(),
+            load: LegLoad {
+                requests: self.allocator.num_requests() as u64,
+                grants: self.table().len() as u64,
+                free_blocks: (0..groups)
+                    .map(|group| self.allocator.free_blocks(group) as u64)
+                    .collect(),
+                capacity: (0..groups)
+                    .map(|group| u64::from(self.allocator.capacity(group)))
+                    .collect(),
+            },
         })
     }
 }

@@ -13,7 +13,7 @@ use actix::{
     Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, Recipient, ResponseActFuture,
     WrapFuture,
 };
-use pdkv_core::wire::{Body, Envelope, Incarnation, LegLoad, NodeId, RequestId, Role};
+use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId, Role};
 use pdkv_transport::control::{Hello, check_compat};
 
 use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest, Stats};
@@ -122,16 +122,7 @@ impl ExchangeActor {
                     let Ok(stats) = stats else {
                         return;
                     };
-                    let load = LegLoad {
-                        requests: stats.requests as u64,
-                        grants: stats.grants as u64,
-                        free_blocks: stats.free.iter().map(|&free| free as u64).collect(),
-                        capacity: stats
-                            .capacity
-                            .iter()
-                            .map(|&capacity| u64::from(capacity))
-                            .collect(),
-                    };
+                    let load = stats.load;
                     for router in &routers {
                         // Best effort: a report that cannot go is replaced by the next one.
                         let _ = actor
@@ -226,15 +217,6 @@ impl ExchangeActor {
     /// allocator (answering the renewal), everything else to the scheduler.
     fn route(&mut self, msg: Inbound, ctx: &mut Context<Self>) -> Result<Answer, Refusal> {
         self.peers.check(&msg)?;
-        match msg.envelope.body {
-            Body::Ping { nonce } => {
-                let from = msg.envelope.from;
-                self.send(&from, msg.envelope.request, 0, Body::Pong { nonce });
-                return Ok(Box::pin(actix::fut::ready(Ok(()))));
-            }
-            Body::Pong { .. } => return Ok(Box::pin(actix::fut::ready(Ok(())))),
-            _ => {}
-        }
         let sender_role = self.peers.hello(&msg.envelope.from).map(|hello| hello.role);
         let expected = expected_sender(&msg.envelope.body);
         if sender_role != Some(expected) {
@@ -255,7 +237,7 @@ impl ExchangeActor {
             | Body::Failed { .. }
             | Body::Load(_)
             | Body::Tokens { .. } => true,
-            Body::Abort | Body::Ping { .. } | Body::Pong { .. } => false,
+            Body::Abort => false,
         };
         if wrong_leg {
             return Err(Refusal::Misrouted {
@@ -366,7 +348,5 @@ fn expected_sender(body: &Body) -> Role {
         Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) | Body::Tokens { .. } => {
             Role::Router
         }
-        // Answered before any role check.
-        Body::Ping { .. } | Body::Pong { .. } => Role::Router,
     }
 }

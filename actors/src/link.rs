@@ -266,10 +266,7 @@ impl Link for QuicLink {
             .try_acquire_owned()
             .map_err(|_| LinkError::Full { to: self.to.clone() })?;
         let (to, request, kind) = (self.to.clone(), envelope.request, envelope.body.kind());
-        let telemetry = matches!(
-            envelope.body,
-            Body::Load(_) | Body::Ping { .. } | Body::Pong { .. }
-        );
+        let telemetry = matches!(envelope.body, Body::Load(_));
         let locked = self.frames.clone().lock_owned();
         let mut write: Pin<Box<dyn Future<Output = Result<(), ControlError>>>> =
             Box::pin(async move { locked.await.send(envelope).await });

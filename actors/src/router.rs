@@ -515,13 +515,6 @@ impl Router {
             ..
         } = msg.envelope;
         match body {
-            Body::Ping { nonce } => {
-                if let Err(error) = self.peers.send(&from, request, 0, Body::Pong { nonce }) {
-                    tracing::debug!(leg = %from, %error, "pong not sent");
-                }
-                return Ok(());
-            }
-            Body::Pong { .. } => return Ok(()),
             Body::Load(load) => {
                 self.loads.insert(from, load);
                 return Ok(());

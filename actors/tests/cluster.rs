@@ -468,7 +468,7 @@ async fn an_unread_grant_expires_and_frees_its_blocks(links: LinkKind) {
     let prefill = cluster.leg("prefill-0").unwrap();
     cluster.router().send(prefill_only()).await.unwrap().unwrap();
     let held = prefill.allocator.send(Stats).await.unwrap();
-    assert_eq!(held.grants, 1);
+    assert_eq!(held.load.grants, 1);
     assert!(!held.is_idle());
     assert_idle(&cluster).await;
     cluster.shutdown();
@@ -534,7 +534,7 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant(links: LinkK
         .await
         .unwrap();
     assert_eq!(
-        prefill.grants, 1,
+        prefill.load.grants, 1,
         "the grant outlived five leases through renewals"
     );
     release_decode_blocks(&cluster).await;

@@ -96,21 +96,7 @@ async fn forged_misrouted_and_unknown_messages_are_refused_by_name() {
         issuer: prefill,
     };
 
-    // A ping from the real incarnation is answered (with a pong over the link); from a forged
-    // one it is refused like anything else.
-    to_prefill
-        .request::<_, ()>(envelope("decode-0", decode, 0, Body::Ping { nonce: 9 }), TIMEOUT)
-        .await
-        .unwrap();
     let forged = Incarnation(decode.0 ^ 1);
-    assert!(
-        refusal(
-            &to_prefill,
-            envelope("decode-0", forged, 0, Body::Ping { nonce: 9 })
-        )
-        .await
-        .contains("is not the incarnation")
-    );
     assert_eq!(
         refusal(&to_prefill, envelope("decode-0", forged, 7, release(1))).await,
         format!("decode-0 incarnation {forged} is not the incarnation {decode} that said hello")
@@ -268,7 +254,7 @@ async fn a_decode_request_whose_params_name_another_request_fails_cleanly() {
     let stats = cluster.stats().await.unwrap();
     let leg = |name: &str| stats.iter().find(|leg| leg.node.0 == name).unwrap().clone();
     assert!(leg("decode-0").is_idle(), "{:?}", leg("decode-0"));
-    assert_eq!(leg("prefill-0").grants, 1);
+    assert_eq!(leg("prefill-0").load.grants, 1);
     cluster.shutdown();
 }
 

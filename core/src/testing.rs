@@ -1100,8 +1100,6 @@ impl Sim {
             Body::KvReady(_)
             | Body::Output(_)
             | Body::Failed { .. }
-            | Body::Ping { .. }
-            | Body::Pong { .. }
             | Body::Load(_)
             | Body::Tokens { .. } => {
                 return;

@@ -291,16 +291,6 @@ pub enum Body {
         /// Why.
         reason: Failure,
     },
-    /// Any node → a peer: are you there? (About no request; answered with `Pong`.)
-    Ping {
-        /// Echoed in the answer.
-        nonce: u64,
-    },
-    /// The answer to a `Ping`.
-    Pong {
-        /// The ping's nonce.
-        nonce: u64,
-    },
     /// Leg → router, now and then (about no request): how loaded the leg is, for the router's
     /// choice of legs.
     Load(LegLoad),
@@ -326,6 +316,27 @@ pub struct LegLoad {
 }
 
 impl LegLoad {
+    /// Whether nothing is held: free equals capacity in every group, no request, no grant.
+    pub fn is_idle(&self) -> bool {
+        self.requests == 0
+            && self.grants == 0
+            && self.free_blocks.len() == self.capacity.len()
+            && self
+                .free_blocks
+                .iter()
+                .zip(&self.capacity)
+                .all(|(free, capacity)| free == capacity)
+    }
+
+    /// Blocks in use over all groups (capacity less free).
+    pub fn held_blocks(&self) -> u64 {
+        self.free_blocks
+            .iter()
+            .zip(&self.capacity)
+            .map(|(&free, &capacity)| capacity.saturating_sub(free))
+            .sum()
+    }
+
     /// The free share of the scarcest group, in 0..=1 (1 when the leg reports no groups).
     pub fn free_share(&self) -> f64 {
         self.free_blocks
@@ -350,8 +361,6 @@ impl Body {
             Body::Abort => "abort",
             Body::Output(_) => "output",
             Body::Failed { .. } => "failed",
-            Body::Ping { .. } => "ping",
-            Body::Pong { .. } => "pong",
             Body::Load(_) => "load",
             Body::Tokens { .. } => "tokens",
         }
@@ -387,5 +396,42 @@ mod tests {
         assert_eq!(NodeId("decode-0".into()).to_string(), "decode-0");
         assert_eq!(Incarnation(0xab).to_string(), "00000000000000ab");
         assert_eq!(Stage::Read.to_string(), "read");
+    }
+
+    #[test]
+    fn a_load_is_idle_only_with_every_block_free_and_nothing_running() {
+        let idle = LegLoad {
+            requests: 0,
+            grants: 0,
+            free_blocks: vec![64, 32],
+            capacity: vec![64, 32],
+        };
+        assert!(idle.is_idle());
+        assert_eq!(idle.held_blocks(), 0);
+        let held = LegLoad {
+            free_blocks: vec![60, 31],
+            ..idle.clone()
+        };
+        assert!(!held.is_idle());
+        assert_eq!(held.held_blocks(), 5);
+        assert!(
+            !LegLoad {
+                requests: 1,
+                ..idle.clone()
+            }
+            .is_idle()
+        );
+        assert!(
+            !LegLoad {
+                grants: 1,
+                ..idle.clone()
+            }
+            .is_idle()
+        );
+        let missing_group = LegLoad {
+            free_blocks: vec![64],
+            ..idle
+        };
+        assert!(!missing_group.is_idle(), "a group not reported is not idle");
     }
 }

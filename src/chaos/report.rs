@@ -194,27 +194,13 @@ impl Report<'_> {
         };
         let (held, capacity, grants, active, stats_error) = match &self.stats {
             Ok(stats) => (
+                stats.iter().map(|leg| leg.load.held_blocks()).sum::<u64>(),
                 stats
                     .iter()
-                    .map(|leg| {
-                        leg.free
-                            .iter()
-                            .zip(&leg.capacity)
-                            .map(|(&free, &capacity)| (capacity as usize).saturating_sub(free))
-                            .sum::<usize>()
-                    })
-                    .sum::<usize>(),
-                stats
-                    .iter()
-                    .map(|leg| {
-                        leg.capacity
-                            .iter()
-                            .map(|&capacity| capacity as usize)
-                            .sum::<usize>()
-                    })
-                    .sum::<usize>(),
-                stats.iter().map(|leg| leg.grants).sum::<usize>(),
-                stats.iter().map(|leg| leg.requests).sum::<usize>(),
+                    .map(|leg| leg.load.capacity.iter().sum::<u64>())
+                    .sum::<u64>(),
+                stats.iter().map(|leg| leg.load.grants).sum::<u64>(),
+                stats.iter().map(|leg| leg.load.requests).sum::<u64>(),
                 None,
             ),
             Err(error) => (0, 0, 0, 0, Some(format!("{error:#}"))),
