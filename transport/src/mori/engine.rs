@@ -483,8 +483,10 @@ fn complete(shim: &Shim, posts: &Receiver<Posted>, in_flight: &AtomicUsize) {
             let wait = if index == 0 { 1 } else { 0 };
             if pending[index].progress(shim, wait) {
                 if let Some(done) = pending.remove(index) {
-                    done.finish(shim);
+                    // The slot is free before the reader hears of the completion: a reader
+                    // that posts again at once must not find its own finished batch counted.
                     in_flight.fetch_sub(1, Ordering::AcqRel);
+                    done.finish(shim);
                 }
             } else {
                 index += 1;
