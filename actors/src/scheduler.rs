@@ -684,6 +684,21 @@ impl Scheduler {
                 None => {}
             }
         }
+        if let Body::Decode { sampling, .. } = &body
+            && let Err(error) = sampling.check()
+        {
+            let detail = format!("sampling: {error}");
+            tracing::warn!(node = %self.leg.node(), %request, %detail, "decode refused: bad sampling");
+            let failed = Body::Failed {
+                stage: Stage::Decode,
+                reason: Failure::BadParams(detail.clone()),
+            };
+            self.send_with_budget(request, from, budget_ms, failed, ctx);
+            return Err(Refusal::BadMessage {
+                node: self.leg.node().clone(),
+                detail,
+            });
+        }
         match body {
             Body::Prefill { prompt, decode } if !self.jobs.contains_key(&request) => {
                 let prompt_arc: Arc<[u32]> = prompt.clone().into();
@@ -698,22 +713,6 @@ impl Scheduler {
                 );
                 self.start(request, Machine::Prefill(machine), prompt_arc, deadline_ms, ctx);
                 Ok(())
-            }
-            Body::Decode { sampling, .. } if sampling.check().is_err() => {
-                let detail = sampling
-                    .check()
-                    .err()
-                    .map_or_else(String::new, |error| error.to_string());
-                tracing::warn!(node = %self.leg.node(), %request, %detail, "decode refused: bad sampling");
-                let failed = Body::Failed {
-                    stage: Stage::Decode,
-                    reason: Failure::BadParams(format!("sampling: {detail}")),
-                };
-                self.send_with_budget(request, from, budget_ms, failed, ctx);
-                Err(Refusal::BadMessage {
-                    node: self.leg.node().clone(),
-                    detail: format!("sampling: {detail}"),
-                })
             }
             Body::Decode { params, .. } if params.request != request => {
                 tracing::warn!(node = %self.leg.node(), %request, named = %params.request, "decode refused: kv params name another request");

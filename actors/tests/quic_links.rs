@@ -250,6 +250,25 @@ async fn a_decode_request_whose_params_name_another_request_fails_cleanly() {
             params.request
         )
     );
+    // Sampling the leg cannot honour is refused by name before anything is allocated.
+    let hot = envelope(
+        "router",
+        router,
+        params.request.0,
+        Body::Decode {
+            params: params.clone(),
+            max_tokens: 2,
+            stream: false,
+            sampling: pdkv_core::sampling::Sampling {
+                temperature: -1.0,
+                ..pdkv_core::sampling::Sampling::default()
+            },
+        },
+    );
+    assert_eq!(
+        refusal(&to_decode, hot).await,
+        "decode-0: bad message: sampling: temperature must be a finite number of at least 0, not -1"
+    );
     // Nothing was allocated, read or released: the prefill-only grant is still held.
     let stats = cluster.stats().await.unwrap();
     let leg = |name: &str| stats.iter().find(|leg| leg.node.0 == name).unwrap().clone();
