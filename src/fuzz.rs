@@ -335,8 +335,8 @@ fn captured_messages() -> Vec<Vec<u8>> {
             seed,
             requests: 6,
             faults: true,
-            script: Vec::new(),
             capture_messages: true,
+            ..SimConfig::default()
         });
         messages.extend(report.messages);
     }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Args;
-use pdkv_core::testing::{Fault, SimConfig, simulate};
+use pdkv_core::testing::{Fault, SimConfig, Topology, simulate};
 use serde_json::json;
 
 /// Arguments of `pdkv sim`.
@@ -23,6 +23,14 @@ pub struct SimArgs {
     /// Requests per scenario.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub requests: u32,
+    /// Legs per scenario as PxD (`2x3`: two prefill legs, three decode legs, each 1..=16);
+    /// default: chosen per seed, from 1x1 up to 8x8.
+    #[arg(long, value_parser = Topology::parse)]
+    pub topology: Option<Topology>,
+    /// Times a request may start over on other legs; default: chosen per seed (0..=2 with
+    /// faults, 0 without).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub max_retries: Option<u32>,
     /// Run without injected faults.
     #[arg(long)]
     pub no_faults: bool,
@@ -53,6 +61,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
     };
     let started = Instant::now();
     let (mut scenarios, mut requests, mut ok, mut failed, mut steps) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    let (mut retried, mut streamed) = (0u64, 0u64);
+    let mut refused: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let mut topologies: BTreeMap<String, u64> = BTreeMap::new();
     let mut faults: BTreeMap<Fault, u64> = BTreeMap::new();
     let mut violations = Vec::new();
     for seed in seeds {
@@ -60,14 +71,21 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             seed,
             requests: args.requests,
             faults: !args.no_faults,
-            script: Vec::new(),
-            capture_messages: false,
+            topology: args.topology,
+            max_retries: args.max_retries,
+            ..SimConfig::default()
         });
         scenarios += 1;
         requests += u64::from(report.requests);
         ok += u64::from(report.ok);
         failed += u64::from(report.failed);
         steps += report.steps;
+        retried += u64::from(report.retried);
+        streamed += u64::from(report.streamed);
+        *topologies.entry(report.topology.to_string()).or_default() += 1;
+        for (why, count) in report.refused {
+            *refused.entry(why).or_default() += u64::from(count);
+        }
         for (fault, count) in report.faults {
             *faults.entry(fault).or_default() += u64::from(count);
         }
@@ -87,6 +105,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
                 "requests": requests,
                 "ok": ok,
                 "failed_cleanly": failed,
+                "retried": retried,
+                "streamed": streamed,
+                "refused": refused,
+                "topologies": topologies,
                 "faults": faults,
                 "violations": violations.len(),
                 "first_violations": &violations[..violations.len().min(SHOWN_VIOLATIONS)],
@@ -96,7 +118,16 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             })
         );
     } else {
-        println!("{scenarios} scenarios, {requests} requests: {ok} ok, {failed} failed cleanly");
+        println!(
+            "{scenarios} scenarios, {requests} requests: {ok} ok, {failed} failed cleanly, {retried} retried, {streamed} streamed"
+        );
+        let shapes: Vec<String> = topologies
+            .iter()
+            .map(|(shape, count)| format!("{shape} {count}"))
+            .collect();
+        println!("topologies: {}", shapes.join(", "));
+        let refusals: Vec<String> = refused.iter().map(|(why, count)| format!("{why} {count}")).collect();
+        println!("refused by type: {}", refusals.join(", "));
         let injected: Vec<String> = Fault::ALL
             .iter()
             .map(|fault| format!("{} {}", fault.name(), faults.get(fault).copied().unwrap_or(0)))

@@ -11,7 +11,9 @@
 //! - [`allocator`]: one leg's block pools, prefix cache, pins and generations.
 //! - [`grant`]: READ grants with leases.
 //! - [`leg`]: the leg protocol as sans-IO request machines (prefill, decode, router).
+//! - [`node`]: a leg as one sans-IO object: allocator, grant table, machines and the rules between them.
 //! - [`plan`]: block pairs to coalesced per-layer byte ranges.
+//! - [`router`]: the router's rules across a client request's attempts (retries, streamed-token skip).
 //! - [`proxy`]: the router's rules in front of engine legs (vLLM's P/D protocol over HTTP).
 //! - [`wire`]: the serde types that cross the network.
 //! - [`scenario`]: the input format of `pdkv plan`.
@@ -27,8 +29,10 @@ pub mod exchange;
 pub mod grant;
 pub mod layout;
 pub mod leg;
+pub mod node;
 pub mod plan;
 pub mod proxy;
+pub mod router;
 pub mod sampling;
 pub mod scenario;
 #[cfg(feature = "testing")]

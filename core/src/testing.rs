@@ -1,27 +1,36 @@
-//! A deterministic simulation of the leg protocol: a router, a prefill leg and a decode leg built
-//! from the real machines ([`crate::leg`]), the real [`Allocator`] and [`GrantTable`], messages
-//! bincode-encoded in transit, a READ engine over byte arenas, and virtual time (after
-//! quinn-proto's `Pair` and TigerBeetle's VOPR).
+//! A deterministic simulation of the leg protocol over the shipped objects (after quinn-proto's
+//! `Pair` and TigerBeetle's VOPR): every leg is a [`LegNode`] (its allocator, grant table,
+//! request machines, tombstones, role table, wait queue, draining and lease expiry are the code
+//! that ships), and the router is one [`RouterMachine`] per attempt with the core [`Attempts`]
+//! deciding retries and the streamed-token skip, legs chosen by [`proxy::choose`]. The
+//! simulation itself is only the world: virtual time, the network (messages bincode-encoded in
+//! transit, dropped, duplicated, delayed and so reordered), byte arenas that READs copy between,
+//! compute and generation with their timing, and kills, freezes, drains and restarts.
 //!
-//! [`simulate`] runs one scenario from a seed: a layout, a stream of requests with shared
-//! prefixes, and (optionally) faults on a seeded schedule: messages dropped, duplicated or
-//! delayed (and so reordered), a leg frozen, a lease lapsed (the decode leg frozen past it), a
-//! READ failed half way, a leg restarted with a new incarnation. After every step it checks
-//! the invariants of docs/ARCHITECTURE.md; the run's [`SimReport`] lists any violation with the seed that
-//! replays it:
+//! [`simulate`] runs one scenario from a seed: a topology from 1P1D up to 8P8D (or the one
+//! asked for), a layout, a stream of requests with shared prefixes (some streamed, some
+//! cancelled), and (optionally) faults on a seeded schedule. After every step it checks the
+//! invariants of docs/ARCHITECTURE.md; the run's [`SimReport`] lists any violation with the seed
+//! that replays it:
 //!
-//! - no request's output comes from wrong or partial KV: the KV the decode leg read is compared
-//!   value by value with what the prompt defines, through the output digest;
+//! - no request's output comes from wrong or partial KV: every value a generation step reads
+//!   is compared with what the prompt defines, through the output digest and tokens;
 //! - every request ends by its deadline, with output or an error naming the stage;
-//! - after quiesce and lease expiry no block is held and no grant lives on either leg;
-//! - a READ that touched memory outside a live grant never produced output.
+//! - a streamed request's client sees each token once, in order, even across retries;
+//! - a retry never runs on a leg an earlier attempt of the same request failed on;
+//! - after quiesce and lease expiry no block is held and no grant lives on any leg;
+//! - a READ that touched memory outside a live grant never produced output;
+//! - a leg runs a request at most once: a duplicated or late message never starts it again;
+//! - a leg's node never reports an anomaly (a refusal its own rules say cannot happen).
 //!
 //! KV content is a pure function of the prompt: the value of token `p` in group `g` hashes `g`
-//! and the prompt's first `p + 1` tokens, as real KV depends on the prefix only. So a prefix hit
+//! and the prompt's first `p + 1` tokens, as real KV depends on the prefix only; a generated
+//! position's value hashes the last prompt token's value and the position. So a prefix hit
 //! holds the same values a READ would bring, and the expected output is computable without a
 //! model.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
 use crate::allocator::Allocator;
 use crate::block::{BlockId, NULL_BLOCK};
@@ -30,10 +39,55 @@ use crate::exchange::{Pairing, PairingMode};
 use crate::grant::GrantTable;
 use crate::layout::{GroupKind, GroupSpec, KvLayout};
 use crate::leg::{
-    DecodeCommand, DecodeMachine, Generated, GenerationCheck, IssuedGrant, LegConfig, PrefillCommand,
-    PrefillMachine, PrefillTokens, ReadDone, RequestOutcome, RouterCommand, RouterMachine,
+    Generated, GenerationCheck, LegConfig, PrefillTokens, ReadDone, RequestOutcome, RouterCommand, RouterMachine,
 };
-use crate::wire::{Body, Envelope, Failure, Incarnation, NodeId, RequestId};
+use crate::node::{LegNode, NodeConfig, NodeOutput, Outbound, Refusal};
+use crate::proxy::{self, Policy};
+use crate::router::Attempts;
+use crate::wire::{Body, Envelope, Failure, GrantId, Incarnation, NodeId, RequestId, Role, Stage};
+
+/// How many prefill and decode legs a scenario runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    /// Prefill legs.
+    pub prefills: u32,
+    /// Decode legs.
+    pub decodes: u32,
+}
+
+/// Most legs of one role a scenario may run.
+pub const MAX_LEGS_PER_ROLE: u32 = 16;
+
+impl Topology {
+    /// Parses `PxD` (`2x3`: two prefill legs, three decode legs), each 1 ..= [`MAX_LEGS_PER_ROLE`].
+    pub fn parse(text: &str) -> Result<Topology, String> {
+        let (prefills, decodes) = text
+            .split_once(['x', 'X'])
+            .ok_or_else(|| format!("topology {text:?}: expected PxD, e.g. 2x3"))?;
+        let count = |part: &str, role: &str| -> Result<u32, String> {
+            let count: u32 = part
+                .trim()
+                .parse()
+                .map_err(|_| format!("topology {text:?}: {role} count {part:?} is not a number"))?;
+            if !(1..=MAX_LEGS_PER_ROLE).contains(&count) {
+                return Err(format!(
+                    "topology {text:?}: {role} count {count} is outside 1..={MAX_LEGS_PER_ROLE}"
+                ));
+            }
+            Ok(count)
+        };
+        Ok(Topology {
+            prefills: count(prefills, "prefill")?,
+            decodes: count(decodes, "decode")?,
+        })
+    }
+}
+
+impl std::fmt::Display for Topology {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.prefills, self.decodes)
+    }
+}
 
 /// What one simulated scenario runs.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -49,6 +103,10 @@ pub struct SimConfig {
     /// Keep the encoded bytes of the first [`MAX_CAPTURED`] messages sent, in
     /// [`SimReport::messages`] (real messages of every kind, e.g. to seed a fuzzer).
     pub capture_messages: bool,
+    /// The legs to run; `None`: chosen per seed, from 1P1D up to 8P8D.
+    pub topology: Option<Topology>,
+    /// Times a request may start over on other legs; `None`: chosen per seed (0 without faults).
+    pub max_retries: Option<u32>,
 }
 
 /// Most encoded messages one scenario keeps when asked to.
@@ -85,9 +143,10 @@ pub enum ScriptAction {
     },
     /// The leg that sent the message restarts (new incarnation) right after sending it.
     RestartSender,
-    /// The decode leg's next READ stops half way.
+    /// The receiving decode leg's next READ stops half way (every decode leg's, when the
+    /// message goes elsewhere).
     FailNextRead,
-    /// The decode leg's next READ takes `by_ms` longer (a slow or congested network).
+    /// The receiving decode leg's next READ takes `by_ms` longer (a slow or congested network).
     SlowNextRead {
         /// How much longer.
         by_ms: u64,
@@ -105,7 +164,7 @@ pub enum Fault {
     Delay,
     /// A leg stops processing for a while (SIGSTOP), then resumes.
     Freeze,
-    /// The decode leg is frozen past the grant's lease, so the lease lapses under it.
+    /// A decode leg is frozen past the grant's lease, so the lease lapses under it.
     LapseLease,
     /// The next READ stops half way with an error.
     FailRead,
@@ -113,11 +172,13 @@ pub enum Fault {
     Restart,
     /// The client cancels a request in flight.
     Cancel,
+    /// A leg drains: it refuses new requests and finishes those it runs.
+    Drain,
 }
 
 impl Fault {
     /// Every fault kind, for reports.
-    pub const ALL: [Fault; 8] = [
+    pub const ALL: [Fault; 9] = [
         Fault::Drop,
         Fault::Duplicate,
         Fault::Delay,
@@ -126,6 +187,7 @@ impl Fault {
         Fault::FailRead,
         Fault::Restart,
         Fault::Cancel,
+        Fault::Drain,
     ];
 
     /// Short name for reports.
@@ -139,21 +201,28 @@ impl Fault {
             Fault::FailRead => "fail_read",
             Fault::Restart => "restart",
             Fault::Cancel => "cancel",
+            Fault::Drain => "drain",
         }
     }
 }
 
 /// What one scenario did.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SimReport {
     /// The scenario's seed.
     pub seed: u64,
+    /// The legs it ran.
+    pub topology: Topology,
     /// Requests sent.
     pub requests: u32,
     /// Requests answered with output equal to the expected one.
     pub ok: u32,
     /// Requests that failed cleanly: an error naming the stage, by the deadline.
     pub failed: u32,
+    /// Requests that ran more than one attempt.
+    pub retried: u32,
+    /// Requests whose client was streamed tokens.
+    pub streamed: u32,
     /// Faults injected, by kind.
     pub faults: BTreeMap<Fault, u32>,
     /// Invariant violations (empty when the run is sound), each naming the seed.
@@ -164,13 +233,31 @@ pub struct SimReport {
     /// lease): allowed only because the generation check after the copy fails any whose blocks
     /// were freed; an answer from one is checked like any other.
     pub late_one_sided_reads: u32,
-    /// How every request ended.
+    /// How every request ended, by the client's request id (`1..=requests`).
     pub outcomes: BTreeMap<RequestId, RequestOutcome>,
-    /// Messages a leg refused or ignored, by why: `stale_incarnation`, `renew_refused`,
-    /// `release_refused`, `after_abort`, `duplicate`.
+    /// Messages a node refused, by the refusal's kind ([`refusal_kind`]; a grant refusal is
+    /// `renew_refused` or `release_refused`).
     pub refused: BTreeMap<&'static str, u32>,
     /// The encoded messages sent, in order (with [`SimConfig::capture_messages`]).
     pub messages: Vec<Vec<u8>>,
+}
+
+/// The name a report counts a refusal under.
+pub fn refusal_kind(refusal: &Refusal) -> &'static str {
+    match refusal {
+        Refusal::UnknownPeer(_) => "unknown_peer",
+        Refusal::Impersonation { .. } => "impersonation",
+        Refusal::StaleIncarnation { .. } | Refusal::ForeignGrant { .. } => "stale_incarnation",
+        Refusal::WrongSender { .. } => "wrong_sender",
+        Refusal::Grant { .. } => "grant_refused",
+        Refusal::UnknownRequest { .. } => "unknown_request",
+        Refusal::BadMessage { .. } => "bad_message",
+        Refusal::Aborted { .. } => "after_abort",
+        Refusal::Duplicate { .. } => "duplicate",
+        Refusal::Incompatible(_) => "incompatible",
+        Refusal::Misrouted { .. } => "misrouted",
+        Refusal::Busy { .. } => "busy",
+    }
 }
 
 /// How the simulated READ engine treats the prefill leg's memory.
@@ -194,15 +281,21 @@ pub const BUDGET_MS: u64 = 600;
 const READ_MS: u64 = 12;
 /// Milliseconds a decode leg spends per generated token (holding its blocks).
 const TOKEN_MS: u64 = 15;
-/// How long the router takes to notice a restarted leg.
+/// How long the router and the legs take to notice a restarted leg.
 const DETECT_MS: u64 = 30;
+/// Blocks per group of a prefill leg.
 const BLOCKS_PER_GROUP: u32 = 32;
+/// Blocks per group of a decode leg: generation grows a request past its allocation without
+/// waiting (the shipped generation fails a request whose leg has no block left then, a
+/// capacity failure rather than a protocol one), so decode legs get room for every request's
+/// tokens.
+const DECODE_BLOCKS_PER_GROUP: u32 = 64;
 /// Most events one scenario may process before it is declared hung.
-const MAX_STEPS: u64 = 200_000;
+const MAX_STEPS: u64 = 400_000;
+/// Most tokens a simulated request generates.
+const MAX_TOKENS: u64 = 6;
 
 const ROUTER: &str = "router";
-const PREFILL: &str = "prefill-0";
-const DECODE: &str = "decode-0";
 
 /// splitmix64: a tiny seeded generator, so a run depends on nothing but its seed.
 #[derive(Debug, Clone)]
@@ -241,6 +334,16 @@ fn kv_value(prompt: &[u32], group: usize, position: usize) -> u64 {
     mix(prefix, group as u64 + 1)
 }
 
+/// The KV value of any position a decode step writes: the prompt's own value below `N`, a hash
+/// of the last prompt token's value and the position past it.
+fn value_at(prompt: &[u32], group: usize, position: usize) -> u64 {
+    if position < prompt.len() {
+        kv_value(prompt, group, position)
+    } else {
+        mix(kv_value(prompt, group, prompt.len() - 1), position as u64)
+    }
+}
+
 /// The mamba state after the first `N - 1` tokens of `prompt`.
 fn mamba_state(prompt: &[u32], group: usize) -> u64 {
     let prefix = prompt[..prompt.len() - 1]
@@ -249,30 +352,57 @@ fn mamba_state(prompt: &[u32], group: usize) -> u64 {
     mix(prefix, 1000 + group as u64)
 }
 
-/// The tokens of an attention group a decode leg uses from remote or cached KV.
-fn used_tokens(spec: &GroupSpec, num_tokens: usize) -> std::ops::Range<usize> {
+/// The positions an attention group's step at `position` attends to.
+fn attended(spec: &GroupSpec, position: usize) -> std::ops::RangeInclusive<usize> {
     let first = match spec.kind() {
-        GroupKind::SlidingWindow { window } => num_tokens.saturating_sub(window as usize),
+        GroupKind::SlidingWindow { window } => (position + 1).saturating_sub(window as usize),
         _ => 0,
     };
-    first..num_tokens.saturating_sub(1)
+    first..=position
 }
 
-/// What a correct decode leg outputs: a digest of every KV value it uses.
-fn expected_digest(layout: &KvLayout, prompt: &[u32]) -> u64 {
-    let mut digest = 0u64;
+/// One generation step's digest, from the digest so far and the values the step reads.
+fn step_digest(layout: &KvLayout, digest: u64, step: usize, prompt: &[u32], read: &mut dyn FnMut(usize, usize) -> u64) -> u64 {
+    let mut digest = digest;
+    let position = prompt.len() - 1 + step;
     for (group, spec) in layout.groups().iter().enumerate() {
         match spec.kind() {
-            GroupKind::Mamba if prompt.len() >= 2 => digest = mix(digest, mamba_state(prompt, group)),
-            GroupKind::Mamba => {}
+            GroupKind::Mamba => {
+                if step == 0 && prompt.len() >= 2 {
+                    digest = mix(digest, read(group, usize::MAX));
+                }
+            }
             _ => {
-                for position in used_tokens(spec, prompt.len()) {
-                    digest = mix(digest, kv_value(prompt, group, position));
+                for attended in attended(spec, position) {
+                    digest = mix(digest, read(group, attended));
                 }
             }
         }
     }
     digest
+}
+
+/// The token a step with this digest chooses.
+fn token_of(digest: u64, step: usize) -> u32 {
+    (mix(digest, step as u64) & 0xffff) as u32
+}
+
+/// What a correct decode leg outputs for `prompt`: its tokens and the digest of every value
+/// it read, from the definition alone.
+fn expected_output(layout: &KvLayout, prompt: &[u32], max_tokens: u32) -> (Vec<u32>, u64) {
+    let mut digest = 0u64;
+    let mut tokens = Vec::new();
+    for step in 0..max_tokens.max(1) as usize {
+        digest = step_digest(layout, digest, step, prompt, &mut |group, position| {
+            if position == usize::MAX {
+                mamba_state(prompt, group)
+            } else {
+                value_at(prompt, group, position)
+            }
+        });
+        tokens.push(token_of(digest, step));
+    }
+    (tokens, digest)
 }
 
 fn slots_per_block(spec: &GroupSpec) -> usize {
@@ -303,24 +433,24 @@ fn layout_for(choice: u64) -> KvLayout {
     KvLayout::one_layer_per_group(groups).expect("valid layout")
 }
 
-/// The requests whose machine's timer is due at `now_ms`, in request order.
-fn due<M>(
-    machines: &BTreeMap<RequestId, M>,
-    timeout: impl Fn(&M) -> Option<u64>,
-    now_ms: u64,
-) -> Vec<RequestId> {
-    machines
-        .iter()
-        .filter(|(_, machine)| timeout(machine).is_some_and(|at| at <= now_ms))
-        .map(|(&request, _)| request)
-        .collect()
+/// A topology drawn from a seed: mostly small, sometimes up to 8P8D.
+fn topology_for(rng: &mut Rng) -> Topology {
+    let mut count = || match rng.below(4) {
+        0 | 1 => 1,
+        2 => 2 + rng.below(2) as u32,
+        _ => 1 + rng.below(8) as u32,
+    };
+    Topology {
+        prefills: count(),
+        decodes: count(),
+    }
 }
 
 /// A simulated timed event.
 #[derive(Debug, Clone)]
 enum Event {
-    /// The router starts a request.
-    Start { request: RequestId },
+    /// The router starts a client's request.
+    Start { client: RequestId },
     /// An encoded [`Envelope`] reaches a node, which then stops for `freeze_ms` (0: not).
     Deliver {
         to: NodeId,
@@ -329,86 +459,106 @@ enum Event {
     },
     /// A prefill leg's compute finished.
     Computed {
+        leg: usize,
         incarnation: Incarnation,
         request: RequestId,
+        prompt: Arc<[u32]>,
+        lists: Vec<Vec<BlockId>>,
         tokens: u64,
     },
     /// A decode leg's READ finished (the bytes move now).
     ReadDone {
+        leg: usize,
         incarnation: Incarnation,
         request: RequestId,
-        grant: crate::wire::GrantId,
+        prefill: NodeId,
+        grant: GrantId,
         issuer: Incarnation,
         pairing: Pairing,
         checks: Vec<GenerationCheck>,
     },
-    /// A decode leg's generation finished, or stopped early when told to
-    /// ([`DecodeCommand::StopGenerating`]).
-    Generated {
+    /// A decode leg's generation takes its next step.
+    Step {
+        leg: usize,
         incarnation: Incarnation,
         request: RequestId,
-        stopped: bool,
     },
     /// A leg is frozen until `until_ms`.
-    Freeze {
-        leg: NodeId,
-        until_ms: u64,
-        fault: Fault,
-    },
+    Freeze { leg: usize, until_ms: u64, fault: Fault },
     /// A leg restarts.
-    Restart { leg: NodeId },
+    Restart { leg: usize },
+    /// A leg starts draining.
+    Drain { leg: usize },
     /// The other nodes notice a leg restarted (heartbeats from a new incarnation).
-    Detected { leg: NodeId, incarnation: Incarnation },
+    Detected { leg: usize, incarnation: Incarnation },
     /// The client cancels a request.
-    Cancel { request: RequestId },
+    Cancel { client: RequestId },
 }
 
+/// A generation under way on a decode leg.
 #[derive(Debug)]
-struct Leg {
+struct Run {
+    prompt: Arc<[u32]>,
+    lists: Vec<Vec<BlockId>>,
+    slots: u64,
+    max_tokens: u32,
+    deadline_ms: u64,
+    stream_to: Option<NodeId>,
+    tokens: Vec<u32>,
+    digest: u64,
+    /// The attending token window groups were last trimmed for.
+    windows_released_for: u64,
+    /// Told to stop ([`NodeOutput::StopGenerating`]).
+    stop: bool,
+}
+
+/// One simulated leg: the shipped node and the world around it.
+#[derive(Debug)]
+struct SimLeg {
     name: NodeId,
+    role: Role,
     incarnation: Incarnation,
-    config: LegConfig,
-    allocator: Allocator,
-    grants: GrantTable,
+    config: NodeConfig,
+    prefix_caching: bool,
+    node: LegNode,
     /// Per group, one `u64` per token slot of every block (id 0 included, never written).
     arena: Vec<Vec<u64>>,
-    prompts: BTreeMap<RequestId, Vec<u32>>,
-    prefills: BTreeMap<RequestId, PrefillMachine>,
-    decodes: BTreeMap<RequestId, DecodeMachine>,
-    /// Requests this incarnation has started or seen aborted, so a duplicated or late message
-    /// does not start one.
-    seen: BTreeSet<RequestId>,
-    /// Requests aborted before this leg started them.
-    aborted: BTreeSet<RequestId>,
-    /// Incarnation of each peer as this node knows it.
+    /// Per group, each block's generation as the shell published it from
+    /// [`NodeOutput::Freed`]: what a reader checks after copying.
+    generations: Vec<Vec<u32>>,
+    /// Incarnation of each peer as this leg's door knows it.
     known: HashMap<NodeId, Incarnation>,
+    runs: BTreeMap<RequestId, Run>,
     frozen_until_ms: u64,
     fail_next_read: bool,
     slow_next_read_ms: u64,
 }
 
-impl Leg {
-    fn new(name: &str, incarnation: Incarnation, config: LegConfig, prefix_caching: bool) -> Self {
-        let layout = config.layout.clone();
-        let capacity = vec![BLOCKS_PER_GROUP; layout.groups().len()];
-        let arena = layout
-            .groups()
-            .iter()
-            .map(|spec| vec![0u64; (BLOCKS_PER_GROUP as usize + 1) * slots_per_block(spec)])
-            .collect();
-        Leg {
-            name: NodeId(name.into()),
-            incarnation,
-            allocator: Allocator::new(&layout, &capacity, prefix_caching).expect("valid capacity"),
-            grants: GrantTable::new(64),
-            arena,
+impl SimLeg {
+    fn new(name: NodeId, role: Role, config: NodeConfig, prefix_caching: bool) -> Self {
+        let layout = config.leg.layout.clone();
+        let blocks = match role {
+            Role::Decode => DECODE_BLOCKS_PER_GROUP,
+            _ => BLOCKS_PER_GROUP,
+        };
+        let capacity = vec![blocks; layout.groups().len()];
+        let allocator = Allocator::new(&layout, &capacity, prefix_caching).expect("valid capacity");
+        let grants = Arc::new(Mutex::new(GrantTable::new(64)));
+        SimLeg {
+            name,
+            role,
+            incarnation: config.leg.incarnation,
+            node: LegNode::new(config.clone(), allocator, grants),
+            arena: layout
+                .groups()
+                .iter()
+                .map(|spec| vec![0u64; (blocks as usize + 1) * slots_per_block(spec)])
+                .collect(),
+            generations: vec![vec![0u32; blocks as usize + 1]; layout.groups().len()],
             config,
-            prompts: BTreeMap::new(),
-            prefills: BTreeMap::new(),
-            decodes: BTreeMap::new(),
-            seen: BTreeSet::new(),
-            aborted: BTreeSet::new(),
+            prefix_caching,
             known: HashMap::new(),
+            runs: BTreeMap::new(),
             frozen_until_ms: 0,
             fail_next_read: false,
             slow_next_read_ms: 0,
@@ -416,11 +566,32 @@ impl Leg {
     }
 
     fn is_idle(&self) -> bool {
-        self.allocator.is_idle()
-            && self.grants.is_empty()
-            && self.prefills.is_empty()
-            && self.decodes.is_empty()
+        self.node.is_idle() && self.runs.is_empty()
     }
+}
+
+/// A client's request at the router, across its attempts.
+#[derive(Debug)]
+struct Client {
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    stream: bool,
+    deadline_ms: u64,
+    attempts: Attempts,
+    /// Legs named by each failed attempt's failure, from the definition (not from
+    /// [`Attempts`]): no later attempt may run on one.
+    failed_on: Vec<NodeId>,
+    /// The failure that ended the last attempt, answered if no leg is left to retry on.
+    last_failure: Option<(Stage, Failure)>,
+    /// Tokens the client was streamed, in order.
+    received: Vec<u32>,
+}
+
+/// One attempt at the router.
+#[derive(Debug)]
+struct Route {
+    machine: RouterMachine,
+    client: RequestId,
 }
 
 /// One simulated cluster and its clock.
@@ -431,14 +602,19 @@ struct Sim {
     seq: u64,
     events: BTreeMap<(u64, u64), Event>,
     layout: KvLayout,
-    prefill: Leg,
-    decode: Leg,
+    legs: Vec<SimLeg>,
+    by_name: HashMap<NodeId, usize>,
+    router: NodeId,
     router_incarnation: Incarnation,
     /// The router's view of each leg's incarnation.
     router_known: HashMap<NodeId, Incarnation>,
-    routes: BTreeMap<RequestId, RouterMachine>,
+    policy: Policy,
+    turns: [usize; 2],
+    max_retries: u32,
+    clients: BTreeMap<RequestId, Client>,
+    routes: BTreeMap<RequestId, Route>,
+    next_attempt: u64,
     prompts: BTreeMap<RequestId, Vec<u32>>,
-    deadlines: BTreeMap<RequestId, u64>,
     outcomes: BTreeMap<RequestId, RequestOutcome>,
     engine: Engine,
     faults_on: bool,
@@ -446,6 +622,9 @@ struct Sim {
     /// Messages sent so far, by kind.
     sent: HashMap<&'static str, u32>,
     capture: bool,
+    /// Requests each leg incarnation computed or read, with the kind: a leg runs a request at
+    /// most once (a duplicated or late message never starts it again).
+    started: std::collections::HashSet<(usize, Incarnation, RequestId, &'static str)>,
     report: SimReport,
 }
 
@@ -453,52 +632,84 @@ struct Sim {
 pub fn simulate(config: SimConfig) -> SimReport {
     let mut rng = Rng(config.seed);
     let layout = layout_for(rng.next());
-    let pairing = PairingMode::Anchored;
-    let leg_config = |name: &str, incarnation, lookahead, prefill_tokens| LegConfig {
-        node: NodeId(name.into()),
-        incarnation,
-        layout: layout.clone(),
-        lookahead_tokens: lookahead,
-        prefill_tokens,
-        pairing,
-        max_decode_tail_blocks: 1,
-        alloc_wait_ms: ALLOC_WAIT_MS,
-    };
+    let topology = config.topology.unwrap_or_else(|| topology_for(&mut rng));
     let prefill_tokens = if rng.chance(500) {
         PrefillTokens::All
     } else {
         PrefillTokens::AllButLast
     };
-    let (prefill_incarnation, decode_incarnation) = (Incarnation(rng.next()), Incarnation(rng.next()));
-    let prefill = Leg::new(
-        PREFILL,
-        prefill_incarnation,
-        leg_config(PREFILL, prefill_incarnation, rng.below(4), prefill_tokens),
-        false,
-    );
-    let decode = Leg::new(
-        DECODE,
-        decode_incarnation,
-        leg_config(DECODE, decode_incarnation, rng.below(10), PrefillTokens::All),
-        true,
-    );
-    let router_known = HashMap::from([
-        (NodeId(PREFILL.into()), prefill_incarnation),
-        (NodeId(DECODE.into()), decode_incarnation),
-    ]);
+    // Without faults no request may fail, so the wait queue has room for every request.
+    let wait_queue = if config.faults && rng.chance(300) {
+        1 + rng.below(3) as usize
+    } else {
+        64
+    };
+    let mut legs = Vec::new();
+    for (role, count) in [(Role::Prefill, topology.prefills), (Role::Decode, topology.decodes)] {
+        for index in 0..count {
+            let name = NodeId(format!("{role}-{index}"));
+            let incarnation = Incarnation(rng.next());
+            let lookahead = match role {
+                Role::Prefill => rng.below(4),
+                _ => rng.below(10),
+            };
+            let config = NodeConfig {
+                leg: LegConfig {
+                    node: name.clone(),
+                    incarnation,
+                    layout: layout.clone(),
+                    lookahead_tokens: lookahead,
+                    prefill_tokens: if role == Role::Prefill {
+                        prefill_tokens
+                    } else {
+                        PrefillTokens::All
+                    },
+                    pairing: PairingMode::Anchored,
+                    max_decode_tail_blocks: 1,
+                    alloc_wait_ms: ALLOC_WAIT_MS,
+                },
+                role,
+                lease_ms: LEASE_MS,
+                wait_queue,
+            };
+            legs.push(SimLeg::new(name, role, config, role == Role::Decode));
+        }
+    }
+    let by_name = legs
+        .iter()
+        .enumerate()
+        .map(|(index, leg)| (leg.name.clone(), index))
+        .collect();
+    let router_known = legs
+        .iter()
+        .map(|leg| (leg.name.clone(), leg.incarnation))
+        .collect();
+    let max_retries = config
+        .max_retries
+        .unwrap_or_else(|| if config.faults { rng.below(3) as u32 } else { 0 });
+    let policy = if rng.chance(500) {
+        Policy::LeastLoaded
+    } else {
+        Policy::RoundRobin
+    };
     let mut sim = Sim {
         seed: config.seed,
         now_ms: 0,
         seq: 0,
         events: BTreeMap::new(),
         layout,
-        prefill,
-        decode,
+        legs,
+        by_name,
+        router: NodeId(ROUTER.into()),
         router_incarnation: Incarnation(rng.next()),
         router_known,
+        policy,
+        turns: [0, 0],
+        max_retries,
+        clients: BTreeMap::new(),
         routes: BTreeMap::new(),
+        next_attempt: 1 << 32,
         prompts: BTreeMap::new(),
-        deadlines: BTreeMap::new(),
         outcomes: BTreeMap::new(),
         engine: if rng.chance(500) {
             Engine::Served
@@ -509,10 +720,22 @@ pub fn simulate(config: SimConfig) -> SimReport {
         script: config.script,
         sent: HashMap::new(),
         capture: config.capture_messages,
+        started: std::collections::HashSet::new(),
         report: SimReport {
             seed: config.seed,
+            topology,
             requests: config.requests,
-            ..SimReport::default()
+            ok: 0,
+            failed: 0,
+            retried: 0,
+            streamed: 0,
+            faults: BTreeMap::new(),
+            violations: Vec::new(),
+            steps: 0,
+            late_one_sided_reads: 0,
+            outcomes: BTreeMap::new(),
+            refused: BTreeMap::new(),
+            messages: Vec::new(),
         },
         rng,
     };
@@ -529,10 +752,11 @@ impl Sim {
     }
 
     /// Requests with prompts from a few shared-prefix families (so prefix hits happen), lengths
-    /// weighted toward 1, short prompts and block boundaries; and, with faults, a fault schedule.
+    /// weighted toward 1, short prompts and block boundaries, some streamed; and, with faults,
+    /// cancels and a fault schedule.
     fn plan(&mut self, requests: u32) {
         for index in 0..requests {
-            let request = RequestId(u64::from(index) + 1);
+            let client = RequestId(u64::from(index) + 1);
             let family = self.rng.below(3) as u32;
             let len = match self.rng.below(4) {
                 0 => 1 + self.rng.below(3),
@@ -548,13 +772,13 @@ impl Sim {
                     }
                 })
                 .collect();
-            self.prompts.insert(request, prompt);
+            self.prompts.insert(client, prompt);
             let at = self.rng.below(40 * u64::from(requests).max(1));
-            self.schedule(at, Event::Start { request });
+            self.schedule(at, Event::Start { client });
             if self.faults_on && self.rng.chance(150) {
                 // Cancelled while its READ or decode is likely under way.
                 let later = at + 5 + self.rng.below(60);
-                self.schedule(later, Event::Cancel { request });
+                self.schedule(later, Event::Cancel { client });
             }
         }
         if !self.faults_on {
@@ -563,20 +787,26 @@ impl Sim {
         let horizon = 40 * u64::from(requests).max(1) + BUDGET_MS;
         for _ in 0..1 + self.rng.below(3) {
             let at = self.rng.below(horizon);
-            let event = match self.rng.below(5) {
-                0 => Event::Freeze {
-                    leg: self.pick_leg(),
+            let event = match self.rng.below(11) {
+                0 | 1 => Event::Freeze {
+                    leg: self.pick_leg(None),
                     until_ms: at + 1 + self.rng.below(2 * LEASE_MS),
                     fault: Fault::Freeze,
                 },
-                1 => Event::Freeze {
-                    leg: NodeId(DECODE.into()),
+                2 | 3 => Event::Freeze {
+                    leg: self.pick_leg(Some(Role::Decode)),
                     until_ms: at + 2 * LEASE_MS + self.rng.below(LEASE_MS),
                     fault: Fault::LapseLease,
                 },
-                2 => Event::Restart { leg: self.pick_leg() },
+                4 | 5 => Event::Restart {
+                    leg: self.pick_leg(None),
+                },
+                6 => Event::Drain {
+                    leg: self.pick_leg(None),
+                },
                 _ => {
-                    self.decode.fail_next_read = true;
+                    let leg = self.pick_leg(Some(Role::Decode));
+                    self.legs[leg].fail_next_read = true;
                     self.count(Fault::FailRead);
                     continue;
                 }
@@ -585,8 +815,12 @@ impl Sim {
         }
     }
 
-    fn pick_leg(&mut self) -> NodeId {
-        NodeId(if self.rng.chance(500) { PREFILL } else { DECODE }.into())
+    /// A leg at random, of `role` if given.
+    fn pick_leg(&mut self, role: Option<Role>) -> usize {
+        let candidates: Vec<usize> = (0..self.legs.len())
+            .filter(|&index| role.is_none_or(|role| self.legs[index].role == role))
+            .collect();
+        candidates[self.rng.below(candidates.len() as u64) as usize]
     }
 
     fn refuse(&mut self, why: &'static str) {
@@ -603,22 +837,23 @@ impl Sim {
             .push(format!("seed {}: t={} ms: {what}", self.seed, self.now_ms));
     }
 
-    fn leg_mut(&mut self, name: &NodeId) -> Option<&mut Leg> {
-        if name.0 == PREFILL {
-            Some(&mut self.prefill)
-        } else if name.0 == DECODE {
-            Some(&mut self.decode)
-        } else {
-            None
+    fn role_of(&self, node: &NodeId) -> Role {
+        match self.by_name.get(node) {
+            Some(&index) => self.legs[index].role,
+            None => Role::Router,
         }
     }
 
-    /// Encodes and sends a message, through the faults.
-    fn send(&mut self, from: NodeId, incarnation: Incarnation, to: NodeId, request: RequestId, body: Body) {
-        let budget_ms = self
-            .deadlines
-            .get(&request)
-            .map_or(0, |deadline| deadline.saturating_sub(self.now_ms));
+    /// Encodes and sends a message, through the faults. Streamed tokens travel reliably and in
+    /// order (a QUIC stream): only whole-leg faults cut them.
+    fn send(&mut self, from: NodeId, incarnation: Incarnation, out: Outbound) {
+        let Outbound {
+            to,
+            request,
+            budget_ms,
+            body,
+        } = out;
+        let reliable = matches!(body, Body::Tokens { .. });
         let envelope = Envelope {
             request,
             from,
@@ -632,6 +867,9 @@ impl Sim {
         };
         if self.capture && self.report.messages.len() < MAX_CAPTURED {
             self.report.messages.push(bytes.clone());
+        }
+        if reliable {
+            return self.schedule(self.now_ms + 1, Event::Deliver { to, bytes, freeze_ms: 0 });
         }
         let mut at = self.now_ms + 1 + self.rng.below(2);
         let kind = envelope.body.kind();
@@ -668,15 +906,23 @@ impl Sim {
                 ScriptAction::RestartSender => restart_sender = true,
                 ScriptAction::FailNextRead => {
                     self.count(Fault::FailRead);
-                    self.decode.fail_next_read = true;
+                    for leg in self.decode_legs_for(&to) {
+                        self.legs[leg].fail_next_read = true;
+                    }
                 }
-                ScriptAction::SlowNextRead { by_ms } => self.decode.slow_next_read_ms = by_ms,
+                ScriptAction::SlowNextRead { by_ms } => {
+                    for leg in self.decode_legs_for(&to) {
+                        self.legs[leg].slow_next_read_ms = by_ms;
+                    }
+                }
             }
         }
         if restart_sender {
             self.schedule(at, Event::Deliver { to, bytes, freeze_ms });
-            let sender = envelope.from.clone();
-            return self.restart(&sender);
+            if let Some(&sender) = self.by_name.get(&envelope.from) {
+                self.restart(sender);
+            }
+            return;
         }
         if self.faults_on {
             if self.rng.chance(20) {
@@ -690,24 +936,32 @@ impl Sim {
             if self.rng.chance(20) {
                 self.count(Fault::Duplicate);
                 let later = at + self.rng.below(5);
-                self.schedule(
-                    later,
-                    Event::Deliver {
-                        to: to.clone(),
-                        bytes: bytes.clone(),
-                        freeze_ms: 0,
-                    },
-                );
+                let event = Event::Deliver {
+                    to: to.clone(),
+                    bytes: bytes.clone(),
+                    freeze_ms: 0,
+                };
+                self.schedule(later, event);
             }
         }
         self.schedule(at, Event::Deliver { to, bytes, freeze_ms });
+    }
+
+    /// The decode leg a message goes to, or every decode leg when it goes elsewhere.
+    fn decode_legs_for(&self, to: &NodeId) -> Vec<usize> {
+        match self.by_name.get(to) {
+            Some(&leg) if self.legs[leg].role == Role::Decode => vec![leg],
+            _ => (0..self.legs.len())
+                .filter(|&leg| self.legs[leg].role == Role::Decode)
+                .collect(),
+        }
     }
 
     fn run(&mut self) {
         loop {
             if self.report.steps >= MAX_STEPS {
                 let open: Vec<_> = self.routes.keys().collect();
-                let message = format!("no quiesce within {MAX_STEPS} steps; open requests {open:?}");
+                let message = format!("no quiesce within {MAX_STEPS} steps; open attempts {open:?}");
                 self.violation(message);
                 return;
             }
@@ -730,69 +984,52 @@ impl Sim {
         self.quiesce();
     }
 
-    /// The earliest timer of any machine or grant on a leg that is not frozen.
+    /// The earliest timer of any router machine, or of any leg that is not frozen.
     fn next_timer(&self) -> Option<u64> {
-        let mut next = self.routes.values().filter_map(RouterMachine::poll_timeout).min();
-        for leg in [&self.prefill, &self.decode] {
-            let timers = leg
-                .prefills
-                .values()
-                .filter_map(PrefillMachine::poll_timeout)
-                .chain(leg.decodes.values().filter_map(DecodeMachine::poll_timeout))
-                .chain(leg.grants.poll_timeout());
-            for at in timers {
-                let at = at.max(leg.frozen_until_ms);
-                next = Some(next.map_or(at, |next: u64| next.min(at)));
-            }
-        }
-        next
+        let routes = self
+            .routes
+            .values()
+            .filter_map(|route| route.machine.poll_timeout());
+        let legs = self
+            .legs
+            .iter()
+            .filter_map(|leg| leg.node.poll_timeout().map(|at| at.max(leg.frozen_until_ms)));
+        routes.chain(legs).min()
     }
 
     fn fire_timers(&mut self) {
         let now = self.now_ms;
-        for request in due(&self.routes, RouterMachine::poll_timeout, now) {
-            if let Some(machine) = self.routes.get_mut(&request) {
-                machine.handle_timeout(now);
+        let due: Vec<RequestId> = self
+            .routes
+            .iter()
+            .filter(|(_, route)| route.machine.poll_timeout().is_some_and(|at| at <= now))
+            .map(|(&attempt, _)| attempt)
+            .collect();
+        for attempt in due {
+            if let Some(route) = self.routes.get_mut(&attempt) {
+                route.machine.handle_timeout(now);
             }
-            self.drain_route(request);
+            self.drain_route(attempt);
         }
-        for name in [PREFILL, DECODE] {
-            let name = NodeId(name.into());
-            let Some(leg) = self.leg_mut(&name) else { continue };
-            if leg.frozen_until_ms > now {
+        for leg in 0..self.legs.len() {
+            let state = &mut self.legs[leg];
+            if state.frozen_until_ms > now || state.node.poll_timeout().is_none_or(|at| at > now) {
                 continue;
             }
-            for grant in leg.grants.expire(now) {
-                leg.allocator.unpin(&grant.blocks).ok();
-            }
-            let prefills = due(&leg.prefills, PrefillMachine::poll_timeout, now);
-            for request in &prefills {
-                if let Some(machine) = leg.prefills.get_mut(request) {
-                    machine.handle_timeout(now);
-                }
-            }
-            let decodes = due(&leg.decodes, DecodeMachine::poll_timeout, now);
-            for request in &decodes {
-                if let Some(machine) = leg.decodes.get_mut(request) {
-                    machine.handle_timeout(now);
-                }
-            }
-            for request in prefills.into_iter().chain(decodes) {
-                self.drain_leg(&name, request);
-            }
-            self.wake_waiters(&name);
+            state.node.handle_timeout(now);
+            self.carry_out(leg);
         }
     }
 
     fn handle(&mut self, event: Event) {
         let now = self.now_ms;
         match event {
-            Event::Start { request } => self.start(request),
+            Event::Start { client } => self.start_client(client),
             Event::Deliver { to, bytes, freeze_ms } => {
-                if let Some(leg) = self.leg_mut(&to)
-                    && leg.frozen_until_ms > now
+                if let Some(&leg) = self.by_name.get(&to)
+                    && self.legs[leg].frozen_until_ms > now
                 {
-                    let until = leg.frozen_until_ms;
+                    let until = self.legs[leg].frozen_until_ms;
                     return self.schedule(until, Event::Deliver { to, bytes, freeze_ms });
                 }
                 match codec::decode::<Envelope>(&bytes) {
@@ -800,533 +1037,621 @@ impl Sim {
                     Err(error) => self.violation(format!("a message did not decode: {error}")),
                 }
                 if freeze_ms > 0
-                    && let Some(leg) = self.leg_mut(&to)
+                    && let Some(&leg) = self.by_name.get(&to)
                 {
-                    leg.frozen_until_ms = now + freeze_ms;
+                    self.legs[leg].frozen_until_ms = now + freeze_ms;
                     self.count(Fault::Freeze);
                 }
             }
             Event::Computed {
+                leg,
                 incarnation,
                 request,
+                prompt,
+                lists,
                 tokens,
             } => {
-                if self.prefill.incarnation != incarnation {
+                if self.legs[leg].incarnation != incarnation {
                     return;
                 }
-                if self.prefill.frozen_until_ms > now {
-                    let until = self.prefill.frozen_until_ms;
-                    return self.schedule(
-                        until,
-                        Event::Computed {
-                            incarnation,
-                            request,
-                            tokens,
-                        },
-                    );
+                if self.legs[leg].frozen_until_ms > now {
+                    let until = self.legs[leg].frozen_until_ms;
+                    let event = Event::Computed {
+                        leg,
+                        incarnation,
+                        request,
+                        prompt,
+                        lists,
+                        tokens,
+                    };
+                    return self.schedule(until, event);
                 }
-                self.write_prefill_kv(request, tokens);
-                if let Some(machine) = self.prefill.prefills.get_mut(&request) {
-                    machine.handle_computed(Ok(()), now);
-                }
-                self.drain_leg(&NodeId(PREFILL.into()), request);
+                self.write_prefill_kv(leg, &prompt, &lists, tokens);
+                self.legs[leg].node.handle_computed(request, Ok(()), now);
+                self.carry_out(leg);
             }
             Event::ReadDone {
+                leg,
                 incarnation,
                 request,
+                prefill,
                 grant,
                 issuer,
                 pairing,
                 checks,
             } => {
-                if self.decode.incarnation != incarnation {
+                if self.legs[leg].incarnation != incarnation {
                     return;
                 }
                 // The bytes move whether or not anyone still waits for them.
-                let result = self.read(grant, issuer, &pairing, &checks);
-                if let Some(machine) = self.decode.decodes.get_mut(&request) {
-                    machine.handle_read_done(result, now);
-                }
-                self.drain_leg(&NodeId(DECODE.into()), request);
+                let result = self.read(leg, &prefill, grant, issuer, &pairing, &checks);
+                self.legs[leg].node.handle_read_done(request, result, now);
+                self.carry_out(leg);
             }
-            Event::Generated {
+            Event::Step {
+                leg,
                 incarnation,
                 request,
-                stopped,
             } => {
-                if self.decode.incarnation != incarnation {
+                if self.legs[leg].incarnation != incarnation {
                     return;
                 }
-                if self.decode.frozen_until_ms > now {
-                    let until = self.decode.frozen_until_ms;
-                    let event = Event::Generated {
+                if self.legs[leg].frozen_until_ms > now {
+                    let until = self.legs[leg].frozen_until_ms;
+                    let event = Event::Step {
+                        leg,
                         incarnation,
                         request,
-                        stopped,
                     };
                     return self.schedule(until, event);
                 }
-                let result = if stopped {
-                    Err(Failure::Cancelled)
-                } else {
-                    self.generate(request).map(Generated::from)
-                };
-                if let Some(machine) = self.decode.decodes.get_mut(&request) {
-                    machine.handle_generated(result);
-                }
-                self.drain_leg(&NodeId(DECODE.into()), request);
+                self.step(leg, request);
             }
             Event::Freeze { leg, until_ms, fault } => {
                 self.count(fault);
-                if let Some(leg) = self.leg_mut(&leg) {
-                    leg.frozen_until_ms = leg.frozen_until_ms.max(until_ms);
-                }
+                let state = &mut self.legs[leg];
+                state.frozen_until_ms = state.frozen_until_ms.max(until_ms);
             }
-            Event::Restart { leg } => self.restart(&leg),
-            Event::Cancel { request } => {
-                if let Some(machine) = self.routes.get_mut(&request) {
-                    self.report
-                        .faults
-                        .entry(Fault::Cancel)
-                        .and_modify(|n| *n += 1)
-                        .or_insert(1);
-                    machine.handle_cancel();
-                    self.drain_route(request);
+            Event::Restart { leg } => self.restart(leg),
+            Event::Drain { leg } => {
+                self.count(Fault::Drain);
+                self.legs[leg].node.drain();
+            }
+            Event::Cancel { client } => {
+                let attempt = self
+                    .routes
+                    .iter()
+                    .find(|(_, route)| route.client == client)
+                    .map(|(&attempt, _)| attempt);
+                if let Some(attempt) = attempt {
+                    self.count(Fault::Cancel);
+                    if let Some(route) = self.routes.get_mut(&attempt) {
+                        route.machine.handle_cancel();
+                    }
+                    self.drain_route(attempt);
                 }
             }
             Event::Detected { leg, incarnation } => {
-                self.router_known.insert(leg.clone(), incarnation);
+                let name = self.legs[leg].name.clone();
+                self.router_known.insert(name.clone(), incarnation);
                 let open: Vec<RequestId> = self.routes.keys().copied().collect();
-                for request in open {
-                    if let Some(machine) = self.routes.get_mut(&request) {
-                        machine.handle_peer_lost(&leg);
+                for attempt in open {
+                    if let Some(route) = self.routes.get_mut(&attempt) {
+                        route.machine.handle_peer_lost(&name);
                     }
-                    self.drain_route(request);
+                    self.drain_route(attempt);
                 }
-                for other in [PREFILL, DECODE] {
-                    if other != leg.0
-                        && let Some(other) = self.leg_mut(&NodeId(other.into()))
-                    {
-                        other.known.insert(leg.clone(), incarnation);
+                for (index, other) in self.legs.iter_mut().enumerate() {
+                    if index != leg {
+                        other.known.insert(name.clone(), incarnation);
                     }
                 }
             }
         }
     }
 
-    fn start(&mut self, request: RequestId) {
-        let Some(prompt) = self.prompts.get(&request).cloned() else {
+    /// A client's request arrives at the router.
+    fn start_client(&mut self, client: RequestId) {
+        let Some(prompt) = self.prompts.get(&client).cloned() else {
             return;
         };
-        let deadline = self.now_ms + BUDGET_MS;
-        self.deadlines.insert(request, deadline);
-        let prefill = NodeId(PREFILL.into());
-        let decode = NodeId(DECODE.into());
-        let machine = RouterMachine::new(
-            request,
+        let stream = self.rng.chance(500);
+        if stream {
+            self.report.streamed += 1;
+        }
+        let state = Client {
             prompt,
-            1 + self.rng.below(3) as u32,
+            max_tokens: 1 + self.rng.below(MAX_TOKENS) as u32,
+            stream,
+            deadline_ms: self.now_ms + BUDGET_MS,
+            attempts: Attempts::new(self.max_retries),
+            failed_on: Vec::new(),
+            last_failure: None,
+            received: Vec::new(),
+        };
+        self.clients.insert(client, state);
+        self.start_attempt(client);
+    }
+
+    /// The router's choice of a leg of `role`, avoiding `avoid`, as the shipped router chooses.
+    fn pick(&mut self, role: Role, avoid: &[NodeId]) -> Option<NodeId> {
+        let legs: Vec<usize> = (0..self.legs.len())
+            .filter(|&leg| self.legs[leg].role == role)
+            .collect();
+        let views: Vec<proxy::LegLoad> = legs
+            .iter()
+            .map(|&leg| {
+                let name = &self.legs[leg].name;
+                let in_flight = self
+                    .routes
+                    .values()
+                    .filter(|route| {
+                        let (prefill, decode) = route.machine.legs();
+                        prefill == name || decode == name
+                    })
+                    .count();
+                proxy::LegLoad {
+                    healthy: true,
+                    in_flight: in_flight as u32,
+                    reported: 0,
+                    kv_usage: 1.0 - self.legs[leg].node.load().free_share(),
+                }
+            })
+            .collect();
+        let avoided: Vec<usize> = (0..legs.len())
+            .filter(|&index| avoid.contains(&self.legs[legs[index]].name))
+            .collect();
+        let turn = &mut self.turns[usize::from(role == Role::Decode)];
+        proxy::choose(&views, &avoided, self.policy, turn).map(|index| self.legs[legs[index]].name.clone())
+    }
+
+    /// Starts an attempt of a client's request on legs it has not failed on, or answers the
+    /// client when none is left.
+    fn start_attempt(&mut self, client: RequestId) {
+        let Some(state) = self.clients.get(&client) else {
+            return;
+        };
+        let avoid = state.attempts.avoid().to_vec();
+        let (prompt, max_tokens, stream, deadline) =
+            (state.prompt.clone(), state.max_tokens, state.stream, state.deadline_ms);
+        let legs = self
+            .pick(Role::Prefill, &avoid)
+            .and_then(|prefill| Some((prefill, self.pick(Role::Decode, &avoid)?)));
+        let Some((prefill, decode)) = legs else {
+            let (stage, reason) = self.clients[&client].last_failure.clone().unwrap_or((
+                Stage::Router,
+                Failure::Refused {
+                    node: self.router.clone(),
+                    reason: "no leg left".into(),
+                },
+            ));
+            return self.complete(client, RequestOutcome::Failed { stage, reason });
+        };
+        let failed_on = &self.clients[&client].failed_on;
+        if let Some(leg) = [&prefill, &decode].into_iter().find(|leg| failed_on.contains(leg)) {
+            let message = format!("{client}: an attempt runs on {leg}, which failed an earlier attempt");
+            self.violation(message);
+        }
+        let attempt = RequestId(self.next_attempt);
+        self.next_attempt += 1;
+        let machine = RouterMachine::new(
+            attempt,
+            prompt,
+            max_tokens,
             (prefill.clone(), self.router_known[&prefill]),
             (decode.clone(), self.router_known[&decode]),
             deadline,
             self.now_ms,
-        );
-        self.routes.insert(request, machine);
-        self.drain_route(request);
+        )
+        .with_streaming(stream);
+        self.routes.insert(attempt, Route { machine, client });
+        self.drain_route(attempt);
     }
 
     /// Carries out a router machine's commands.
-    fn drain_route(&mut self, request: RequestId) {
+    fn drain_route(&mut self, attempt: RequestId) {
+        let mut retry = None;
         while let Some(command) = self
             .routes
-            .get_mut(&request)
-            .and_then(RouterMachine::poll_command)
+            .get_mut(&attempt)
+            .and_then(|route| route.machine.poll_command())
         {
+            let Some(route) = self.routes.get(&attempt) else { return };
+            let client = route.client;
             match command {
                 RouterCommand::Send { to, body } => {
-                    let incarnation = self.router_incarnation;
-                    self.send(NodeId(ROUTER.into()), incarnation, to, request, body);
+                    let deadline = self.clients.get(&client).map_or(0, |state| state.deadline_ms);
+                    let out = Outbound {
+                        to,
+                        request: attempt,
+                        budget_ms: deadline.saturating_sub(self.now_ms),
+                        body,
+                    };
+                    self.send(self.router.clone(), self.router_incarnation, out);
                 }
-                RouterCommand::Complete(outcome) => self.complete(request, outcome),
+                RouterCommand::Complete(RequestOutcome::Failed { stage, reason }) => {
+                    let (prefill, decode) = {
+                        let (prefill, decode) = route.machine.legs();
+                        (prefill.clone(), decode.clone())
+                    };
+                    let Some(state) = self.clients.get_mut(&client) else { continue };
+                    state.failed_on.extend(legs_named(stage, &reason, &prefill, &decode));
+                    if state.attempts.retry_after(stage, &reason, &prefill, &decode).is_some() {
+                        state.last_failure = Some((stage, reason));
+                        retry = Some(client);
+                    } else {
+                        self.complete(client, RequestOutcome::Failed { stage, reason });
+                    }
+                }
+                RouterCommand::Complete(outcome) => self.complete(client, outcome),
             }
         }
-        if self.routes.get(&request).is_some_and(RouterMachine::is_done) {
-            self.routes.remove(&request);
+        if self
+            .routes
+            .get(&attempt)
+            .is_some_and(|route| route.machine.is_done())
+        {
+            self.routes.remove(&attempt);
+        }
+        if let Some(client) = retry {
+            self.report.retried += u32::from(self.clients[&client].attempts.retries() == 1);
+            self.start_attempt(client);
         }
     }
 
-    fn complete(&mut self, request: RequestId, outcome: RequestOutcome) {
-        let deadline = self.deadlines.get(&request).copied().unwrap_or(0);
+    fn complete(&mut self, client: RequestId, outcome: RequestOutcome) {
+        let Some(state) = self.clients.get(&client) else {
+            return;
+        };
+        let (prompt, max_tokens, received) = (state.prompt.clone(), state.max_tokens, state.received.clone());
+        let deadline = state.deadline_ms;
         if self.now_ms > deadline {
             self.violation(format!(
-                "{request} ended at {} ms, after its deadline {deadline} ms",
+                "{client} ended at {} ms, after its deadline {deadline} ms",
                 self.now_ms
             ));
         }
-        if self.outcomes.contains_key(&request) {
-            self.violation(format!("{request} completed twice"));
+        if self.outcomes.contains_key(&client) {
+            self.violation(format!("{client} completed twice"));
+        }
+        let (expected_tokens, expected_digest) = expected_output(&self.layout, &prompt, max_tokens);
+        if !expected_tokens.starts_with(&received) {
+            let message = format!(
+                "{client}: the client was streamed {received:?}, not a prefix of the answer {expected_tokens:?} (a token repeated or skipped)"
+            );
+            self.violation(message);
         }
         match &outcome {
             RequestOutcome::Output(output) => {
-                let prompt = &self.prompts[&request];
-                let expected = expected_digest(&self.layout, prompt);
-                if output.logits_digest != expected {
-                    self.violation(format!(
-                        "{request} ({} tokens) answered from wrong or partial KV",
+                if output.logits_digest != expected_digest || output.tokens != expected_tokens {
+                    let message = format!(
+                        "{client} ({} tokens) answered from wrong or partial KV",
                         prompt.len()
-                    ));
+                    );
+                    self.violation(message);
                 } else {
                     self.report.ok += 1;
                 }
             }
             RequestOutcome::Failed { reason, .. } => {
                 if reason.to_string().is_empty() {
-                    self.violation(format!("{request} failed without a reason"));
+                    self.violation(format!("{client} failed without a reason"));
                 }
                 self.report.failed += 1;
             }
         }
-        self.outcomes.insert(request, outcome);
+        self.outcomes.insert(client, outcome);
     }
 
     fn receive(&mut self, to: &NodeId, envelope: Envelope) {
         let now = self.now_ms;
+        if *to == self.router {
+            return self.router_receive(envelope);
+        }
+        let Some(&leg) = self.by_name.get(to) else { return };
+        // The door's check: adopt the first incarnation a peer says; refuse any other.
+        let from = envelope.from.clone();
+        let known = if from == self.router {
+            self.router_incarnation
+        } else {
+            *self.legs[leg]
+                .known
+                .entry(from.clone())
+                .or_insert(envelope.incarnation)
+        };
+        if known != envelope.incarnation {
+            return self.refuse("stale_incarnation");
+        }
+        let kind = envelope.body.kind();
+        let role = self.role_of(&from);
+        if let Err(refusal) = self.legs[leg].node.handle_envelope(role, envelope, now) {
+            let why = match (&refusal, kind) {
+                (Refusal::Grant { .. }, "renew") => "renew_refused",
+                (Refusal::Grant { .. }, "release") => "release_refused",
+                _ => refusal_kind(&refusal),
+            };
+            if matches!(refusal, Refusal::WrongSender { .. } | Refusal::Misrouted { .. }) {
+                self.violation(format!("{to} refused a message the protocol sends: {refusal}"));
+            }
+            self.refuse(why);
+        }
+        self.carry_out(leg);
+    }
+
+    fn router_receive(&mut self, envelope: Envelope) {
         let Envelope {
             request,
             from,
             incarnation,
-            budget_ms,
             body,
+            ..
         } = envelope;
-        if to.0 == ROUTER {
-            if let Some(machine) = self.routes.get_mut(&request) {
-                machine.handle_message(&from, incarnation, body);
-                self.drain_route(request);
-            } else if let Body::KvReady(_) = body {
-                // A grant for a request the router already finished: free it now.
-                let router = self.router_incarnation;
-                self.send(NodeId(ROUTER.into()), router, from, request, Body::Abort);
-            }
-            return;
-        }
-        let router_incarnation = self.router_incarnation;
-        let Some(leg) = self.leg_mut(to) else { return };
-        // Node-level incarnation check: adopt the first incarnation seen; refuse any other.
-        let known = *leg.known.entry(from.clone()).or_insert(incarnation);
-        if (known != incarnation && from.0 != ROUTER)
-            || (from.0 == ROUTER && incarnation != router_incarnation)
-        {
+        if self.router_known.get(&from) != Some(&incarnation) {
+            // The router's door refuses what a leg's old incarnation says.
             return self.refuse("stale_incarnation");
         }
-        let deadline = now.saturating_add(budget_ms);
-        match body {
-            Body::Prefill { prompt, decode } => {
-                if !leg.seen.insert(request) {
-                    let why = if leg.aborted.contains(&request) {
-                        "after_abort"
-                    } else {
-                        "duplicate"
-                    };
-                    return self.refuse(why);
-                }
-                leg.prompts.insert(request, prompt.clone());
-                let machine =
-                    PrefillMachine::new(leg.config.clone(), request, from, prompt, decode, deadline, now);
-                leg.prefills.insert(request, machine);
-            }
-            Body::Decode {
-                params, max_tokens, ..
-            } => {
-                if !leg.seen.insert(request) {
-                    let why = if leg.aborted.contains(&request) {
-                        "after_abort"
-                    } else {
-                        "duplicate"
-                    };
-                    return self.refuse(why);
-                }
-                leg.prompts.insert(request, params.prompt.clone());
-                let machine = DecodeMachine::new(leg.config.clone(), from, params, max_tokens, deadline, now);
-                leg.decodes.insert(request, machine);
-            }
-            Body::Renew { grant, issuer } => {
-                if issuer != leg.incarnation {
-                    return self.refuse("stale_incarnation");
-                }
-                if leg.grants.renew(grant, &from, now).is_err() {
-                    return self.refuse("renew_refused");
-                }
-                let (name, mine) = (leg.name.clone(), leg.incarnation);
-                let renewed = Body::Renewed {
-                    grant,
-                    lease_ms: LEASE_MS,
-                };
-                return self.send(name, mine, from, request, renewed);
-            }
-            Body::Renewed { lease_ms, .. } => {
-                if let Some(machine) = leg.decodes.get_mut(&request) {
-                    machine.handle_renewed(lease_ms, now);
-                }
-            }
-            Body::Release { grant, issuer } => {
-                if issuer != leg.incarnation {
-                    return self.refuse("stale_incarnation");
-                }
-                match leg.grants.release(grant, &from) {
-                    Ok(ended) => {
-                        leg.allocator.unpin(&ended.blocks).ok();
-                    }
-                    Err(_) => return self.refuse("release_refused"),
-                }
-            }
-            Body::Abort => {
-                // A tombstone: a request or its parameters arriving after the abort (reordered
-                // past it) is not started.
-                if leg.seen.insert(request) {
-                    leg.aborted.insert(request);
-                }
-                for grant in leg.grants.grants_of(request) {
-                    if let Some(ended) = leg.grants.revoke(grant) {
-                        leg.allocator.unpin(&ended.blocks).ok();
-                    }
-                }
-                if let Some(machine) = leg.prefills.get_mut(&request) {
-                    machine.handle_abort();
-                }
-                if let Some(machine) = leg.decodes.get_mut(&request) {
-                    machine.handle_abort();
-                }
-            }
-            Body::KvReady(_)
-            | Body::Output(_)
-            | Body::Failed { .. }
-            | Body::Load(_)
-            | Body::Tokens { .. } => {
+        if let Body::Tokens { tokens } = body {
+            let Some(route) = self
+                .routes
+                .get(&request)
+                .filter(|route| route.machine.legs().1 == &from)
+            else {
                 return;
-            }
-        }
-        let name = to.clone();
-        self.drain_leg(&name, request);
-        self.wake_waiters(&name);
-    }
-
-    /// Carries out a leg machine's commands until it has none.
-    fn drain_leg(&mut self, name: &NodeId, request: RequestId) {
-        loop {
-            let now = self.now_ms;
-            let Some(leg) = self.leg_mut(name) else { return };
-            if let Some(command) = leg
-                .prefills
-                .get_mut(&request)
-                .and_then(PrefillMachine::poll_command)
-            {
-                self.prefill_command(request, command, now);
-                continue;
-            }
-            let Some(leg) = self.leg_mut(name) else { return };
-            if let Some(command) = leg
-                .decodes
-                .get_mut(&request)
-                .and_then(DecodeMachine::poll_command)
-            {
-                self.decode_command(request, command, now);
-                continue;
-            }
-            let Some(leg) = self.leg_mut(name) else { return };
-            if leg.prefills.get(&request).is_some_and(PrefillMachine::is_done) {
-                leg.prefills.remove(&request);
-            }
-            if leg.decodes.get(&request).is_some_and(DecodeMachine::is_done) {
-                leg.decodes.remove(&request);
+            };
+            let client = route.client;
+            if let Some(state) = self.clients.get_mut(&client) {
+                let fresh = state.attempts.take_streamed(&tokens).to_vec();
+                state.received.extend(fresh);
             }
             return;
         }
-    }
-
-    /// Blocks were freed on a leg: every machine waiting for blocks there tries again.
-    fn wake_waiters(&mut self, name: &NodeId) {
-        let Some(leg) = self.leg_mut(name) else { return };
-        if leg.allocator.poll_freed().is_empty() {
-            return;
-        }
-        let mut woken = Vec::new();
-        for (&request, machine) in leg.prefills.iter_mut() {
-            machine.handle_blocks_freed();
-            woken.push(request);
-        }
-        for (&request, machine) in leg.decodes.iter_mut() {
-            machine.handle_blocks_freed();
-            woken.push(request);
-        }
-        for request in woken {
-            self.drain_leg(name, request);
+        if let Some(route) = self.routes.get_mut(&request) {
+            route.machine.handle_message(&from, incarnation, body);
+            self.drain_route(request);
+        } else if let Body::KvReady(_) = body {
+            // A grant for an attempt that is over: free it now.
+            let out = Outbound {
+                to: from,
+                request,
+                budget_ms: 0,
+                body: Body::Abort,
+            };
+            self.send(self.router.clone(), self.router_incarnation, out);
         }
     }
 
-    fn prefill_command(&mut self, request: RequestId, command: PrefillCommand, now: u64) {
-        let leg = &mut self.prefill;
-        let prompt = leg.prompts.get(&request).cloned().unwrap_or_default();
-        match command {
-            PrefillCommand::Allocate { slots } => {
-                let result = leg.allocator.allocate(request, &prompt, slots, None).map(drop);
-                if let Some(machine) = leg.prefills.get_mut(&request) {
-                    machine.handle_allocated(result, now);
-                }
+    /// Carries out what a leg's node asks, in order.
+    fn carry_out(&mut self, leg: usize) {
+        let now = self.now_ms;
+        while let Some(output) = self.legs[leg].node.poll_output() {
+            let (name, incarnation) = (self.legs[leg].name.clone(), self.legs[leg].incarnation);
+            let started = match &output {
+                NodeOutput::Compute { request, .. } => Some((*request, "computed")),
+                NodeOutput::Read { request, .. } => Some((*request, "read")),
+                _ => None,
+            };
+            if let Some((request, what)) = started
+                && !self.started.insert((leg, incarnation, request, what))
+            {
+                self.violation(format!("{name} {what} {request} twice (a duplicated or late message started it again)"));
             }
-            PrefillCommand::Compute { tokens } => {
-                let at = now + 1 + tokens / 8;
-                let incarnation = leg.incarnation;
-                self.schedule(
-                    at,
-                    Event::Computed {
-                        incarnation,
-                        request,
-                        tokens,
-                    },
-                );
-            }
-            PrefillCommand::ReleaseWindow { attending_token } => {
-                let lists = leg
-                    .allocator
-                    .release_window(request, attending_token)
-                    .and_then(|()| {
-                        leg.allocator
-                            .blocks(request)
-                            .map(<[Vec<BlockId>]>::to_vec)
-                            .ok_or(crate::allocator::AllocError::UnknownRequest(request))
-                    });
-                if let Some(machine) = leg.prefills.get_mut(&request) {
-                    machine.handle_window_released(lists);
-                }
-            }
-            PrefillCommand::Grant { lists, peer } => {
-                let result = match leg.allocator.pin(&lists) {
-                    Err(error) => Err(Failure::Grant(error.to_string())),
-                    Ok(generations) => match leg.grants.issue(request, peer, lists.clone(), LEASE_MS, now) {
-                        Ok(grant) => Ok(IssuedGrant {
-                            grant,
-                            generations,
-                            lease_ms: LEASE_MS,
-                        }),
-                        Err(error) => {
-                            leg.allocator.unpin(&lists).ok();
-                            Err(Failure::Grant(error.to_string()))
+            match output {
+                NodeOutput::Send(out) => self.send(name, incarnation, out),
+                NodeOutput::Freed(blocks) => {
+                    for block in blocks {
+                        if let Some(slot) = self.legs[leg]
+                            .generations
+                            .get_mut(block.group)
+                            .and_then(|table| table.get_mut(block.block as usize))
+                        {
+                            *slot = block.generation;
                         }
-                    },
-                };
-                if let Some(machine) = leg.prefills.get_mut(&request) {
-                    machine.handle_granted(result, now);
+                    }
                 }
-            }
-            PrefillCommand::Revoke { grant } => {
-                if let Some(ended) = leg.grants.revoke(grant) {
-                    leg.allocator.unpin(&ended.blocks).ok();
-                }
-            }
-            PrefillCommand::Finish => {
-                if leg.allocator.finish(request, None).is_err() {
-                    self.violation(format!("prefill finished {request} twice or never allocated it"));
-                }
-                self.prefill.prompts.remove(&request);
-            }
-            PrefillCommand::Send { to, body } => {
-                let (name, incarnation) = (leg.name.clone(), leg.incarnation);
-                self.send(name, incarnation, to, request, body);
-            }
-        }
-    }
-
-    fn decode_command(&mut self, request: RequestId, command: DecodeCommand, now: u64) {
-        let leg = &mut self.decode;
-        let prompt = leg.prompts.get(&request).cloned().unwrap_or_default();
-        match command {
-            DecodeCommand::Allocate {
-                slots,
-                attending_token,
-            } => {
-                let result = leg
-                    .allocator
-                    .allocate(request, &prompt, slots, Some(attending_token));
-                if let Some(machine) = leg.decodes.get_mut(&request) {
-                    machine.handle_allocated(result, now);
-                }
-            }
-            DecodeCommand::Read { pairing, checks } => {
-                let Some((issuer, grant)) = leg
-                    .decodes
-                    .get(&request)
-                    .map(|machine| (machine.prefill_incarnation(), machine.grant()))
-                else {
-                    return;
-                };
-                let slow = std::mem::take(&mut leg.slow_next_read_ms);
-                let at = now + 1 + self.rng.below(READ_MS) + slow;
-                let incarnation = leg.incarnation;
-                self.schedule(
-                    at,
-                    Event::ReadDone {
+                NodeOutput::Compute {
+                    request,
+                    prompt,
+                    lists,
+                    tokens,
+                } => {
+                    let event = Event::Computed {
+                        leg,
                         incarnation,
                         request,
+                        prompt,
+                        lists,
+                        tokens,
+                    };
+                    self.schedule(now + 1 + tokens / 8, event);
+                }
+                NodeOutput::Read {
+                    request,
+                    prefill,
+                    issuer,
+                    grant,
+                    pairing,
+                    checks,
+                } => {
+                    let slow = std::mem::take(&mut self.legs[leg].slow_next_read_ms);
+                    let at = now + 1 + self.rng.below(READ_MS) + slow;
+                    let event = Event::ReadDone {
+                        leg,
+                        incarnation,
+                        request,
+                        prefill,
                         grant,
                         issuer,
                         pairing,
                         checks,
-                    },
-                );
-            }
-            DecodeCommand::Generate { max_tokens, .. } => {
-                let incarnation = leg.incarnation;
-                let at = now + 1 + TOKEN_MS * u64::from(max_tokens);
-                let event = Event::Generated {
-                    incarnation,
-                    request,
-                    stopped: false,
-                };
-                self.schedule(at, event);
-            }
-            DecodeCommand::StopGenerating => {
-                // The token under way finishes, then the generation answers; the event it was
-                // due to answer with later finds the request gone.
-                let event = Event::Generated {
-                    incarnation: leg.incarnation,
-                    request,
-                    stopped: true,
-                };
-                self.schedule(now + 1 + TOKEN_MS, event);
-            }
-            DecodeCommand::Finish { cache_prompt } => {
-                let cache = cache_prompt.then_some(prompt.as_slice());
-                if leg.allocator.finish(request, cache).is_err() {
-                    self.violation(format!("decode finished {request} twice or never allocated it"));
+                    };
+                    self.schedule(at, event);
                 }
-                self.decode.prompts.remove(&request);
+                NodeOutput::Generate {
+                    request,
+                    prompt,
+                    lists,
+                    slots,
+                    max_tokens,
+                    deadline_ms,
+                    stream_to,
+                    ..
+                } => {
+                    let windows_released_for = prompt.len() as u64 - 1;
+                    let run = Run {
+                        prompt,
+                        lists,
+                        slots,
+                        max_tokens: max_tokens.max(1),
+                        deadline_ms,
+                        stream_to,
+                        tokens: Vec::new(),
+                        digest: 0,
+                        windows_released_for,
+                        stop: false,
+                    };
+                    self.legs[leg].runs.insert(request, run);
+                    let event = Event::Step {
+                        leg,
+                        incarnation,
+                        request,
+                    };
+                    self.schedule(now + 1, event);
+                }
+                NodeOutput::StopGenerating { request } => {
+                    if let Some(run) = self.legs[leg].runs.get_mut(&request) {
+                        run.stop = true;
+                    }
+                }
             }
-            DecodeCommand::Send { to, body } => {
-                let (name, incarnation) = (leg.name.clone(), leg.incarnation);
-                self.send(name, incarnation, to, request, body);
-            }
+        }
+        while let Some(anomaly) = self.legs[leg].node.poll_anomaly() {
+            let name = self.legs[leg].name.clone();
+            self.violation(format!("{name}: {anomaly}"));
         }
     }
 
-    /// The prefill leg's engine writes the first `tokens` tokens' KV (and the mamba state after
-    /// `N - 1` tokens) into the request's blocks.
-    fn write_prefill_kv(&mut self, request: RequestId, tokens: u64) {
-        let leg = &mut self.prefill;
-        let (Some(prompt), Some(lists)) = (leg.prompts.get(&request), leg.allocator.blocks(request)) else {
+    /// One generation step of `request` on a decode leg: grow the allocation when decoding
+    /// passes it, write this position's KV, read every value the step attends to, choose and
+    /// stream a token, and give back window blocks the window left, as the shipped generation
+    /// does.
+    fn step(&mut self, leg: usize, request: RequestId) {
+        let now = self.now_ms;
+        let Some(mut run) = self.legs[leg].runs.remove(&request) else {
             return;
         };
-        for (group, spec) in leg.config.layout.groups().iter().enumerate() {
+        let ended = |sim: &mut Sim, result: Result<Generated, Failure>| {
+            sim.legs[leg].node.handle_generated(request, result, now);
+            sim.carry_out(leg);
+        };
+        if run.stop {
+            return ended(self, Err(Failure::Cancelled));
+        }
+        if now >= run.deadline_ms {
+            return ended(self, Err(Failure::DeadlinePassed));
+        }
+        let step = run.tokens.len();
+        let position = run.prompt.len() - 1 + step;
+        if position as u64 >= run.slots {
+            run.slots = position as u64 + 1;
+            match self.legs[leg].node.extend(request, run.slots, now) {
+                Ok(lists) => run.lists = lists,
+                Err(error) => return ended(self, Err(Failure::Alloc(error.to_string()))),
+            }
+            self.carry_out(leg);
+        }
+        let layout = self.layout.clone();
+        let state = &mut self.legs[leg];
+        let mut missing = None;
+        for (group, spec) in layout.groups().iter().enumerate() {
+            if spec.kind() == GroupKind::Mamba {
+                continue;
+            }
+            let per_block = slots_per_block(spec);
+            match run.lists[group].get(position / per_block).copied() {
+                Some(block) if block != NULL_BLOCK => {
+                    state.arena[group][block as usize * per_block + position % per_block] =
+                        value_at(&run.prompt, group, position);
+                }
+                _ => missing = Some((group, position)),
+            }
+        }
+        let (arena, lists) = (&state.arena, &run.lists);
+        let digest = step_digest(&layout, run.digest, step, &run.prompt, &mut |group, attended| {
+            let spec = &layout.groups()[group];
+            let per_block = slots_per_block(spec);
+            if attended == usize::MAX {
+                return lists[group].first().map_or(0, |&block| arena[group][block as usize]);
+            }
+            match lists[group].get(attended / per_block).copied() {
+                Some(block) if block != NULL_BLOCK => arena[group][block as usize * per_block + attended % per_block],
+                _ => {
+                    missing.get_or_insert((group, attended));
+                    0
+                }
+            }
+        });
+        if let Some((group, position)) = missing {
+            let failure = Failure::Engine(format!("group {group}: no block at token {position}"));
+            return ended(self, Err(failure));
+        }
+        run.digest = digest;
+        let token = token_of(digest, step);
+        run.tokens.push(token);
+        if let Some(router) = run.stream_to.clone() {
+            let out = Outbound {
+                to: router,
+                request,
+                budget_ms: run.deadline_ms.saturating_sub(now),
+                body: Body::Tokens { tokens: vec![token] },
+            };
+            let (name, incarnation) = (self.legs[leg].name.clone(), self.legs[leg].incarnation);
+            self.send(name, incarnation, out);
+        }
+        if run.tokens.len() >= run.max_tokens as usize {
+            let generated = Generated {
+                tokens: run.tokens,
+                logits_digest: run.digest,
+                ..Generated::default()
+            };
+            return ended(self, Ok(generated));
+        }
+        let attending = position as u64 + 1;
+        if crate::allocator::window_crosses_block(&layout, run.windows_released_for, attending) {
+            match self.legs[leg].node.release_window(request, attending, now) {
+                Ok(lists) => run.lists = lists,
+                Err(error) => return ended(self, Err(Failure::Alloc(error.to_string()))),
+            }
+            run.windows_released_for = attending;
+            self.carry_out(leg);
+        }
+        let incarnation = self.legs[leg].incarnation;
+        self.legs[leg].runs.insert(request, run);
+        self.schedule(
+            now + TOKEN_MS,
+            Event::Step {
+                leg,
+                incarnation,
+                request,
+            },
+        );
+    }
+
+    /// A prefill leg's engine writes the first `tokens` tokens' KV (and the mamba state after
+    /// `N - 1` tokens) into the blocks it was given.
+    fn write_prefill_kv(&mut self, leg: usize, prompt: &[u32], lists: &[Vec<BlockId>], tokens: u64) {
+        let state = &mut self.legs[leg];
+        for (group, spec) in self.layout.groups().iter().enumerate() {
             let per_block = slots_per_block(spec);
             let list = &lists[group];
             if spec.kind() == GroupKind::Mamba {
                 if prompt.len() >= 2 && tokens as usize >= prompt.len() - 1 {
-                    leg.arena[group][list[0] as usize] = mamba_state(prompt, group);
+                    state.arena[group][list[0] as usize] = mamba_state(prompt, group);
                 }
                 continue;
             }
             for position in 0..tokens as usize {
                 let block = list[position / per_block];
-                leg.arena[group][block as usize * per_block + position % per_block] =
+                state.arena[group][block as usize * per_block + position % per_block] =
                     kv_value(prompt, group, position);
             }
         }
@@ -1334,32 +1659,37 @@ impl Sim {
 
     /// Moves the paired blocks from the prefill arena to the decode arena, as the READ engine
     /// does: a served engine refuses blocks outside a live grant; a one-sided one copies and the
-    /// generation check after the copy catches a block freed under it. A READ armed to fail
-    /// stops half way.
+    /// generation check after the copy (against the generations the prefill's shell
+    /// published) catches a block freed under it. A READ armed to fail stops half way.
     fn read(
         &mut self,
-        grant: crate::wire::GrantId,
+        leg: usize,
+        prefill: &NodeId,
+        grant: GrantId,
         issuer: Incarnation,
         pairing: &Pairing,
         checks: &[GenerationCheck],
     ) -> Result<ReadDone, Failure> {
-        if issuer != self.prefill.incarnation {
+        let Some(&source) = self.by_name.get(prefill) else {
+            return Err(Failure::Read(format!("{prefill} is not a leg")));
+        };
+        if issuer != self.legs[source].incarnation {
             return Err(Failure::Read(
                 "the prefill leg restarted: its memory is gone".into(),
             ));
         }
-        let peer = self.decode.name.clone();
+        let peer = self.legs[leg].name.clone();
         let now = self.now_ms;
-        let fail_half = std::mem::take(&mut self.decode.fail_next_read);
+        let fail_half = std::mem::take(&mut self.legs[leg].fail_next_read);
         let mut outside_grant = None;
-        for (group, pairs) in pairing.groups.iter().enumerate() {
-            for pair in pairs.iter().filter(|pair| pair.remote != NULL_BLOCK) {
-                if let Err(error) = self
-                    .prefill
-                    .grants
-                    .check_read(grant, &peer, group, pair.remote, now)
-                {
-                    outside_grant.get_or_insert(error);
+        {
+            let table = self.legs[source].node.grant_table();
+            let table = table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (group, pairs) in pairing.groups.iter().enumerate() {
+                for pair in pairs.iter().filter(|pair| pair.remote != NULL_BLOCK) {
+                    if let Err(error) = table.check_read(grant, &peer, group, pair.remote, now) {
+                        outside_grant.get_or_insert(error);
+                    }
                 }
             }
         }
@@ -1383,8 +1713,8 @@ impl Sim {
                 }
                 let from = pair.remote as usize * per_block;
                 let to = pair.local as usize * per_block;
-                let source: Vec<u64> = self.prefill.arena[group][from..from + per_block].to_vec();
-                self.decode.arena[group][to..to + per_block].copy_from_slice(&source);
+                let values: Vec<u64> = self.legs[source].arena[group][from..from + per_block].to_vec();
+                self.legs[leg].arena[group][to..to + per_block].copy_from_slice(&values);
                 copied += 1;
                 bytes += per_block as u64 * 8;
             }
@@ -1393,7 +1723,11 @@ impl Sim {
             return Err(Failure::Read(format!("injected fault after {bytes} bytes")));
         }
         for check in checks {
-            let found = self.prefill.allocator.generation(check.group, check.block);
+            let found = self.legs[source]
+                .generations
+                .get(check.group)
+                .and_then(|table| table.get(check.block as usize))
+                .copied();
             if found != Some(check.generation) {
                 return Err(Failure::StaleBlock {
                     group: check.group as u64,
@@ -1409,83 +1743,30 @@ impl Sim {
         })
     }
 
-    /// The decode leg recomputes the last prompt token and "decodes": a digest of every KV value
-    /// it uses from its own blocks (read or prefix hits), which equals the expected digest only
-    /// if every one is right.
-    fn generate(&mut self, request: RequestId) -> Result<(Vec<u32>, u64), Failure> {
-        let leg = &mut self.decode;
-        let (Some(prompt), Some(lists)) = (leg.prompts.get(&request).cloned(), leg.allocator.blocks(request))
-        else {
-            return Err(Failure::Engine("request gone".into()));
-        };
-        let lists = lists.to_vec();
-        let mut digest = 0u64;
-        for (group, spec) in leg.config.layout.groups().iter().enumerate() {
-            let per_block = slots_per_block(spec);
-            if spec.kind() == GroupKind::Mamba {
-                if prompt.len() >= 2 {
-                    digest = mix(digest, leg.arena[group][lists[group][0] as usize]);
-                }
-                continue;
-            }
-            for position in used_tokens(spec, prompt.len()) {
-                let block = lists[group]
-                    .get(position / per_block)
-                    .copied()
-                    .unwrap_or(NULL_BLOCK);
-                if block == NULL_BLOCK {
-                    return Err(Failure::Engine(format!(
-                        "group {group}: no block at token {position}"
-                    )));
-                }
-                digest = mix(
-                    digest,
-                    leg.arena[group][block as usize * per_block + position % per_block],
-                );
-            }
-            // The recomputed last token's KV lands in its block (a later prefix hit may use it).
-            let last = prompt.len() - 1;
-            if let Some(&block) = lists[group].get(last / per_block)
-                && block != NULL_BLOCK
-            {
-                leg.arena[group][block as usize * per_block + last % per_block] =
-                    kv_value(&prompt, group, last);
-            }
-        }
-        Ok((vec![(digest & 0xffff) as u32], digest))
-    }
-
-    fn restart(&mut self, name: &NodeId) {
+    fn restart(&mut self, leg: usize) {
         self.count(Fault::Restart);
         let incarnation = Incarnation(self.rng.next());
-        let Some(leg) = self.leg_mut(name) else { return };
-        let mut config = leg.config.clone();
-        config.incarnation = incarnation;
-        let prefix_caching = name.0 == DECODE;
-        *leg = Leg::new(&name.0, incarnation, config, prefix_caching);
-        let at = self.now_ms + DETECT_MS;
-        self.schedule(
-            at,
-            Event::Detected {
-                leg: name.clone(),
-                incarnation,
-            },
-        );
+        let state = &self.legs[leg];
+        let mut config = state.config.clone();
+        config.leg.incarnation = incarnation;
+        let (name, role, prefix_caching) = (state.name.clone(), state.role, state.prefix_caching);
+        self.legs[leg] = SimLeg::new(name, role, config, prefix_caching);
+        self.schedule(self.now_ms + DETECT_MS, Event::Detected { leg, incarnation });
     }
 
     fn check_step(&mut self) {
         let now = self.now_ms;
         let late = self
             .routes
-            .keys()
-            .find(|request| {
-                self.deadlines
-                    .get(request)
-                    .is_some_and(|&deadline| now > deadline)
+            .values()
+            .find(|route| {
+                self.clients
+                    .get(&route.client)
+                    .is_some_and(|state| now > state.deadline_ms)
             })
-            .copied();
-        if let Some(request) = late {
-            self.violation(format!("{request} still open after its deadline"));
+            .map(|route| route.client);
+        if let Some(client) = late {
+            self.violation(format!("{client} still open after its deadline"));
         }
     }
 
@@ -1495,11 +1776,11 @@ impl Sim {
         let unended: Vec<RequestId> = self
             .prompts
             .keys()
-            .filter(|request| !self.outcomes.contains_key(request))
+            .filter(|client| !self.outcomes.contains_key(client))
             .copied()
             .collect();
-        for request in unended {
-            self.violation(format!("{request} never ended"));
+        for client in unended {
+            self.violation(format!("{client} never ended"));
         }
         // With nothing lost on the way, every grant was released and every block given back by
         // the time the last request ended: nothing may wait for a lease to lapse.
@@ -1511,11 +1792,10 @@ impl Sim {
             }
         }
         self.now_ms += 2 * LEASE_MS + 1;
-        for leg in [&mut self.prefill, &mut self.decode] {
-            leg.frozen_until_ms = 0;
-            for grant in leg.grants.expire(self.now_ms) {
-                leg.allocator.unpin(&grant.blocks).ok();
-            }
+        for leg in 0..self.legs.len() {
+            self.legs[leg].frozen_until_ms = 0;
+            self.legs[leg].node.handle_timeout(self.now_ms);
+            self.carry_out(leg);
         }
         for held in self.holding_legs() {
             self.violation(format!("{held} after quiesce and lease expiry"));
@@ -1524,21 +1804,39 @@ impl Sim {
 
     /// What each leg that is not idle still holds, in words.
     fn holding_legs(&self) -> Vec<String> {
-        [&self.prefill, &self.decode]
-            .into_iter()
+        self.legs
+            .iter()
             .filter(|leg| !leg.is_idle())
             .map(|leg| {
-                let free: Vec<usize> = (0..self.layout.groups().len())
-                    .map(|group| leg.allocator.free_blocks(group))
-                    .collect();
+                let load = leg.node.load();
                 format!(
-                    "{} holds blocks or grants: free {free:?} of {BLOCKS_PER_GROUP}, {} grants, {} requests' blocks, {} machines",
+                    "{} holds blocks or grants: free {:?} of {:?}, {} grants, {} requests' blocks, {} machines",
                     leg.name,
-                    leg.grants.len(),
-                    leg.allocator.num_requests(),
-                    leg.prefills.len() + leg.decodes.len()
+                    load.free_blocks,
+                    load.capacity,
+                    load.grants,
+                    load.requests,
+                    leg.node.num_jobs()
                 )
             })
             .collect()
     }
+}
+
+/// The legs a failed attempt's failure names, by the retry policy's definition
+/// (docs/ARCHITECTURE.md, "Failure behaviour"): a lost, unreachable or refusing leg; the
+/// prefill leg of a READ that failed for a reason other than time or the client.
+fn legs_named(stage: Stage, reason: &Failure, prefill: &NodeId, decode: &NodeId) -> Vec<NodeId> {
+    let mut named = Vec::new();
+    match reason {
+        Failure::LegLost(leg) | Failure::Unreachable { to: leg, .. } | Failure::Refused { node: leg, .. }
+            if leg == prefill || leg == decode =>
+        {
+            named.push(leg.clone());
+        }
+        Failure::DeadlinePassed | Failure::Cancelled => {}
+        _ if stage == Stage::Read => named.push(prefill.clone()),
+        _ => {}
+    }
+    named
 }

@@ -4,21 +4,40 @@
 
 use pdkv_core::testing::{SimConfig, simulate};
 
+/// What a run of many scenarios did, summed.
+#[derive(Default)]
+struct Summary {
+    ok: u32,
+    failed: u32,
+    retried: u32,
+    streamed: u32,
+    largest: u32,
+    violations: Vec<String>,
+}
+
 fn run(seeds: std::ops::Range<u64>, faults: bool) -> (u32, u32, Vec<String>) {
-    let (mut ok, mut failed, mut violations) = (0, 0, Vec::new());
+    let summary = summarize(seeds, faults);
+    (summary.ok, summary.failed, summary.violations)
+}
+
+fn summarize(seeds: std::ops::Range<u64>, faults: bool) -> Summary {
+    let mut summary = Summary::default();
     for seed in seeds {
         let report = simulate(SimConfig {
             seed,
             requests: 8,
             faults,
-            script: Vec::new(),
-            capture_messages: false,
+            ..SimConfig::default()
         });
-        ok += report.ok;
-        failed += report.failed;
-        violations.extend(report.violations);
+        summary.ok += report.ok;
+        summary.failed += report.failed;
+        summary.retried += report.retried;
+        summary.streamed += report.streamed;
+        let legs = report.topology.prefills + report.topology.decodes;
+        summary.largest = summary.largest.max(legs);
+        summary.violations.extend(report.violations);
     }
-    (ok, failed, violations)
+    summary
 }
 
 /// Without faults every request is answered correctly: nothing fails, nothing leaks.
@@ -50,12 +69,24 @@ fn under_faults_no_request_is_wrong_hung_or_leaked() {
     assert!(ok > 0 && failed > 0, "ok {ok}, failed {failed}");
 }
 
+/// The scenarios exercise what the invariants are about: topologies up to 8P8D, streamed
+/// requests, and requests retried on other legs (a streamed retry among them), so a sound run
+/// means something.
+#[test]
+fn scenarios_span_topologies_streams_and_retries() {
+    let summary = summarize(20_000..21_000, true);
+    assert!(summary.violations.is_empty(), "{:?}", &summary.violations[..summary.violations.len().min(5)]);
+    assert_eq!(summary.largest, 16, "an 8x8 topology ran");
+    assert!(summary.streamed > 1_000, "streamed {}", summary.streamed);
+    assert!(summary.retried > 100, "retried {}", summary.retried);
+}
+
 /// Targeted scenarios: one request, one scripted fault, over many seeds (so over many layouts,
 /// prompt lengths and engines). Each checks the invariants (the report's violations) and how
 /// the request ended.
 mod targeted {
     use pdkv_core::leg::RequestOutcome;
-    use pdkv_core::testing::{BUDGET_MS, LEASE_MS, ScriptAction, Scripted, SimConfig, SimReport, simulate};
+    use pdkv_core::testing::{BUDGET_MS, LEASE_MS, ScriptAction, Scripted, SimConfig, SimReport, Topology, simulate};
     use pdkv_core::wire::{Failure, RequestId, Stage};
 
     const SEEDS: std::ops::Range<u64> = 0..200;
@@ -66,7 +97,12 @@ mod targeted {
             requests: 1,
             faults: false,
             script: script.to_vec(),
-            capture_messages: false,
+            topology: Some(Topology {
+                prefills: 1,
+                decodes: 1,
+            }),
+            max_retries: Some(0),
+            ..SimConfig::default()
         });
         assert!(report.violations.is_empty(), "{:?}", report.violations);
         report
@@ -137,6 +173,25 @@ mod targeted {
                 RequestOutcome::Output(output) if output.read_bytes == 0 => {}
                 other => panic!("seed {seed}: {other:?}"),
             }
+        }
+    }
+
+    /// The decode leg releases the grant of a READ that failed itself: with the router's abort
+    /// (the other path that frees it) lost, nothing may wait for the lease to lapse (a run
+    /// without random faults checks that at quiesce).
+    #[test]
+    fn a_failed_read_releases_its_grant_without_the_routers_abort() {
+        for seed in SEEDS {
+            let script = [
+                at("decode", 0, ScriptAction::FailNextRead),
+                at("abort", 0, ScriptAction::Drop),
+            ];
+            let report = run(seed, &script);
+            assert!(
+                matches!(outcome(&report), RequestOutcome::Failed { stage: Stage::Read, .. }),
+                "seed {seed}: {:?}",
+                outcome(&report)
+            );
         }
     }
 
