@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pdkv_actors::allocator::LegStats;
+use pdkv_actors::scheduler::LegStats;
 use pdkv_core::sampling::Sampling;
 use pdkv_core::wire::{LegLoad, NodeId};
 use serde_json::{Value, json};

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdkv_actors::allocator::Stats;
+use pdkv_actors::scheduler::Stats;
 use pdkv_actors::config::{AnyCluster, ClusterConfig, ROUTER_NODE};
 use pdkv_actors::node::{NodeProcess, resolve};
 use pdkv_core::wire::Role;
@@ -113,7 +113,7 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     system.block_on(async move {
         let process = NodeProcess::start(config, &args.node, identity).await?;
         let leg = process.leg().context("a leg node started without its leg")?;
-        let allocator = leg.allocator.clone();
+        let scheduler = leg.scheduler.clone();
         let (name, role, board, draining) = (
             process.name().clone(),
             process.role(),
@@ -121,15 +121,15 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             process.draining_flag(),
         );
         let readiness = Arc::new(move || pdkv_actors::node::readiness(&name, role, &board, &draining));
-        let gauges = allocator.clone();
+        let gauges = scheduler.clone();
         let gpus = admin::GpuTelemetry::from_environment();
         let state = AdminState {
             readiness,
             metrics,
             refresh: Some(Arc::new(move || {
-                let (allocator, gpus) = (gauges.clone(), gpus.clone());
+                let (scheduler, gpus) = (gauges.clone(), gpus.clone());
                 Box::pin(async move {
-                    if let Ok(stats) = allocator.send(Stats).await {
+                    if let Ok(stats) = scheduler.send(Stats).await {
                         export_stats(&stats);
                     }
                     gpus.export().await;
@@ -151,7 +151,7 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         process.drain();
         let deadline = Instant::now() + drain_bound;
         let idle = loop {
-            match allocator.send(Stats).await {
+            match scheduler.send(Stats).await {
                 Ok(stats) if stats.is_idle() => break true,
                 Ok(_) if Instant::now() < deadline => tokio::time::sleep(DRAIN_POLL).await,
                 _ => break false,
@@ -169,8 +169,8 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// Sets the leg's block gauges from its allocator's accounting.
-fn export_stats(stats: &pdkv_actors::allocator::LegStats) {
+/// Sets the leg's block gauges from its node's accounting.
+fn export_stats(stats: &pdkv_actors::scheduler::LegStats) {
     let load = &stats.load;
     for (group, (&free, &capacity)) in load.free_blocks.iter().zip(&load.capacity).enumerate() {
         let group = group.to_string();

@@ -290,7 +290,7 @@ pub(crate) fn wait_legs_idle(
     legs: &[(String, String)],
     groups: usize,
     timeout: std::time::Duration,
-) -> anyhow::Result<Vec<pdkv_actors::allocator::LegStats>> {
+) -> anyhow::Result<Vec<pdkv_actors::scheduler::LegStats>> {
     let deadline = Instant::now() + timeout;
     loop {
         let stats = legs
@@ -434,7 +434,7 @@ impl Printer {
 /// leg is idle.
 fn report(
     results: &[Comparison],
-    stats: &[pdkv_actors::allocator::LegStats],
+    stats: &[pdkv_actors::scheduler::LegStats],
     mode: &str,
     transport: &str,
     elapsed: std::time::Duration,

@@ -21,6 +21,7 @@ use actix::{Actor, Addr, Arbiter, ArbiterHandle, AsyncContext, Context, Recipien
 use pdkv_core::allocator::Allocator;
 use pdkv_core::grant::GrantTable;
 use pdkv_core::leg::LegConfig;
+use pdkv_core::node::LegNode;
 use pdkv_core::plan::RegionLayout;
 use pdkv_core::wire::{Incarnation, NodeId, RequestId, Role};
 use pdkv_transport::clock::MonotonicClock;
@@ -36,7 +37,6 @@ use pdkv_transport::tls::{ClusterCa, NodeIdentity};
 use tokio::sync::watch;
 
 use crate::Stop;
-use crate::allocator::{AllocatorActor, LegStats, Stats};
 use crate::compute::ComputePool;
 use crate::config::{ClusterConfig, LegThreads, LinkKind, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
@@ -46,7 +46,7 @@ use crate::hardware;
 use crate::link::{Admit, DoorService, Inbound, Link, LinkLost, LocalLink, QuicLink, SetLink};
 use crate::memory::LegMemory;
 use crate::router::{Generate, Router};
-use crate::scheduler::{Direct, LegContext, Output, Scheduler};
+use crate::scheduler::{Direct, LegContext, LegStats, Output, Scheduler, Stats};
 use crate::transfer::TransferActor;
 
 /// Where Linux states how many memory mappings one process may hold.
@@ -115,8 +115,6 @@ pub struct LegHandle {
     pub scheduler: Addr<Scheduler>,
     /// Its door to its peers.
     pub exchange: Addr<ExchangeActor>,
-    /// Its allocator (stats, grants).
-    pub allocator: Addr<AllocatorActor>,
     /// Its transfer actor (decode legs).
     pub transfer: Option<Addr<TransferActor>>,
     /// Its in-process or shared-memory READ engine (tests arm faults on it).
@@ -364,7 +362,7 @@ impl LocalCluster {
     pub async fn stats(&self) -> Result<Vec<LegStats>, RequestError> {
         let mut stats = Vec::with_capacity(self.legs.len());
         for leg in &self.legs {
-            stats.push(ask(&leg.allocator, Stats, "allocator").await?);
+            stats.push(ask(&leg.scheduler, Stats, "scheduler").await?);
         }
         Ok(stats)
     }
@@ -390,7 +388,6 @@ impl LocalCluster {
         for leg in &self.legs {
             let _ = leg.scheduler.try_send(Stop);
             let _ = leg.exchange.try_send(Stop);
-            let _ = leg.allocator.try_send(Stop);
             if let Some(transfer) = &leg.transfer {
                 let _ = transfer.try_send(Stop);
             }
@@ -556,19 +553,6 @@ pub(crate) fn start_leg(
     };
     let allocator = Allocator::new(&config.layout, &capacity, node.prefix_caching)?;
     let (freed_tx, freed_rx) = watch::channel(0u64);
-    let (name, actor_memory) = (node.name.clone(), memory.clone());
-    let allocator = AllocatorActor::start_in_arbiter(&arbiter, move |_| {
-        AllocatorActor::new(
-            name,
-            allocator,
-            grants,
-            clock,
-            limits.lease_ms,
-            actor_memory,
-            freed_tx,
-            limits.mailbox,
-        )
-    });
     let transfer = (node.role == Role::Decode).then(|| {
         let (layout, local_regions) = (config.layout.clone(), memory.regions.clone());
         let read_timeout = Duration::from_millis(limits.request_timeout_ms);
@@ -577,21 +561,31 @@ pub(crate) fn start_leg(
             TransferActor::new(engines, host, layout, local_regions, read_timeout, limits.mailbox)
         })
     });
-    let context = Arc::new(LegContext {
-        config: LegConfig {
-            node: node.name.clone(),
-            incarnation,
-            layout: config.layout.clone(),
-            lookahead_tokens: node.lookahead_tokens,
-            prefill_tokens: node.prefill_tokens,
-            pairing: config.exchange.pairing,
-            max_decode_tail_blocks: config.exchange.max_decode_tail_blocks,
-            alloc_wait_ms: limits.alloc_wait_ms,
+    let leg_config = LegConfig {
+        node: node.name.clone(),
+        incarnation,
+        layout: config.layout.clone(),
+        lookahead_tokens: node.lookahead_tokens,
+        prefill_tokens: node.prefill_tokens,
+        pairing: config.exchange.pairing,
+        max_decode_tail_blocks: config.exchange.max_decode_tail_blocks,
+        alloc_wait_ms: limits.alloc_wait_ms,
+    };
+    let leg_node = LegNode::new(
+        pdkv_core::node::NodeConfig {
+            leg: leg_config.clone(),
+            role: node.role,
+            lease_ms: limits.lease_ms,
+            wait_queue: limits.wait_queue,
         },
+        allocator,
+        grants,
+    );
+    let context = Arc::new(LegContext {
+        config: leg_config,
         limits,
         model: model.clone(),
         memory: memory.clone(),
-        allocator: allocator.clone(),
         transfer: transfer.clone(),
         compute: ComputePool::new(
             limits.compute_workers,
@@ -603,19 +597,12 @@ pub(crate) fn start_leg(
     // The scheduler and its exchange name each other: the exchange starts inside the
     // scheduler's constructor, on the same arbiter, and its address comes back here.
     let (exchange_tx, exchange_rx) = std::sync::mpsc::sync_channel(1);
-    let (door_hello, door_allocator, door_transfer) = (hello.clone(), allocator.clone(), transfer.clone());
+    let (door_hello, door_transfer) = (hello.clone(), transfer.clone());
     let build = move |ctx: &mut Context<Scheduler>| {
-        let exchange = ExchangeActor::new(
-            door_hello,
-            ctx.address().recipient(),
-            door_allocator,
-            door_transfer,
-            limits.mailbox,
-        )
-        .start();
+        let exchange = ExchangeActor::new(door_hello, ctx.address(), door_transfer, limits.mailbox).start();
         // The receiver below waits for exactly this send.
         let _ = exchange_tx.send(exchange.clone());
-        Scheduler::new(context, exchange)
+        Scheduler::new(context, leg_node, exchange, freed_tx)
     };
     let scheduler = match placement {
         Placement::Own(handle) => Scheduler::start_in_arbiter(&handle, build),
@@ -637,7 +624,6 @@ pub(crate) fn start_leg(
         incarnation,
         scheduler,
         exchange,
-        allocator,
         transfer,
         engine: mapped,
         engines,

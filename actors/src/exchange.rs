@@ -2,38 +2,26 @@
 //!
 //! It owns the leg's links and its table of admitted peers ([`Peers`]): it admits a peer from its
 //! hello (checking compatibility, and telling the transfer actor where a prefill leg's blocks
-//! sit), refuses envelopes from unknown senders or unknown incarnations, answers grant renewals
-//! and releases itself (through the allocator's one grant table), and hands every other message
-//! to the scheduler. The scheduler's outgoing messages leave through it.
-//!
-//! The trimming, clipping and pairing of block lists are pure functions of `pdkv_core::exchange`
-//! that the request machines call; nothing about a peer is known here but what its hello said.
+//! sit), refuses envelopes from unknown senders, on another's link or from unknown incarnations,
+//! and hands every other envelope to the scheduler with the role its sender said hello as: which
+//! message a leg takes from whom, grant renewals and releases included, is the leg's node's
+//! rule (`pdkv_core::node`). The scheduler's outgoing messages leave through it.
 
 use actix::{
-    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, Recipient, ResponseActFuture,
-    WrapFuture,
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseActFuture, WrapFuture,
 };
-use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId, Role};
+use pdkv_core::wire::{Body, NodeId, RequestId, Role};
 use pdkv_transport::control::{Hello, check_compat};
 
-use crate::allocator::{AllocatorActor, ReleaseGrant, RenewGrant, RevokeRequest, Stats};
 use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink, log_refusal};
+use crate::scheduler::{Deliver, Scheduler, Stats};
 use crate::transfer::{AddPeer, TransferActor};
-
-/// A message for the scheduler from a peer, already checked by the exchange.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<(), Refusal>")]
-pub struct Deliver {
-    /// The envelope.
-    pub envelope: Envelope,
-}
 
 /// The exchange actor of one leg.
 pub struct ExchangeActor {
     hello: Hello,
     peers: Peers,
-    scheduler: Recipient<Deliver>,
-    allocator: Addr<AllocatorActor>,
+    scheduler: Addr<Scheduler>,
     transfer: Option<Addr<TransferActor>>,
     mailbox: usize,
 }
@@ -42,8 +30,7 @@ impl ExchangeActor {
     /// The door of the leg that says `hello`.
     pub fn new(
         hello: Hello,
-        scheduler: Recipient<Deliver>,
-        allocator: Addr<AllocatorActor>,
+        scheduler: Addr<Scheduler>,
         transfer: Option<Addr<TransferActor>>,
         mailbox: usize,
     ) -> Self {
@@ -51,7 +38,6 @@ impl ExchangeActor {
             peers: Peers::new(hello.node.clone(), hello.incarnation),
             hello,
             scheduler,
-            allocator,
             transfer,
             mailbox,
         }
@@ -61,32 +47,16 @@ impl ExchangeActor {
         &self.hello.node
     }
 
-    fn send(&self, to: &NodeId, request: RequestId, budget_ms: u64, body: Body) {
+    /// Sends `body` to `to`; whether the link took it.
+    fn send(&self, to: &NodeId, request: RequestId, budget_ms: u64, body: Body) -> bool {
         let kind = body.kind();
-        let grants = matches!(body, Body::KvReady(_));
-        if let Err(error) = self.peers.send(to, request, budget_ms, body) {
-            tracing::warn!(node = %self.node(), %to, %request, kind, %error, "message not sent");
-            if grants {
-                // Nobody will hear of the grant: free its blocks now, not at lease end. (At most
-                // one per request, so `do_send` cannot pile messages up past the request rate.)
-                self.allocator.do_send(RevokeRequest { request });
+        match self.peers.send(to, request, budget_ms, body) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(node = %self.node(), %to, %request, kind, %error, "message not sent");
+                false
             }
         }
-    }
-
-    /// A renewal or release names the incarnation that issued the grant; another one's grant
-    /// ids mean nothing here.
-    fn issued_here(&self, issuer: Incarnation) -> Result<(), Refusal> {
-        if issuer == self.hello.incarnation {
-            return Ok(());
-        }
-        Err(Refusal::Grant {
-            node: self.hello.node.clone(),
-            detail: format!(
-                "the grant was issued by incarnation {issuer}, this node is incarnation {}",
-                self.hello.incarnation
-            ),
-        })
     }
 }
 
@@ -103,7 +73,7 @@ impl Actor for ExchangeActor {
 pub const LOAD_REPORT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl ExchangeActor {
-    /// Sends the leg's load (from its allocator's accounting) to every router linked to it.
+    /// Sends the leg's load (from its node's accounting) to every router linked to it.
     fn report_load(&mut self, ctx: &mut Context<Self>) {
         let routers: Vec<NodeId> = self
             .peers
@@ -115,7 +85,7 @@ impl ExchangeActor {
             return;
         }
         ctx.spawn(
-            self.allocator
+            self.scheduler
                 .send(Stats)
                 .into_actor(self)
                 .map(move |stats, actor, _| {
@@ -209,116 +179,40 @@ impl Handler<Inbound> for ExchangeActor {
     }
 }
 
-/// The answer to an inbound envelope, once whoever it went to has taken it.
+/// The answer to an inbound envelope, once the scheduler has taken it.
 type Answer = ResponseActFuture<ExchangeActor, Result<(), Refusal>>;
 
 impl ExchangeActor {
-    /// Checks an inbound envelope and sends it on: grant renewals and releases to the
-    /// allocator (answering the renewal), everything else to the scheduler.
-    fn route(&mut self, msg: Inbound, ctx: &mut Context<Self>) -> Result<Answer, Refusal> {
+    /// Checks who sent an inbound envelope and hands it to the scheduler with the sender's role.
+    fn route(&mut self, msg: Inbound, _ctx: &mut Context<Self>) -> Result<Answer, Refusal> {
         self.peers.check(&msg)?;
-        let sender_role = self.peers.hello(&msg.envelope.from).map(|hello| hello.role);
-        let expected = expected_sender(&msg.envelope.body);
-        if sender_role != Some(expected) {
-            return Err(Refusal::WrongSender {
-                node: msg.envelope.from.clone(),
-                body: msg.envelope.body.kind(),
-                expected,
-            });
-        }
-        let envelope = msg.envelope;
-        let wrong_leg = match &envelope.body {
-            Body::Prefill { .. } | Body::Renew { .. } | Body::Release { .. } => {
-                self.hello.role != Role::Prefill
-            }
-            Body::Decode { .. } | Body::Renewed { .. } => self.hello.role != Role::Decode,
-            Body::KvReady(_)
-            | Body::Output(_)
-            | Body::Failed { .. }
-            | Body::Load(_)
-            | Body::Tokens { .. } => true,
-            Body::Abort => false,
+        let from_role = self
+            .peers
+            .hello(&msg.envelope.from)
+            .map(|hello| hello.role)
+            .ok_or_else(|| Refusal::UnknownPeer(msg.envelope.from.clone()))?;
+        let deliver = Deliver {
+            envelope: msg.envelope,
+            from_role,
         };
-        if wrong_leg {
-            return Err(Refusal::Misrouted {
-                node: self.hello.node.clone(),
-                what: format!("a {} leg", self.hello.role),
-                body: envelope.body.kind(),
-            });
-        }
-        let (request, from, budget_ms) = (envelope.request, envelope.from.clone(), envelope.budget_ms);
         let node = self.hello.node.clone();
-        let grant_refused = move |error: String| Refusal::Grant {
-            node: node.clone(),
-            detail: error,
-        };
-        match envelope.body {
-            Body::Renew { grant, issuer } => {
-                self.issued_here(issuer)?;
-                let renew = RenewGrant {
-                    grant,
-                    peer: from.clone(),
-                };
-                let answer = self
-                    .allocator
-                    .send(renew)
-                    .into_actor(self)
-                    .map(move |result, actor, _| {
-                        let lease_ms = result
-                            .map_err(|error| grant_refused(error.to_string()))?
-                            .map_err(|error| grant_refused(error.to_string()))?;
-                        actor.send(&from, request, budget_ms, Body::Renewed { grant, lease_ms });
-                        Ok(())
-                    });
-                Ok(Box::pin(answer))
-            }
-            Body::Release { grant, issuer } => {
-                self.issued_here(issuer)?;
-                let release = ReleaseGrant { grant, peer: from };
-                let answer = self
-                    .allocator
-                    .send(release)
-                    .into_actor(self)
-                    .map(move |result, _, _| {
-                        result
-                            .map_err(|error| grant_refused(error.to_string()))?
-                            .map_err(|error| grant_refused(error.to_string()))
-                    });
-                Ok(Box::pin(answer))
-            }
-            body => {
-                if matches!(body, Body::Abort) && self.hello.role == Role::Prefill {
-                    // A finished prefill's grant outlives its machine: free it here.
-                    ctx.spawn(
-                        self.allocator
-                            .send(RevokeRequest { request })
-                            .into_actor(self)
-                            .map(|_, _, _| ()),
-                    );
-                }
-                let deliver = Deliver {
-                    envelope: Envelope { body, ..envelope },
-                };
-                let node = self.hello.node.clone();
-                let answer = self
-                    .scheduler
-                    .send(deliver)
-                    .into_actor(self)
-                    .map(move |result, _, _| {
-                        result.map_err(|error| Refusal::Busy {
-                            node,
-                            detail: format!("scheduler: {error}"),
-                        })?
-                    });
-                Ok(Box::pin(answer))
-            }
-        }
+        let answer = self
+            .scheduler
+            .send(deliver)
+            .into_actor(self)
+            .map(move |result, _, _| {
+                result.map_err(|error| Refusal::Busy {
+                    node,
+                    detail: format!("scheduler: {error}"),
+                })?
+            });
+        Ok(Box::pin(answer))
     }
 }
 
-/// The scheduler sends a message to a peer.
+/// The scheduler sends a message to a peer; answers whether the link took it.
 #[derive(Debug, Message)]
-#[rtype(result = "()")]
+#[rtype(result = "bool")]
 pub struct Outbound {
     /// The peer.
     pub to: NodeId,
@@ -331,22 +225,9 @@ pub struct Outbound {
 }
 
 impl Handler<Outbound> for ExchangeActor {
-    type Result = ();
+    type Result = bool;
 
     fn handle(&mut self, msg: Outbound, _ctx: &mut Self::Context) -> Self::Result {
-        self.send(&msg.to, msg.request, msg.budget_ms, msg.body);
-    }
-}
-
-/// The role that alone may send a message of this kind to a leg.
-fn expected_sender(body: &Body) -> Role {
-    match body {
-        Body::Prefill { .. } | Body::Decode { .. } | Body::Abort => Role::Router,
-        Body::Renew { .. } | Body::Release { .. } => Role::Decode,
-        Body::Renewed { .. } => Role::Prefill,
-        // Answers go to the router, never to a leg: refused as misrouted below.
-        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) | Body::Tokens { .. } => {
-            Role::Router
-        }
+        self.send(&msg.to, msg.request, msg.budget_ms, msg.body)
     }
 }

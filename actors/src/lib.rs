@@ -1,10 +1,9 @@
 //! pdkv-actors: the actix actors of a P/D cluster, and the reference engine they serve.
 //!
-//! Per leg: a [`scheduler::Scheduler`] (drives the leg's request machines from
-//! `pdkv_core::leg`), an [`allocator::AllocatorActor`] (blocks, prefix cache, the one grant
-//! table and its leases), an [`exchange::ExchangeActor`] (the leg's door: links, admitted peers,
-//! renewals and releases) and, on decode legs, a [`transfer::TransferActor`] (plans and READs
-//! through a READ engine). The reference engine computes on a bounded [`compute::ComputePool`],
+//! Per leg: a [`scheduler::Scheduler`] (drives the leg's node, `pdkv_core::node::LegNode`:
+//! its request machines, blocks and prefix cache, the one grant table and its leases, and the
+//! rules between them), an [`exchange::ExchangeActor`] (the leg's door: links, admitted peers)
+//! and, on decode legs, a [`transfer::TransferActor`] (plans and READs through a READ engine). The reference engine computes on a bounded [`compute::ComputePool`],
 //! never on the arbiter. A [`router::Router`] drives one router machine per request. Nodes talk
 //! over [`link`]s: actor mailboxes in one process, or QUIC with mutual TLS.
 //! [`cluster::LocalCluster`] runs a whole cluster in one process from `cluster.toml` ([`config`])
@@ -15,7 +14,6 @@
 //! never pass through a mailbox; every mailbox and link is bounded and every wait has a deadline.
 #![warn(missing_docs)]
 
-pub mod allocator;
 pub mod cluster;
 pub mod compute;
 pub mod config;
@@ -55,7 +53,6 @@ macro_rules! stoppable {
 }
 
 stoppable!(
-    allocator::AllocatorActor,
     exchange::ExchangeActor,
     router::Router,
     scheduler::Scheduler,

@@ -558,7 +558,6 @@ impl Actors {
             Actors::Leg(leg) => {
                 let _ = leg.scheduler.try_send(crate::Stop);
                 let _ = leg.exchange.try_send(crate::Stop);
-                let _ = leg.allocator.try_send(crate::Stop);
                 if let Some(transfer) = &leg.transfer {
                     let _ = transfer.try_send(crate::Stop);
                 }

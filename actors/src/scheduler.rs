@@ -1,13 +1,14 @@
-//! The scheduler actor: a thin shell around one leg's request machines
-//! ([`pdkv_core::leg::PrefillMachine`], [`pdkv_core::leg::DecodeMachine`]).
+//! The scheduler actor: a thin shell around one leg's [`LegNode`] (`pdkv_core::node`).
 //!
-//! The machines decide everything about a request: how long to wait for blocks, when to renew a
-//! lease, what to release on each path, when the request is over. The scheduler feeds them what
-//! happened (a message from a peer, the allocator's answer, a finished computation or READ, blocks
-//! freed, a timer) and carries out what they ask, in order: allocator commands go to the
-//! allocator actor, computations to the leg's [`ComputePool`], READs to the transfer actor,
-//! messages out through the exchange actor. It arms one timer per request at the machine's
-//! `poll_timeout`, and bounds how many requests may wait for blocks (`limits.wait_queue`).
+//! The node decides everything about the leg's requests: which messages it takes from whom,
+//! how long a request waits for blocks, when a lease is renewed or lapses, what is released on
+//! each path; its allocator and grant table live inside it. The scheduler feeds it what happened
+//! (a message from a peer, a finished computation, READ or generation, a timer) with one call,
+//! then carries out what it asks, in order: messages out through the exchange actor, freed
+//! blocks' generations into the leg's shared generation tables (before anything after them, so a
+//! reader's check sees a block freed before it can be reused), computations and generations on
+//! the leg's [`ComputePool`], READs on the transfer actor. One timer, armed at the node's
+//! `poll_timeout`, serves every request and lease of the leg.
 //!
 //! Time is a [`MonotonicClock`] in milliseconds; a request's deadline is its receive time plus
 //! the budget its envelope carried, so nodes need no synchronised clocks.
@@ -15,46 +16,33 @@
 //! [`Direct`] runs a request on this leg alone, outside the protocol: it is the reference that
 //! P/D output is checked against.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use actix::{
-    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, ResponseFuture, WrapFuture,
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, MessageResult, ResponseFuture,
+    WrapFuture,
 };
 use pdkv_core::allocator::{AllocError, Allocation, window_crosses_block};
 use pdkv_core::block::BlockId;
 use pdkv_core::layout::GroupKind;
-use pdkv_core::leg::{DecodeCommand, DecodeMachine, Generated, LegConfig, PrefillCommand, PrefillMachine};
+use pdkv_core::leg::{Generated, LegConfig};
+use pdkv_core::node::{LegNode, NodeOutput, Refusal};
 use pdkv_core::sampling::{self, Sampling, TokenLogprobs};
-use pdkv_core::wire::{Body, Envelope, Failure, NodeId, RequestId, Stage};
+use pdkv_core::wire::{Body, Envelope, Failure, LegLoad, NodeId, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use tokio::sync::watch;
 
-use crate::allocator::{Allocate, AllocatorActor, Extend, Finish, GrantBlocks, ReleaseWindow, RevokeGrant};
 use crate::compute::ComputePool;
 use crate::config::Limits;
 use crate::engine::{LogitsDigest, Model};
 use crate::error::{RequestError, ask};
-use crate::exchange::{Deliver, ExchangeActor, Outbound};
-use crate::link::Refusal;
+use crate::exchange::{ExchangeActor, Outbound};
 use crate::memory::LegMemory;
 use crate::timer::{self, MachineTimer};
 use crate::transfer::{Read, TransferActor};
-
-/// Requests a leg remembers having started or seen aborted, so that a duplicated or late
-/// request for one is refused instead of computed again.
-const TOMBSTONES_REMEMBERED: usize = 16384;
-
-/// How a remembered request was seen here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Tombstone {
-    /// It started here (and may have ended).
-    Started,
-    /// It was aborted before it started here.
-    Aborted,
-}
 
 /// A finished request's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,13 +102,11 @@ pub struct LegContext {
     pub model: Arc<Model>,
     /// The leg's KV memory.
     pub memory: Arc<LegMemory>,
-    /// The allocator actor.
-    pub allocator: Addr<AllocatorActor>,
     /// The transfer actor (decode legs).
     pub transfer: Option<Addr<TransferActor>>,
     /// Where the engine runs.
     pub compute: ComputePool,
-    /// Counts frees on this leg.
+    /// Counts frees on this leg (direct runs wait on it for blocks).
     pub freed: watch::Receiver<u64>,
     /// The leg's clock.
     pub clock: MonotonicClock,
@@ -141,116 +127,48 @@ impl LegContext {
     }
 }
 
-enum Machine {
-    Prefill(PrefillMachine),
-    Decode(DecodeMachine),
+/// A leg's block accounting, for leak checks and the demo's summary: its name and the load
+/// it reports to routers (one type for both).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LegStats {
+    /// Leg name.
+    pub node: NodeId,
+    /// Requests, grants and free blocks per group.
+    pub load: LegLoad,
 }
 
-enum Command {
-    Prefill(PrefillCommand),
-    Decode(DecodeCommand),
-}
-
-impl Machine {
-    fn poll_command(&mut self) -> Option<Command> {
-        match self {
-            Machine::Prefill(machine) => machine.poll_command().map(Command::Prefill),
-            Machine::Decode(machine) => machine.poll_command().map(Command::Decode),
-        }
+impl LegStats {
+    /// Whether nothing is held: free equals capacity in every group, no request, no grant.
+    pub fn is_idle(&self) -> bool {
+        self.load.is_idle()
     }
-
-    fn poll_timeout(&self) -> Option<u64> {
-        match self {
-            Machine::Prefill(machine) => machine.poll_timeout(),
-            Machine::Decode(machine) => machine.poll_timeout(),
-        }
-    }
-
-    fn is_done(&self) -> bool {
-        match self {
-            Machine::Prefill(machine) => machine.is_done(),
-            Machine::Decode(machine) => machine.is_done(),
-        }
-    }
-
-    fn is_waiting_for_blocks(&self) -> bool {
-        match self {
-            Machine::Prefill(machine) => machine.is_waiting_for_blocks(),
-            Machine::Decode(machine) => machine.is_waiting_for_blocks(),
-        }
-    }
-
-    fn handle_queue_full(&mut self, capacity: u64) {
-        match self {
-            Machine::Prefill(machine) => machine.handle_queue_full(capacity),
-            Machine::Decode(machine) => machine.handle_queue_full(capacity),
-        }
-    }
-
-    fn handle_blocks_freed(&mut self) {
-        match self {
-            Machine::Prefill(machine) => machine.handle_blocks_freed(),
-            Machine::Decode(machine) => machine.handle_blocks_freed(),
-        }
-    }
-
-    fn handle_timeout(&mut self, now_ms: u64) {
-        match self {
-            Machine::Prefill(machine) => machine.handle_timeout(now_ms),
-            Machine::Decode(machine) => machine.handle_timeout(now_ms),
-        }
-    }
-
-    fn handle_abort(&mut self) {
-        match self {
-            Machine::Prefill(machine) => machine.handle_abort(),
-            Machine::Decode(machine) => machine.handle_abort(),
-        }
-    }
-}
-
-/// One request on this leg: its machine and what the shell keeps for it.
-struct Job {
-    machine: Machine,
-    prompt: Arc<[u32]>,
-    /// The request's blocks per group, as the allocator last listed them.
-    lists: Vec<Vec<BlockId>>,
-    deadline_ms: u64,
-    timer: MachineTimer,
-    /// The router to send each generated token to (a streaming decode request).
-    stream_to: Option<NodeId>,
-    /// Set by [`DecodeCommand::StopGenerating`]; the generation checks it between tokens.
-    stop: Arc<AtomicBool>,
 }
 
 /// The scheduler actor of one leg.
 pub struct Scheduler {
     leg: Arc<LegContext>,
     exchange: Addr<ExchangeActor>,
-    jobs: HashMap<RequestId, Job>,
-    /// Requests started or aborted here, oldest first (at most [`TOMBSTONES_REMEMBERED`]): a
-    /// request message for one — duplicated, or reordered past its abort — is refused, not
-    /// started again.
-    tombstone_order: VecDeque<RequestId>,
-    tombstones: HashMap<RequestId, Tombstone>,
-    /// Taken while a wait for the next free is pending.
-    freed: Option<watch::Receiver<u64>>,
-    /// New requests are refused ([`Drain`]).
-    draining: bool,
+    node: LegNode,
+    /// The one timer: the node's next deadline (a machine's or a lease's).
+    timer: MachineTimer,
+    /// Set by [`NodeOutput::StopGenerating`]; a running generation checks its flag between
+    /// tokens.
+    stops: HashMap<RequestId, Arc<AtomicBool>>,
+    /// Counts frees, for direct runs waiting for blocks.
+    freed: watch::Sender<u64>,
 }
 
 impl Scheduler {
-    /// A scheduler over `leg`, sending through `exchange`.
-    pub fn new(leg: Arc<LegContext>, exchange: Addr<ExchangeActor>) -> Self {
-        let freed = Some(leg.freed.clone());
+    /// A scheduler driving `node` over `leg`, sending through `exchange`, counting frees on
+    /// `freed` (the sender of `leg.freed`).
+    pub fn new(leg: Arc<LegContext>, node: LegNode, exchange: Addr<ExchangeActor>, freed: watch::Sender<u64>) -> Self {
         Scheduler {
             leg,
             exchange,
-            jobs: HashMap::new(),
-            tombstone_order: VecDeque::new(),
-            tombstones: HashMap::new(),
+            node,
+            timer: None,
+            stops: HashMap::new(),
             freed,
-            draining: false,
         }
     }
 
@@ -258,102 +176,131 @@ impl Scheduler {
         self.leg.clock.now_ms()
     }
 
-    /// Wakes waiting requests whenever the allocator frees blocks.
-    fn watch_frees(&mut self, ctx: &mut Context<Self>) {
-        let Some(mut freed) = self.freed.take() else {
-            return;
-        };
-        let changed = async move {
-            let open = freed.changed().await.is_ok();
-            (open, freed)
-        };
-        ctx.spawn(changed.into_actor(self).map(|(open, freed), actor, ctx| {
-            actor.freed = Some(freed);
-            if !open {
-                return;
-            }
-            let waiting: Vec<RequestId> = actor
-                .jobs
-                .iter()
-                .filter(|(_, job)| job.machine.is_waiting_for_blocks())
-                .map(|(&request, _)| request)
-                .collect();
-            for request in waiting {
-                if let Some(job) = actor.jobs.get_mut(&request) {
-                    job.machine.handle_blocks_freed();
+    /// Carries out what the node asks, in order, then re-arms the node's timer.
+    fn carry_out(&mut self, ctx: &mut Context<Self>) {
+        while let Some(output) = self.node.poll_output() {
+            match output {
+                NodeOutput::Send(out) => self.send(out.to, out.request, out.budget_ms, out.body, ctx),
+                NodeOutput::Freed(blocks) => self.publish_freed(&blocks),
+                NodeOutput::Compute {
+                    request,
+                    prompt,
+                    lists,
+                    tokens,
+                } => {
+                    let leg = self.leg.clone();
+                    let work = async move {
+                        let pool = leg.compute.clone();
+                        pool.run(tokens, move || compute_prompt(&leg, &prompt, &lists, tokens))
+                            .await
+                    };
+                    ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
+                        let now = actor.now_ms();
+                        actor.node.handle_computed(request, result, now);
+                        actor.carry_out(ctx);
+                    }));
                 }
-                actor.drive(request, ctx);
+                NodeOutput::Read {
+                    request,
+                    prefill,
+                    grant,
+                    pairing,
+                    checks,
+                    ..
+                } => {
+                    let read = Read {
+                        request,
+                        prefill,
+                        grant,
+                        pairing,
+                        checks,
+                    };
+                    let transfer = self.leg.transfer.clone();
+                    let node = self.leg.node().clone();
+                    let work = async move {
+                        match transfer {
+                            Some(transfer) => transfer
+                                .send(read)
+                                .await
+                                .unwrap_or_else(|error| Err(Failure::Read(format!("transfer actor: {error}")))),
+                            None => Err(Failure::BadParams(format!(
+                                "{node} is a prefill leg and cannot read"
+                            ))),
+                        }
+                    };
+                    ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
+                        let now = actor.now_ms();
+                        actor.node.handle_read_done(request, result, now);
+                        actor.carry_out(ctx);
+                    }));
+                }
+                NodeOutput::Generate {
+                    request,
+                    prompt,
+                    lists,
+                    slots,
+                    max_tokens,
+                    deadline_ms,
+                    sampling,
+                    stream_to,
+                } => {
+                    let stop = Arc::new(AtomicBool::new(false));
+                    self.stops.insert(request, stop.clone());
+                    let sink = stream_to.map(|router| self.token_sink(request, router, deadline_ms));
+                    let run = Generation {
+                        request,
+                        lists,
+                        slots,
+                        max_tokens,
+                        sampling,
+                        windows_released_for: Some(prompt.len() as u64 - 1),
+                        deadline_ms,
+                        sink,
+                        stop,
+                    };
+                    let work = generate(self.leg.clone(), ctx.address(), prompt, run);
+                    ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
+                        actor.stops.remove(&request);
+                        let now = actor.now_ms();
+                        actor.node.handle_generated(request, result, now);
+                        actor.carry_out(ctx);
+                    }));
+                }
+                NodeOutput::LeaseExpired { grant, request, peer } => {
+                    metrics::counter!("pdkv_lease_expired_total").increment(1);
+                    tracing::warn!(node = %self.leg.node(), grant = grant.0, %request, %peer, "lease expired, unpinning");
+                }
+                NodeOutput::StopGenerating { request } => {
+                    if let Some(stop) = self.stops.get(&request) {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                }
             }
-            actor.watch_frees(ctx);
-        }));
+        }
+        while let Some(anomaly) = self.node.poll_anomaly() {
+            tracing::error!(node = %self.leg.node(), %anomaly, "leg rule broken (a bug)");
+        }
+        let (next, now) = (self.node.poll_timeout(), self.now_ms());
+        timer::rearm(&mut self.timer, next, now, ctx, |actor: &mut Scheduler, ctx| {
+            actor.timer = None;
+            let now = actor.now_ms();
+            actor.node.handle_timeout(now);
+            actor.carry_out(ctx);
+        });
     }
 
-    /// Carries out what the request's machine asks, then re-arms its timer or forgets it.
-    fn drive(&mut self, request: RequestId, ctx: &mut Context<Self>) {
-        loop {
-            let Some(job) = self.jobs.get_mut(&request) else {
-                return;
-            };
-            let Some(command) = job.machine.poll_command() else {
-                break;
-            };
-            match command {
-                Command::Prefill(command) => self.prefill_command(request, command, ctx),
-                Command::Decode(command) => self.decode_command(request, command, ctx),
-            }
-        }
-        let Some(job) = self.jobs.get_mut(&request) else {
-            return;
-        };
-        if job.machine.is_done() {
-            if let Some(mut job) = self.jobs.remove(&request) {
-                timer::cancel(&mut job.timer, ctx);
-            }
-            return;
-        }
-        let next = job.machine.poll_timeout();
-        let now = self.leg.clock.now_ms();
-        timer::rearm(
-            &mut job.timer,
-            next,
-            now,
-            ctx,
-            move |actor: &mut Scheduler, ctx| {
-                let now = actor.now_ms();
-                if let Some(job) = actor.jobs.get_mut(&request) {
-                    job.timer = None;
-                    job.machine.handle_timeout(now);
-                }
-                actor.drive(request, ctx);
-            },
-        );
-    }
-
-    /// Feeds the machine of `request` (if it still runs) and drives it.
-    fn with_machine(
-        &mut self,
-        request: RequestId,
-        ctx: &mut Context<Self>,
-        feed: impl FnOnce(&mut Job, u64),
-    ) {
-        let now = self.now_ms();
-        if let Some(job) = self.jobs.get_mut(&request) {
-            feed(job, now);
-            if job.machine.is_waiting_for_blocks() {
-                let capacity = self.leg.limits.wait_queue;
-                let waiting = self
-                    .jobs
-                    .values()
-                    .filter(|job| job.machine.is_waiting_for_blocks())
-                    .count();
-                if waiting > capacity
-                    && let Some(job) = self.jobs.get_mut(&request)
-                {
-                    job.machine.handle_queue_full(capacity as u64);
+    /// Mirrors freed blocks' new generations into the leg's shared generation tables (which
+    /// readers check after copying), then wakes direct runs waiting for blocks.
+    fn publish_freed(&mut self, blocks: &[pdkv_core::allocator::FreedBlock]) {
+        for block in blocks {
+            if let Some(table) = self.leg.memory.generations.get(block.group) {
+                // The table holds capacity + 1 words; the allocator only frees ids it owns.
+                if let Err(error) = table.store_u32(block.block as usize, block.generation) {
+                    tracing::error!(node = %self.leg.node(), %error, "generation table too small");
                 }
             }
         }
-        self.drive(request, ctx);
+        self.freed.send_modify(|frees| *frees = frees.wrapping_add(1));
     }
 
     /// A sink that sends each token to `router` as a `Tokens` message, from any thread. A token
@@ -373,21 +320,9 @@ impl Scheduler {
         })
     }
 
-    /// Sends `body` about a running request, with the budget its deadline leaves.
-    fn send(&self, request: RequestId, to: NodeId, body: Body, ctx: &mut Context<Self>) {
-        let deadline_ms = self.jobs.get(&request).map_or(0, |job| job.deadline_ms);
-        let budget_ms = deadline_ms.saturating_sub(self.now_ms());
-        self.send_with_budget(request, to, budget_ms, body, ctx);
-    }
-
-    fn send_with_budget(
-        &self,
-        request: RequestId,
-        to: NodeId,
-        budget_ms: u64,
-        body: Body,
-        ctx: &mut Context<Self>,
-    ) {
+    /// Sends `body` through the exchange; a grant that cannot go out is revoked by the node.
+    fn send(&self, to: NodeId, request: RequestId, budget_ms: u64, body: Body, ctx: &mut Context<Self>) {
+        let grants = matches!(body, Body::KvReady(_));
         let message = Outbound {
             to,
             request,
@@ -398,431 +333,20 @@ impl Scheduler {
             self.exchange
                 .send(message)
                 .into_actor(self)
-                .map(|result, actor, _| {
-                    if let Err(error) = result {
+                .map(move |result, actor, ctx| match result {
+                    Ok(true) => {}
+                    Ok(false) if grants => {
+                        // Nobody will hear of the grant: free its blocks now, not at lease end.
+                        let now = actor.now_ms();
+                        actor.node.handle_kv_ready_undeliverable(request, now);
+                        actor.carry_out(ctx);
+                    }
+                    Ok(false) => {}
+                    Err(error) => {
                         tracing::error!(node = %actor.leg.node(), %error, "exchange unreachable");
                     }
                 }),
         );
-    }
-
-    fn allocate(
-        &self,
-        request: RequestId,
-        slots: u64,
-        attending_token: Option<u64>,
-        ctx: &mut Context<Self>,
-    ) {
-        let Some(job) = self.jobs.get(&request) else {
-            return;
-        };
-        let message = Allocate {
-            request,
-            prompt: job.prompt.clone(),
-            slots,
-            attending_token,
-        };
-        ctx.spawn(
-            self.leg
-                .allocator
-                .send(message)
-                .into_actor(self)
-                .map(move |result, actor, ctx| {
-                    let result = match result {
-                        Ok(result) => result,
-                        Err(error) => return actor.lost_allocator(request, error),
-                    };
-                    actor.with_machine(request, ctx, |job, now| {
-                        if let Ok(allocation) = &result {
-                            job.lists = allocation.blocks.clone();
-                        }
-                        match &mut job.machine {
-                            Machine::Prefill(machine) => machine.handle_allocated(result.map(|_| ()), now),
-                            Machine::Decode(machine) => machine.handle_allocated(result, now),
-                        }
-                    });
-                }),
-        );
-    }
-
-    fn finish(&self, request: RequestId, cache_prompt: Option<Arc<[u32]>>, ctx: &mut Context<Self>) {
-        let message = Finish {
-            request,
-            cache_prompt,
-        };
-        ctx.spawn(self.leg.allocator.send(message).into_actor(self).map(
-            move |result, actor, _| match result {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => {
-                    tracing::error!(node = %actor.leg.node(), %request, %error, "finish failed")
-                }
-                Err(error) => {
-                    tracing::error!(node = %actor.leg.node(), %request, %error, "finish not delivered")
-                }
-            },
-        ));
-    }
-
-    /// The allocator is gone (the leg is shutting down): nothing more can happen for `request`.
-    fn lost_allocator(&mut self, request: RequestId, error: actix::MailboxError) {
-        tracing::error!(node = %self.leg.node(), %request, %error, "allocator unreachable, dropping the request");
-        self.jobs.remove(&request);
-    }
-
-    fn prefill_command(&mut self, request: RequestId, command: PrefillCommand, ctx: &mut Context<Self>) {
-        match command {
-            PrefillCommand::Allocate { slots } => self.allocate(request, slots, None, ctx),
-            PrefillCommand::Compute { tokens } => {
-                let Some(job) = self.jobs.get(&request) else {
-                    return;
-                };
-                let (leg, prompt, lists) = (self.leg.clone(), job.prompt.clone(), job.lists.clone());
-                let work = async move {
-                    let pool = leg.compute.clone();
-                    pool.run(tokens, move || compute_prompt(&leg, &prompt, &lists, tokens))
-                        .await
-                };
-                ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
-                    actor.with_machine(request, ctx, |job, now| {
-                        if let Machine::Prefill(machine) = &mut job.machine {
-                            machine.handle_computed(result, now);
-                        }
-                    });
-                }));
-            }
-            PrefillCommand::ReleaseWindow { attending_token } => {
-                let message = ReleaseWindow {
-                    request,
-                    attending_token,
-                };
-                ctx.spawn(self.leg.allocator.send(message).into_actor(self).map(
-                    move |result, actor, ctx| {
-                        let result = match result {
-                            Ok(result) => result,
-                            Err(error) => return actor.lost_allocator(request, error),
-                        };
-                        actor.with_machine(request, ctx, |job, _| {
-                            if let Ok(lists) = &result {
-                                job.lists = lists.clone();
-                            }
-                            if let Machine::Prefill(machine) = &mut job.machine {
-                                machine.handle_window_released(result);
-                            }
-                        });
-                    },
-                ));
-            }
-            PrefillCommand::Grant { lists, peer } => {
-                let message = GrantBlocks { request, peer, lists };
-                ctx.spawn(self.leg.allocator.send(message).into_actor(self).map(
-                    move |result, actor, ctx| {
-                        let result = match result {
-                            Ok(result) => result.map_err(|error| error.to_failure()),
-                            Err(error) => return actor.lost_allocator(request, error),
-                        };
-                        actor.with_machine(request, ctx, |job, now| {
-                            if let Machine::Prefill(machine) = &mut job.machine {
-                                machine.handle_granted(result, now);
-                            }
-                        });
-                    },
-                ));
-            }
-            PrefillCommand::Revoke { grant } => {
-                ctx.spawn(
-                    self.leg
-                        .allocator
-                        .send(RevokeGrant { grant })
-                        .into_actor(self)
-                        .map(|_, _, _| ()),
-                );
-            }
-            PrefillCommand::Finish => self.finish(request, None, ctx),
-            PrefillCommand::Send { to, body } => self.send(request, to, body, ctx),
-        }
-    }
-
-    fn decode_command(&mut self, request: RequestId, command: DecodeCommand, ctx: &mut Context<Self>) {
-        match command {
-            DecodeCommand::Allocate {
-                slots,
-                attending_token,
-            } => self.allocate(request, slots, Some(attending_token), ctx),
-            DecodeCommand::Read { pairing, checks } => {
-                let Some(Job {
-                    machine: Machine::Decode(machine),
-                    ..
-                }) = self.jobs.get(&request)
-                else {
-                    return;
-                };
-                let read = Read {
-                    request,
-                    prefill: machine.prefill_node().clone(),
-                    grant: machine.grant(),
-                    pairing,
-                    checks,
-                };
-                let transfer = self.leg.transfer.clone();
-                let node = self.leg.node().clone();
-                let work = async move {
-                    match transfer {
-                        Some(transfer) => transfer
-                            .send(read)
-                            .await
-                            .unwrap_or_else(|error| Err(Failure::Read(format!("transfer actor: {error}")))),
-                        None => Err(Failure::BadParams(format!(
-                            "{node} is a prefill leg and cannot read"
-                        ))),
-                    }
-                };
-                ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
-                    actor.with_machine(request, ctx, |job, now| {
-                        if let Machine::Decode(machine) = &mut job.machine {
-                            machine.handle_read_done(result, now);
-                        }
-                    });
-                }));
-            }
-            DecodeCommand::Generate {
-                slots,
-                max_tokens,
-                deadline_ms,
-                sampling,
-            } => {
-                let Some(job) = self.jobs.get(&request) else {
-                    return;
-                };
-                let prompt = job.prompt.clone();
-                let sink = job
-                    .stream_to
-                    .clone()
-                    .map(|router| self.token_sink(request, router, deadline_ms));
-                let run = Generation {
-                    request,
-                    lists: job.lists.clone(),
-                    slots,
-                    max_tokens,
-                    sampling,
-                    windows_released_for: Some(prompt.len() as u64 - 1),
-                    deadline_ms,
-                    sink,
-                    stop: job.stop.clone(),
-                };
-                let work = generate(self.leg.clone(), prompt, run);
-                ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
-                    actor.with_machine(request, ctx, |job, _| {
-                        if let Machine::Decode(machine) = &mut job.machine {
-                            machine.handle_generated(result);
-                        }
-                    });
-                }));
-            }
-            DecodeCommand::StopGenerating => {
-                if let Some(job) = self.jobs.get(&request) {
-                    job.stop.store(true, Ordering::Relaxed);
-                }
-            }
-            DecodeCommand::Finish { cache_prompt } => {
-                let prompt = self.jobs.get(&request).map(|job| job.prompt.clone());
-                self.finish(request, prompt.filter(|_| cache_prompt), ctx);
-            }
-            DecodeCommand::Send { to, body } => self.send(request, to, body, ctx),
-        }
-    }
-
-    /// Starts or feeds the machine of the request an envelope is about. Duplicates of a request
-    /// already running and aborts of a request already over are accepted and change nothing;
-    /// a renewal for a request this leg does not run is refused.
-    fn deliver(&mut self, envelope: Envelope, ctx: &mut Context<Self>) -> Result<(), Refusal> {
-        let now = self.now_ms();
-        let Envelope {
-            request,
-            from,
-            budget_ms,
-            body,
-            ..
-        } = envelope;
-        let deadline_ms = now.saturating_add(budget_ms);
-        let new_job =
-            matches!(body, Body::Prefill { .. } | Body::Decode { .. }) && !self.jobs.contains_key(&request);
-        if new_job && self.draining {
-            let stage = if matches!(body, Body::Prefill { .. }) {
-                Stage::Prefill
-            } else {
-                Stage::Decode
-            };
-            let reason = "draining: the leg is shutting down".to_string();
-            let failed = Body::Failed {
-                stage,
-                reason: Failure::Refused {
-                    node: self.leg.node().clone(),
-                    reason: reason.clone(),
-                },
-            };
-            self.send_with_budget(request, from, budget_ms, failed, ctx);
-            return Err(Refusal::Busy {
-                node: self.leg.node().clone(),
-                detail: reason,
-            });
-        }
-        if matches!(body, Body::Prefill { .. } | Body::Decode { .. }) {
-            match self.tombstones.get(&request) {
-                Some(Tombstone::Aborted) => {
-                    return Err(Refusal::Aborted {
-                        node: self.leg.node().clone(),
-                        request,
-                    });
-                }
-                Some(Tombstone::Started) => {
-                    tracing::debug!(node = %self.leg.node(), %request, kind = body.kind(), "refused: already started here");
-                    return Err(Refusal::Duplicate {
-                        node: self.leg.node().clone(),
-                        request,
-                    });
-                }
-                None => {}
-            }
-        }
-        if let Body::Decode { sampling, .. } = &body
-            && let Err(error) = sampling.check()
-        {
-            let detail = format!("sampling: {error}");
-            tracing::warn!(node = %self.leg.node(), %request, %detail, "decode refused: bad sampling");
-            let failed = Body::Failed {
-                stage: Stage::Decode,
-                reason: Failure::BadParams(detail.clone()),
-            };
-            self.send_with_budget(request, from, budget_ms, failed, ctx);
-            return Err(Refusal::BadMessage {
-                node: self.leg.node().clone(),
-                detail,
-            });
-        }
-        match body {
-            Body::Prefill { prompt, decode } if !self.jobs.contains_key(&request) => {
-                let prompt_arc: Arc<[u32]> = prompt.clone().into();
-                let machine = PrefillMachine::new(
-                    self.leg.config.clone(),
-                    request,
-                    from,
-                    prompt,
-                    decode,
-                    deadline_ms,
-                    now,
-                );
-                self.start(request, Machine::Prefill(machine), prompt_arc, deadline_ms, ctx);
-                Ok(())
-            }
-            Body::Decode { params, .. } if params.request != request => {
-                tracing::warn!(node = %self.leg.node(), %request, named = %params.request, "decode refused: kv params name another request");
-                // Told to the sender as a refusal and, for its request machine, as a failure.
-                let failure = Failure::BadParams(format!(
-                    "kv params are for {}, the message for {request}",
-                    params.request
-                ));
-                let failed = Body::Failed {
-                    stage: Stage::Decode,
-                    reason: failure,
-                };
-                self.send_with_budget(request, from, budget_ms, failed, ctx);
-                Err(Refusal::BadMessage {
-                    node: self.leg.node().clone(),
-                    detail: format!("kv params are for {}, the message for {request}", params.request),
-                })
-            }
-            Body::Decode {
-                params,
-                max_tokens,
-                stream,
-                sampling,
-            } if !self.jobs.contains_key(&request) => {
-                let prompt: Arc<[u32]> = params.prompt.clone().into();
-                let stream_to = stream.then(|| from.clone());
-                let machine = DecodeMachine::new(
-                    self.leg.config.clone(),
-                    from,
-                    params,
-                    max_tokens,
-                    deadline_ms,
-                    now,
-                )
-                .with_sampling(sampling);
-                self.start(request, Machine::Decode(machine), prompt, deadline_ms, ctx);
-                if let Some(job) = self.jobs.get_mut(&request) {
-                    job.stream_to = stream_to;
-                }
-                Ok(())
-            }
-            Body::Renewed { grant, lease_ms } => {
-                let Some(Job {
-                    machine: Machine::Decode(machine),
-                    ..
-                }) = self.jobs.get_mut(&request)
-                else {
-                    return Err(Refusal::UnknownRequest {
-                        node: self.leg.node().clone(),
-                        request,
-                    });
-                };
-                if machine.grant() == grant {
-                    machine.handle_renewed(lease_ms, now);
-                }
-                self.drive(request, ctx);
-                Ok(())
-            }
-            Body::Abort => {
-                match self.jobs.get_mut(&request) {
-                    Some(job) => job.machine.handle_abort(),
-                    None => self.remember(request, Tombstone::Aborted),
-                }
-                self.drive(request, ctx);
-                Ok(())
-            }
-            body => {
-                tracing::debug!(node = %self.leg.node(), %request, kind = body.kind(), "ignored (duplicate or late)");
-                Ok(())
-            }
-        }
-    }
-
-    fn remember(&mut self, request: RequestId, how: Tombstone) {
-        if self.tombstones.insert(request, how).is_some() {
-            return;
-        }
-        self.tombstone_order.push_back(request);
-        if self.tombstone_order.len() > TOMBSTONES_REMEMBERED
-            && let Some(oldest) = self.tombstone_order.pop_front()
-        {
-            self.tombstones.remove(&oldest);
-        }
-    }
-
-    fn start(
-        &mut self,
-        request: RequestId,
-        machine: Machine,
-        prompt: Arc<[u32]>,
-        deadline_ms: u64,
-        ctx: &mut Context<Self>,
-    ) {
-        let stage = match &machine {
-            Machine::Prefill(_) => "prefill",
-            Machine::Decode(_) => "decode",
-        };
-        metrics::counter!("pdkv_leg_requests_total", "stage" => stage).increment(1);
-        self.remember(request, Tombstone::Started);
-        let job = Job {
-            machine,
-            prompt,
-            lists: Vec::new(),
-            deadline_ms,
-            timer: None,
-            stream_to: None,
-            stop: Arc::new(AtomicBool::new(false)),
-        };
-        self.jobs.insert(request, job);
-        self.drive(request, ctx);
     }
 }
 
@@ -831,7 +355,37 @@ impl Actor for Scheduler {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         ctx.set_mailbox_capacity(self.leg.limits.mailbox);
-        self.watch_frees(ctx);
+    }
+}
+
+/// A message for the scheduler from a peer, already checked by the exchange (a known peer, its
+/// current incarnation, on its own link), with the role that peer said hello as.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), Refusal>")]
+pub struct Deliver {
+    /// The envelope.
+    pub envelope: Envelope,
+    /// The sender's role.
+    pub from_role: Role,
+}
+
+impl Handler<Deliver> for Scheduler {
+    type Result = Result<(), Refusal>;
+
+    fn handle(&mut self, msg: Deliver, ctx: &mut Self::Context) -> Self::Result {
+        let now = self.now_ms();
+        let (request, kind) = (msg.envelope.request, msg.envelope.body.kind());
+        let started = matches!(msg.envelope.body, Body::Prefill { .. } | Body::Decode { .. });
+        let result = self.node.handle_envelope(msg.from_role, msg.envelope, now);
+        if started && result.is_ok() {
+            let stage = if kind == "prefill" { "prefill" } else { "decode" };
+            metrics::counter!("pdkv_leg_requests_total", "stage" => stage).increment(1);
+        }
+        if let Err(refusal) = &result {
+            tracing::debug!(node = %self.leg.node(), %request, kind, %refusal, "refused");
+        }
+        self.carry_out(ctx);
+        result
     }
 }
 
@@ -845,16 +399,104 @@ impl Handler<Drain> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, _msg: Drain, _ctx: &mut Self::Context) -> Self::Result {
-        tracing::info!(node = %self.leg.node(), requests = self.jobs.len(), "draining");
-        self.draining = true;
+        tracing::info!(node = %self.leg.node(), requests = self.node.num_jobs(), "draining");
+        self.node.drain();
     }
 }
 
-impl Handler<Deliver> for Scheduler {
-    type Result = Result<(), Refusal>;
+/// Ask for the leg's [`LegStats`].
+#[derive(Debug, Message)]
+#[rtype(result = "LegStats")]
+pub struct Stats;
 
-    fn handle(&mut self, msg: Deliver, ctx: &mut Self::Context) -> Self::Result {
-        self.deliver(msg.envelope, ctx)
+impl Handler<Stats> for Scheduler {
+    type Result = MessageResult<Stats>;
+
+    fn handle(&mut self, _msg: Stats, _ctx: &mut Self::Context) -> Self::Result {
+        MessageResult(LegStats {
+            node: self.leg.node().clone(),
+            load: self.node.load(),
+        })
+    }
+}
+
+/// A running generation needs `slots` token slots: its lists, grown.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<Vec<BlockId>>, AllocError>")]
+struct Extend {
+    request: RequestId,
+    slots: u64,
+}
+
+impl Handler<Extend> for Scheduler {
+    type Result = Result<Vec<Vec<BlockId>>, AllocError>;
+
+    fn handle(&mut self, msg: Extend, ctx: &mut Self::Context) -> Self::Result {
+        let now = self.now_ms();
+        let result = self.node.extend(msg.request, msg.slots, now);
+        self.carry_out(ctx);
+        result
+    }
+}
+
+/// A running generation's window moved to `attending_token`: free what it left; its lists.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<Vec<BlockId>>, AllocError>")]
+struct ReleaseWindow {
+    request: RequestId,
+    attending_token: u64,
+}
+
+impl Handler<ReleaseWindow> for Scheduler {
+    type Result = Result<Vec<Vec<BlockId>>, AllocError>;
+
+    fn handle(&mut self, msg: ReleaseWindow, ctx: &mut Self::Context) -> Self::Result {
+        let now = self.now_ms();
+        let result = self.node.release_window(msg.request, msg.attending_token, now);
+        self.carry_out(ctx);
+        result
+    }
+}
+
+/// Take blocks for a request outside the protocol (a direct run, or a test holding blocks).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Allocation, AllocError>")]
+pub struct DirectAllocate {
+    /// The request.
+    pub request: RequestId,
+    /// Its prompt (for prefix hits).
+    pub prompt: Arc<[u32]>,
+    /// Token slots to cover.
+    pub slots: u64,
+}
+
+impl Handler<DirectAllocate> for Scheduler {
+    type Result = Result<Allocation, AllocError>;
+
+    fn handle(&mut self, msg: DirectAllocate, ctx: &mut Self::Context) -> Self::Result {
+        let now = self.now_ms();
+        let result = self.node.allocate_direct(msg.request, &msg.prompt, msg.slots, now);
+        self.carry_out(ctx);
+        result
+    }
+}
+
+/// Give back what a [`DirectAllocate`] took.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), AllocError>")]
+pub struct DirectFinish {
+    /// The request.
+    pub request: RequestId,
+}
+
+impl Handler<DirectFinish> for Scheduler {
+    type Result = Result<(), AllocError>;
+
+    fn handle(&mut self, msg: DirectFinish, ctx: &mut Self::Context) -> Self::Result {
+        let now = self.now_ms();
+        let result = self.node.finish_direct(msg.request, now);
+        self.carry_out(ctx);
+        result
     }
 }
 
@@ -918,6 +560,7 @@ struct StepRun {
 /// the deadline has passed or the request was aborted ([`Generation::stop`]).
 async fn generate(
     leg: Arc<LegContext>,
+    scheduler: Addr<Scheduler>,
     prompt: Arc<[u32]>,
     mut run: Generation,
 ) -> Result<Generated, Failure> {
@@ -934,7 +577,7 @@ async fn generate(
         window_moved: false,
     };
     let alloc = |error: AllocError| Failure::Alloc(error.to_string());
-    let mailbox = |error: actix::MailboxError| Failure::Engine(format!("allocator unreachable: {error}"));
+    let mailbox = |error: actix::MailboxError| Failure::Engine(format!("scheduler unreachable: {error}"));
     let generated = metrics::counter!("pdkv_generated_tokens_total");
     while state.position < end && state.stopped.is_none() {
         if state.position >= run.slots {
@@ -943,8 +586,7 @@ async fn generate(
                 request: run.request,
                 slots: run.slots,
             };
-            run.lists = leg
-                .allocator
+            run.lists = scheduler
                 .send(extend)
                 .await
                 .map_err(mailbox)?
@@ -1014,8 +656,7 @@ async fn generate(
                 request: run.request,
                 attending_token: state.position,
             };
-            run.lists = leg
-                .allocator
+            run.lists = scheduler
                 .send(release)
                 .await
                 .map_err(mailbox)?
@@ -1048,13 +689,13 @@ pub struct Direct {
 impl Handler<Direct> for Scheduler {
     type Result = ResponseFuture<Result<Output, RequestError>>;
 
-    fn handle(&mut self, msg: Direct, _ctx: &mut Self::Context) -> Self::Result {
-        Box::pin(direct(self.leg.clone(), msg))
+    fn handle(&mut self, msg: Direct, ctx: &mut Self::Context) -> Self::Result {
+        Box::pin(direct(self.leg.clone(), ctx.address(), msg))
     }
 }
 
 /// One leg alone: compute the prompt and decode, waiting for blocks at most `alloc_wait_ms`.
-async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestError> {
+async fn direct(leg: Arc<LegContext>, scheduler: Addr<Scheduler>, msg: Direct) -> Result<Output, RequestError> {
     let Direct {
         request,
         prompt,
@@ -1072,7 +713,7 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
             lookahead_tokens: leg.config.lookahead_tokens,
         })?;
     let deadline_ms = leg.clock.now_ms().saturating_add(leg.limits.request_timeout_ms);
-    let allocation = allocate_waiting(&leg, request, &prompt, slots).await?;
+    let allocation = allocate_waiting(&leg, &scheduler, request, &prompt, slots).await?;
     let result = async {
         let lists = allocation.blocks.clone();
         let (compute_leg, compute_prompt_tokens) = (leg.clone(), prompt.clone());
@@ -1093,14 +734,10 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
             // A direct run is never aborted: it ends by its deadline.
             stop: Arc::new(AtomicBool::new(false)),
         };
-        generate(leg.clone(), prompt.clone(), run).await
+        generate(leg.clone(), scheduler.clone(), prompt.clone(), run).await
     }
     .await;
-    let finish = Finish {
-        request,
-        cache_prompt: None,
-    };
-    ask(&leg.allocator, finish, "allocator").await??;
+    ask(&scheduler, DirectFinish { request }, "scheduler").await??;
     let generated = result.map_err(|failure| {
         RequestError::from_failure(Stage::Decode, failure, leg.limits.request_timeout_ms)
     })?;
@@ -1121,6 +758,7 @@ async fn direct(leg: Arc<LegContext>, msg: Direct) -> Result<Output, RequestErro
 /// Allocates for a direct run, retrying as blocks are freed, for at most `alloc_wait_ms`.
 async fn allocate_waiting(
     leg: &LegContext,
+    scheduler: &Addr<Scheduler>,
     request: RequestId,
     prompt: &Arc<[u32]>,
     slots: u64,
@@ -1130,13 +768,12 @@ async fn allocate_waiting(
     let mut freed = leg.freed.clone();
     loop {
         freed.borrow_and_update();
-        let message = Allocate {
+        let message = DirectAllocate {
             request,
             prompt: prompt.clone(),
             slots,
-            attending_token: None,
         };
-        let last = match ask(&leg.allocator, message, "allocator").await? {
+        let last = match ask(scheduler, message, "scheduler").await? {
             Ok(allocation) => return Ok(allocation),
             Err(error @ AllocError::OutOfBlocks { .. }) => error,
             Err(error) => return Err(error.into()),

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdkv_actors::allocator::{Allocate, Finish, Stats};
+use pdkv_actors::scheduler::{DirectAllocate, DirectFinish, Stats};
 use pdkv_actors::cluster::LocalCluster;
 use pdkv_actors::config::{ClusterConfig, DEFAULT_CLUSTER_TOML, LinkKind};
 use pdkv_actors::engine::prompt_tokens;
@@ -54,24 +54,19 @@ const HOG: RequestId = RequestId(1_000_000);
 
 /// Takes every block of the shipped decode leg (64 per group) under [`HOG`], so requests wait.
 async fn hold_every_decode_block(cluster: &LocalCluster) {
-    let hog = Allocate {
+    let hog = DirectAllocate {
         request: HOG,
         prompt: Arc::from(vec![0u32; 64 * 64]),
         slots: 64 * 64,
-        attending_token: None,
     };
     let decode = cluster.leg("decode-0").unwrap();
-    decode.allocator.send(hog).await.unwrap().unwrap();
+    decode.scheduler.send(hog).await.unwrap().unwrap();
 }
 
 /// Gives back what [`hold_every_decode_block`] took.
 async fn release_decode_blocks(cluster: &LocalCluster) {
-    let finish = Finish {
-        request: HOG,
-        cache_prompt: None,
-    };
     let decode = cluster.leg("decode-0").unwrap();
-    decode.allocator.send(finish).await.unwrap().unwrap();
+    decode.scheduler.send(DirectFinish { request: HOG }).await.unwrap().unwrap();
 }
 
 async fn pd_equals_direct_for_every_tail_combination(links: LinkKind) {
@@ -467,7 +462,7 @@ async fn an_unread_grant_expires_and_frees_its_blocks(links: LinkKind) {
     let cluster = start(config(&[("lease_ms = 10000", "lease_ms = 30")]), links).await;
     let prefill = cluster.leg("prefill-0").unwrap();
     cluster.router().send(prefill_only()).await.unwrap().unwrap();
-    let held = prefill.allocator.send(Stats).await.unwrap();
+    let held = prefill.scheduler.send(Stats).await.unwrap();
     assert_eq!(held.load.grants, 1);
     assert!(!held.is_idle());
     assert_idle(&cluster).await;
@@ -529,7 +524,7 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant(links: LinkK
     let prefill = cluster
         .leg("prefill-0")
         .unwrap()
-        .allocator
+        .scheduler
         .send(Stats)
         .await
         .unwrap();

@@ -258,6 +258,16 @@ pub enum NodeOutput {
         /// The router to stream each token to, for a streaming request.
         stream_to: Option<NodeId>,
     },
+    /// A grant's lease lapsed and its blocks were unpinned: the reader it was for renewed too
+    /// late or never released it (log it; count it).
+    LeaseExpired {
+        /// The grant.
+        grant: GrantId,
+        /// Its request.
+        request: RequestId,
+        /// The peer it was for.
+        peer: NodeId,
+    },
     /// Stop the request's generation at its next token and answer
     /// [`LegNode::handle_generated`] then.
     StopGenerating {
@@ -687,13 +697,11 @@ impl LegNode {
         self.drive(request, now_ms);
     }
 
-    /// A message the shell was asked to send could not go (its link is down or full). A grant
-    /// nobody will hear of is revoked now, not at lease end.
-    pub fn handle_undeliverable(&mut self, request: RequestId, body: &Body, now_ms: u64) {
-        if matches!(body, Body::KvReady(_)) {
-            self.revoke_request(request);
-            self.settle(now_ms);
-        }
+    /// The KV parameters of `request` could not be sent to its router (the link is down or
+    /// full): nobody will hear of the grant, so it is revoked now, not at lease end.
+    pub fn handle_kv_ready_undeliverable(&mut self, request: RequestId, now_ms: u64) {
+        self.revoke_request(request);
+        self.settle(now_ms);
     }
 
     /// The prompt computation of `request` ended.
@@ -804,6 +812,11 @@ impl LegNode {
         let expired = self.table().expire(now_ms);
         for grant in expired {
             self.unpin(&grant.blocks);
+            self.outputs.push_back(NodeOutput::LeaseExpired {
+                grant: grant.id,
+                request: grant.request,
+                peer: grant.peer,
+            });
         }
         let due: Vec<RequestId> = self
             .jobs

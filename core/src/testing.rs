@@ -233,6 +233,8 @@ pub struct SimReport {
     /// lease): allowed only because the generation check after the copy fails any whose blocks
     /// were freed; an answer from one is checked like any other.
     pub late_one_sided_reads: u32,
+    /// Leases that lapsed (a grant nobody released in time).
+    pub expired_leases: u32,
     /// How every request ended, by the client's request id (`1..=requests`).
     pub outcomes: BTreeMap<RequestId, RequestOutcome>,
     /// Messages a node refused, by the refusal's kind ([`refusal_kind`]; a grant refusal is
@@ -625,6 +627,8 @@ struct Sim {
     /// Requests each leg incarnation computed or read, with the kind: a leg runs a request at
     /// most once (a duplicated or late message never starts it again).
     started: std::collections::HashSet<(usize, Incarnation, RequestId, &'static str)>,
+    /// A violation made going on pointless (a timer that never stops firing).
+    stuck: bool,
     report: SimReport,
 }
 
@@ -721,6 +725,7 @@ pub fn simulate(config: SimConfig) -> SimReport {
         sent: HashMap::new(),
         capture: config.capture_messages,
         started: std::collections::HashSet::new(),
+        stuck: false,
         report: SimReport {
             seed: config.seed,
             topology,
@@ -733,6 +738,7 @@ pub fn simulate(config: SimConfig) -> SimReport {
             violations: Vec::new(),
             steps: 0,
             late_one_sided_reads: 0,
+            expired_leases: 0,
             outcomes: BTreeMap::new(),
             refused: BTreeMap::new(),
             messages: Vec::new(),
@@ -980,6 +986,9 @@ impl Sim {
             }
             self.fire_timers();
             self.check_step();
+            if self.stuck {
+                return;
+            }
         }
         self.quiesce();
     }
@@ -1017,6 +1026,12 @@ impl Sim {
                 continue;
             }
             state.node.handle_timeout(now);
+            if state.node.poll_timeout().is_some_and(|at| at <= now) {
+                // A timer still due after it was handled would spin the shell's timer forever.
+                let name = state.name.clone();
+                self.violation(format!("{name}: a timer is still due after handle_timeout (the shell would spin)"));
+                self.stuck = true;
+            }
             self.carry_out(leg);
         }
     }
@@ -1516,6 +1531,12 @@ impl Sim {
                         request,
                     };
                     self.schedule(now + 1, event);
+                }
+                NodeOutput::LeaseExpired { grant, .. } => {
+                    self.report.expired_leases += 1;
+                    if !self.faults_on && self.script.is_empty() {
+                        self.violation(format!("{name}: lease of grant {} lapsed with no fault injected (a grant nobody released)", grant.0));
+                    }
                 }
                 NodeOutput::StopGenerating { request } => {
                     if let Some(run) = self.legs[leg].runs.get_mut(&request) {

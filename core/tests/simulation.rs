@@ -192,6 +192,7 @@ mod targeted {
                 "seed {seed}: {:?}",
                 outcome(&report)
             );
+            assert_eq!(report.expired_leases, 0, "seed {seed}: the grant waited for its lease");
         }
     }
 

@@ -67,7 +67,7 @@ pub(super) struct Report<'a> {
     pub(super) ready: Option<String>,
     /// Requests sent one by one after recovery.
     pub(super) probes: &'a [(Outcome, Sample)],
-    pub(super) stats: anyhow::Result<Vec<pdkv_actors::allocator::LegStats>>,
+    pub(super) stats: anyhow::Result<Vec<pdkv_actors::scheduler::LegStats>>,
     pub(super) retries: u64,
     pub(super) restarts: u32,
     pub(super) unexpected: &'a [String],
