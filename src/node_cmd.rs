@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdkv_actors::scheduler::Stats;
 use pdkv_actors::config::{AnyCluster, ClusterConfig, ROUTER_NODE};
 use pdkv_actors::node::{NodeProcess, resolve};
+use pdkv_actors::scheduler::Stats;
 use pdkv_core::wire::Role;
 use pdkv_transport::tls::NodeIdentity;
 

@@ -126,7 +126,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             .map(|(shape, count)| format!("{shape} {count}"))
             .collect();
         println!("topologies: {}", shapes.join(", "));
-        let refusals: Vec<String> = refused.iter().map(|(why, count)| format!("{why} {count}")).collect();
+        let refusals: Vec<String> = refused
+            .iter()
+            .map(|(why, count)| format!("{why} {count}"))
+            .collect();
         println!("refused by type: {}", refusals.join(", "));
         let injected: Vec<String> = Fault::ALL
             .iter()

@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use actix::{
     Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
-use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine, leg_to_retry_without};
+use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine};
 use pdkv_core::proxy;
+use pdkv_core::router::Attempts;
 use pdkv_core::sampling::Sampling;
 use pdkv_core::wire::{Body, Envelope, Incarnation, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
@@ -48,14 +49,9 @@ struct Pending {
     max_tokens: u32,
     sampling: Arc<Sampling>,
     deadline_ms: u64,
-    attempts: u32,
-    avoid: Vec<NodeId>,
+    /// Retries so far, the legs to avoid, and the tokens the client was streamed (core's rules).
+    attempts: Attempts,
     client: Option<u64>,
-    /// Tokens already streamed to the client, by this attempt and those before it.
-    streamed: usize,
-    /// Tokens of this attempt not to stream: an earlier attempt streamed them already (the
-    /// output is deterministic; the API checks the answer starts with what it streamed).
-    skip: usize,
 }
 
 /// A client's request about to start on some legs (first time, or again).
@@ -67,14 +63,12 @@ struct Attempt {
     stream: Option<TokenStream>,
     reply: Reply,
     started: Instant,
-    attempts: u32,
-    avoid: Vec<NodeId>,
+    /// Retries so far, the legs to avoid, and the tokens the client was streamed.
+    attempts: Attempts,
     /// The error to give the client if no leg is left to try.
     last_error: Option<RequestError>,
     /// The client's name for the request ([`Generate::client`]).
     client: Option<u64>,
-    /// Tokens earlier attempts streamed to the client.
-    streamed: usize,
 }
 
 /// The client's end of a streaming request: tokens as the decode leg generates them. Bounded
@@ -178,8 +172,8 @@ impl Router {
     /// is left of the client's deadline. Answers the client at once if no leg is left.
     fn start_request(&mut self, attempt: Attempt, ctx: &mut Context<Self>) {
         let legs = self
-            .pick(Role::Prefill, &attempt.avoid)
-            .and_then(|prefill| Ok((prefill, self.pick(Role::Decode, &attempt.avoid)?)));
+            .pick(Role::Prefill, attempt.attempts.avoid())
+            .and_then(|prefill| Ok((prefill, self.pick(Role::Decode, attempt.attempts.avoid())?)));
         let (prefill, decode) = match legs {
             Ok(legs) => legs,
             Err(error) => {
@@ -189,8 +183,8 @@ impl Router {
         };
         let request = self.new_request();
         let now = self.clock.now_ms();
-        if attempt.attempts > 0 {
-            tracing::info!(%request, prefill = %prefill.node, attempt = attempt.attempts, "retrying on other legs");
+        if attempt.attempts.retries() > 0 {
+            tracing::info!(%request, prefill = %prefill.node, attempt = attempt.attempts.retries(), "retrying on other legs");
             metrics::counter!("pdkv_retries_total").increment(1);
         }
         let machine = RouterMachine::new(
@@ -216,10 +210,7 @@ impl Router {
             sampling: attempt.sampling,
             deadline_ms: attempt.deadline_ms,
             attempts: attempt.attempts,
-            avoid: attempt.avoid,
             client: attempt.client,
-            streamed: attempt.streamed,
-            skip: attempt.streamed,
         };
         if let Some(client) = attempt.client {
             self.clients.insert(client, request);
@@ -321,42 +312,39 @@ impl Router {
                         pending.machine.handle_send_failed(&to, error.to_string());
                     }
                 }
-                RouterCommand::Complete(RequestOutcome::Failed { stage, reason })
-                    if pending.attempts < self.max_retries
-                        && pending.reply.is_some()
-                        && leg_to_retry_without(
-                            stage,
-                            &reason,
-                            pending.machine.legs().0,
-                            pending.machine.legs().1,
-                        )
-                        .is_some() =>
-                {
-                    // Start over on other legs, from the prompt, within the same deadline.
-                    let (prefill, decode) = pending.machine.legs();
-                    let lost = leg_to_retry_without(stage, &reason, prefill, decode)
-                        .expect("checked above")
-                        .clone();
-                    tracing::warn!(%request, leg = %lost, %reason, "starting over without a failed leg");
-                    let mut avoid = std::mem::take(&mut pending.avoid);
-                    avoid.push(lost);
-                    let attempt = Attempt {
-                        prompt: pending.prompt.clone(),
-                        max_tokens: pending.max_tokens,
-                        sampling: pending.sampling.clone(),
-                        deadline_ms: pending.deadline_ms,
-                        stream: pending.stream.take(),
-                        reply: pending.reply.take().expect("checked above"),
-                        started: pending.started,
-                        attempts: pending.attempts + 1,
-                        avoid,
-                        last_error: Some(RequestError::from_failure(stage, reason, self.request_timeout_ms)),
-                        client: pending.client,
-                        streamed: pending.streamed,
-                    };
-                    retry = Some(attempt);
-                }
                 RouterCommand::Complete(outcome) => {
+                    // Start over on other legs, from the prompt, within the same deadline, where
+                    // core's rules allow it.
+                    let lost = match &outcome {
+                        RequestOutcome::Failed { stage, reason } if pending.reply.is_some() => {
+                            let (prefill, decode) = pending.machine.legs();
+                            let (prefill, decode) = (prefill.clone(), decode.clone());
+                            pending.attempts.retry_after(*stage, reason, &prefill, &decode)
+                        }
+                        _ => None,
+                    };
+                    if let (Some(lost), RequestOutcome::Failed { stage, reason }) = (lost, &outcome)
+                        && let Some(reply) = pending.reply.take()
+                    {
+                        tracing::warn!(%request, leg = %lost, %reason, "starting over without a failed leg");
+                        retry = Some(Attempt {
+                            prompt: pending.prompt.clone(),
+                            max_tokens: pending.max_tokens,
+                            sampling: pending.sampling.clone(),
+                            deadline_ms: pending.deadline_ms,
+                            stream: pending.stream.take(),
+                            reply,
+                            started: pending.started,
+                            attempts: pending.attempts.clone(),
+                            last_error: Some(RequestError::from_failure(
+                                *stage,
+                                reason.clone(),
+                                self.request_timeout_ms,
+                            )),
+                            client: pending.client,
+                        });
+                        continue;
+                    }
                     let result = match outcome {
                         RequestOutcome::Output(output) => {
                             let done = Instant::now();
@@ -528,13 +516,10 @@ impl Router {
                     return Ok(());
                 };
                 // A retried request streams on from where the client is.
-                let skipped = pending.skip.min(tokens.len());
-                pending.skip -= skipped;
-                let fresh = &tokens[skipped..];
+                let fresh = pending.attempts.take_streamed(&tokens);
                 if fresh.is_empty() {
                     return Ok(());
                 }
-                pending.streamed += fresh.len();
                 if let Some(stream) = &pending.stream
                     && stream.try_send(fresh.to_vec()).is_err()
                 {
@@ -645,11 +630,9 @@ impl Handler<Generate> for Router {
             stream: msg.stream,
             reply,
             started: Instant::now(),
-            attempts: 0,
-            avoid: Vec::new(),
+            attempts: Attempts::new(self.max_retries),
             last_error: None,
             client: msg.client,
-            streamed: 0,
         };
         self.start_request(attempt, ctx);
         Box::pin(

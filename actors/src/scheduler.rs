@@ -161,7 +161,12 @@ pub struct Scheduler {
 impl Scheduler {
     /// A scheduler driving `node` over `leg`, sending through `exchange`, counting frees on
     /// `freed` (the sender of `leg.freed`).
-    pub fn new(leg: Arc<LegContext>, node: LegNode, exchange: Addr<ExchangeActor>, freed: watch::Sender<u64>) -> Self {
+    pub fn new(
+        leg: Arc<LegContext>,
+        node: LegNode,
+        exchange: Addr<ExchangeActor>,
+        freed: watch::Sender<u64>,
+    ) -> Self {
         Scheduler {
             leg,
             exchange,
@@ -219,10 +224,9 @@ impl Scheduler {
                     let node = self.leg.node().clone();
                     let work = async move {
                         match transfer {
-                            Some(transfer) => transfer
-                                .send(read)
-                                .await
-                                .unwrap_or_else(|error| Err(Failure::Read(format!("transfer actor: {error}")))),
+                            Some(transfer) => transfer.send(read).await.unwrap_or_else(|error| {
+                                Err(Failure::Read(format!("transfer actor: {error}")))
+                            }),
                             None => Err(Failure::BadParams(format!(
                                 "{node} is a prefill leg and cannot read"
                             ))),
@@ -475,7 +479,9 @@ impl Handler<DirectAllocate> for Scheduler {
 
     fn handle(&mut self, msg: DirectAllocate, ctx: &mut Self::Context) -> Self::Result {
         let now = self.now_ms();
-        let result = self.node.allocate_direct(msg.request, &msg.prompt, msg.slots, now);
+        let result = self
+            .node
+            .allocate_direct(msg.request, &msg.prompt, msg.slots, now);
         self.carry_out(ctx);
         result
     }
@@ -586,11 +592,7 @@ async fn generate(
                 request: run.request,
                 slots: run.slots,
             };
-            run.lists = scheduler
-                .send(extend)
-                .await
-                .map_err(mailbox)?
-                .map_err(alloc)?;
+            run.lists = scheduler.send(extend).await.map_err(mailbox)?.map_err(alloc)?;
         }
         let (batch_leg, lists, slots, released_for, deadline_ms, sink, stop, generated, sampling) = (
             leg.clone(),
@@ -656,11 +658,7 @@ async fn generate(
                 request: run.request,
                 attending_token: state.position,
             };
-            run.lists = scheduler
-                .send(release)
-                .await
-                .map_err(mailbox)?
-                .map_err(alloc)?;
+            run.lists = scheduler.send(release).await.map_err(mailbox)?.map_err(alloc)?;
             run.windows_released_for = Some(state.position);
         }
     }
@@ -695,7 +693,11 @@ impl Handler<Direct> for Scheduler {
 }
 
 /// One leg alone: compute the prompt and decode, waiting for blocks at most `alloc_wait_ms`.
-async fn direct(leg: Arc<LegContext>, scheduler: Addr<Scheduler>, msg: Direct) -> Result<Output, RequestError> {
+async fn direct(
+    leg: Arc<LegContext>,
+    scheduler: Addr<Scheduler>,
+    msg: Direct,
+) -> Result<Output, RequestError> {
     let Direct {
         request,
         prompt,

@@ -5,12 +5,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdkv_actors::scheduler::{DirectAllocate, DirectFinish, Stats};
 use pdkv_actors::cluster::LocalCluster;
 use pdkv_actors::config::{ClusterConfig, DEFAULT_CLUSTER_TOML, LinkKind};
 use pdkv_actors::engine::prompt_tokens;
 use pdkv_actors::error::RequestError;
 use pdkv_actors::router::{DecodeOnly, Generate, LegLoads, PrefillOnly};
+use pdkv_actors::scheduler::{DirectAllocate, DirectFinish, Stats};
 use pdkv_actors::sweep::{self, legacy_predicted_failure};
 use pdkv_core::wire::{Failure, NodeId, RequestId, Stage};
 
@@ -66,7 +66,12 @@ async fn hold_every_decode_block(cluster: &LocalCluster) {
 /// Gives back what [`hold_every_decode_block`] took.
 async fn release_decode_blocks(cluster: &LocalCluster) {
     let decode = cluster.leg("decode-0").unwrap();
-    decode.scheduler.send(DirectFinish { request: HOG }).await.unwrap().unwrap();
+    decode
+        .scheduler
+        .send(DirectFinish { request: HOG })
+        .await
+        .unwrap()
+        .unwrap();
 }
 
 async fn pd_equals_direct_for_every_tail_combination(links: LinkKind) {

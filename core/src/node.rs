@@ -170,7 +170,9 @@ pub fn leg_accepts(role: Role, body: &Body) -> bool {
         Body::Prefill { .. } | Body::Renew { .. } | Body::Release { .. } => role == Role::Prefill,
         Body::Decode { .. } | Body::Renewed { .. } => role == Role::Decode,
         Body::Abort => matches!(role, Role::Prefill | Role::Decode),
-        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) | Body::Tokens { .. } => false,
+        Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) | Body::Tokens { .. } => {
+            false
+        }
     }
 }
 
@@ -434,7 +436,11 @@ impl LegNode {
     /// When the shell must call [`Self::handle_timeout`] next: the earliest machine timer or
     /// lease expiry.
     pub fn poll_timeout(&self) -> Option<u64> {
-        let machines = self.jobs.values().filter_map(|job| job.machine.poll_timeout()).min();
+        let machines = self
+            .jobs
+            .values()
+            .filter_map(|job| job.machine.poll_timeout())
+            .min();
         let leases = self.table().poll_timeout();
         [machines, leases].into_iter().flatten().min()
     }
@@ -484,7 +490,12 @@ impl LegNode {
     /// Starts or feeds the request's machine, answers grant renewals and releases, and refuses
     /// what this leg does not take: the wrong sender or leg, a duplicate or late request, a
     /// request after its abort, a request while draining, a contradictory message.
-    pub fn handle_envelope(&mut self, from_role: Role, envelope: Envelope, now_ms: u64) -> Result<(), Refusal> {
+    pub fn handle_envelope(
+        &mut self,
+        from_role: Role,
+        envelope: Envelope,
+        now_ms: u64,
+    ) -> Result<(), Refusal> {
         let result = self.receive(from_role, envelope, now_ms);
         self.settle(now_ms);
         result
@@ -529,7 +540,14 @@ impl LegNode {
                     deadline_ms,
                     now_ms,
                 );
-                self.start(request, Machine::Prefill(machine), prompt_arc, deadline_ms, None, now_ms);
+                self.start(
+                    request,
+                    Machine::Prefill(machine),
+                    prompt_arc,
+                    deadline_ms,
+                    None,
+                    now_ms,
+                );
                 Ok(())
             }
             Body::Decode {
@@ -540,10 +558,23 @@ impl LegNode {
             } => {
                 let prompt: Arc<[u32]> = params.prompt.clone().into();
                 let stream_to = stream.then(|| from.clone());
-                let machine =
-                    DecodeMachine::new(self.config.leg.clone(), from, params, max_tokens, deadline_ms, now_ms)
-                        .with_sampling(sampling);
-                self.start(request, Machine::Decode(machine), prompt, deadline_ms, stream_to, now_ms);
+                let machine = DecodeMachine::new(
+                    self.config.leg.clone(),
+                    from,
+                    params,
+                    max_tokens,
+                    deadline_ms,
+                    now_ms,
+                )
+                .with_sampling(sampling);
+                self.start(
+                    request,
+                    Machine::Decode(machine),
+                    prompt,
+                    deadline_ms,
+                    stream_to,
+                    now_ms,
+                );
                 Ok(())
             }
             Body::Renew { grant, issuer } => {
@@ -599,16 +630,24 @@ impl LegNode {
                 Ok(())
             }
             // `leg_accepts` refused every other kind above.
-            Body::KvReady(_) | Body::Output(_) | Body::Failed { .. } | Body::Load(_) | Body::Tokens { .. } => {
-                Ok(())
-            }
+            Body::KvReady(_)
+            | Body::Output(_)
+            | Body::Failed { .. }
+            | Body::Load(_)
+            | Body::Tokens { .. } => Ok(()),
         }
     }
 
     /// Whether a new request may start here: not while draining, not twice, not after its
     /// abort, not with sampling or parameters that contradict it. A refused request whose
     /// router waits on it is also told so as a failure naming the stage.
-    fn admit(&mut self, request: RequestId, from: &NodeId, budget_ms: u64, body: &Body) -> Result<(), Refusal> {
+    fn admit(
+        &mut self,
+        request: RequestId,
+        from: &NodeId,
+        budget_ms: u64,
+        body: &Body,
+    ) -> Result<(), Refusal> {
         let stage = match body {
             Body::Prefill { .. } => Stage::Prefill,
             _ => Stage::Decode,
@@ -632,7 +671,10 @@ impl LegNode {
             let detail = if let Err(error) = sampling.check() {
                 Some(format!("sampling: {error}"))
             } else if params.request != request {
-                Some(format!("kv params are for {}, the message for {request}", params.request))
+                Some(format!(
+                    "kv params are for {}, the message for {request}",
+                    params.request
+                ))
             } else {
                 None
             };
@@ -650,7 +692,10 @@ impl LegNode {
             to: from.clone(),
             request,
             budget_ms,
-            body: Body::Failed { stage, reason: failure },
+            body: Body::Failed {
+                stage,
+                reason: failure,
+            },
         }));
         Err(refusal)
     }
@@ -745,7 +790,12 @@ impl LegNode {
     }
 
     /// A running generation needs `slots` token slots: the request's lists, grown.
-    pub fn extend(&mut self, request: RequestId, slots: u64, now_ms: u64) -> Result<Vec<Vec<BlockId>>, AllocError> {
+    pub fn extend(
+        &mut self,
+        request: RequestId,
+        slots: u64,
+        now_ms: u64,
+    ) -> Result<Vec<Vec<BlockId>>, AllocError> {
         let result = self.allocator.extend(request, slots).map(<[_]>::to_vec);
         if let (Ok(lists), Some(job)) = (&result, self.jobs.get_mut(&request)) {
             job.lists = lists.clone();
@@ -770,7 +820,11 @@ impl LegNode {
         result
     }
 
-    fn release_window_lists(&mut self, request: RequestId, attending_token: u64) -> Result<Vec<Vec<BlockId>>, AllocError> {
+    fn release_window_lists(
+        &mut self,
+        request: RequestId,
+        attending_token: u64,
+    ) -> Result<Vec<Vec<BlockId>>, AllocError> {
         self.allocator.release_window(request, attending_token)?;
         self.allocator
             .blocks(request)
@@ -948,7 +1002,12 @@ impl LegNode {
         }));
     }
 
-    fn allocate(&mut self, request: RequestId, slots: u64, attending_token: Option<u64>) -> Result<Allocation, AllocError> {
+    fn allocate(
+        &mut self,
+        request: RequestId,
+        slots: u64,
+        attending_token: Option<u64>,
+    ) -> Result<Allocation, AllocError> {
         let prompt = match self.jobs.get(&request) {
             Some(job) => job.prompt.clone(),
             None => return Err(AllocError::UnknownRequest(request)),
@@ -991,7 +1050,9 @@ impl LegNode {
             PrefillCommand::Revoke { grant } => self.revoke(grant),
             PrefillCommand::Finish => {
                 if let Err(error) = self.allocator.finish(request, None) {
-                    self.anomaly(format!("prefill finished {request} twice or never allocated it: {error}"));
+                    self.anomaly(format!(
+                        "prefill finished {request} twice or never allocated it: {error}"
+                    ));
                 }
             }
             PrefillCommand::Send { to, body } => self.send(request, to, body, now_ms),
@@ -999,7 +1060,13 @@ impl LegNode {
     }
 
     /// Pins `lists` and grants `peer` a READ of them; unpins again if the table refuses.
-    fn grant(&mut self, request: RequestId, peer: NodeId, lists: Vec<Vec<BlockId>>, now_ms: u64) -> Result<IssuedGrant, Failure> {
+    fn grant(
+        &mut self,
+        request: RequestId,
+        peer: NodeId,
+        lists: Vec<Vec<BlockId>>,
+        now_ms: u64,
+    ) -> Result<IssuedGrant, Failure> {
         let generations = self
             .allocator
             .pin(&lists)
@@ -1070,7 +1137,9 @@ impl LegNode {
                 let prompt = self.jobs.get(&request).map(|job| job.prompt.clone());
                 let cache = prompt.as_deref().filter(|_| cache_prompt);
                 if let Err(error) = self.allocator.finish(request, cache) {
-                    self.anomaly(format!("decode finished {request} twice or never allocated it: {error}"));
+                    self.anomaly(format!(
+                        "decode finished {request} twice or never allocated it: {error}"
+                    ));
                 }
             }
             DecodeCommand::Send { to, body } => self.send(request, to, body, now_ms),

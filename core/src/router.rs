@@ -113,7 +113,10 @@ mod tests {
                 for chunk in answer.chunks(batch) {
                     client.extend_from_slice(attempts.take_streamed(chunk));
                 }
-                assert_eq!(client, answer, "streamed {streamed_before} before, batches of {batch}");
+                assert_eq!(
+                    client, answer,
+                    "streamed {streamed_before} before, batches of {batch}"
+                );
                 assert_eq!(attempts.streamed(), answer.len());
             }
         }
@@ -124,19 +127,28 @@ mod tests {
         let (p0, p1, d) = (node("prefill-0"), node("prefill-1"), node("decode-0"));
         let mut attempts = Attempts::new(2);
         let lost = Failure::LegLost(p0.clone());
-        assert_eq!(attempts.retry_after(Stage::Prefill, &lost, &p0, &d), Some(p0.clone()));
+        assert_eq!(
+            attempts.retry_after(Stage::Prefill, &lost, &p0, &d),
+            Some(p0.clone())
+        );
         let refused = Failure::Refused {
             node: p1.clone(),
             reason: "draining".into(),
         };
-        assert_eq!(attempts.retry_after(Stage::Prefill, &refused, &p1, &d), Some(p1.clone()));
+        assert_eq!(
+            attempts.retry_after(Stage::Prefill, &refused, &p1, &d),
+            Some(p1.clone())
+        );
         assert_eq!(attempts.avoid(), &[p0.clone(), p1.clone()]);
         assert_eq!(attempts.retries(), 2);
         // No retry left.
         assert_eq!(attempts.retry_after(Stage::Prefill, &lost, &p0, &d), None);
         // A failure the policy does not retry uses none.
         let mut fresh = Attempts::new(3);
-        assert_eq!(fresh.retry_after(Stage::Decode, &Failure::Cancelled, &p0, &d), None);
+        assert_eq!(
+            fresh.retry_after(Stage::Decode, &Failure::Cancelled, &p0, &d),
+            None
+        );
         assert_eq!(fresh.retries(), 0);
         assert!(fresh.avoid().is_empty());
     }

@@ -39,7 +39,8 @@ use crate::exchange::{Pairing, PairingMode};
 use crate::grant::GrantTable;
 use crate::layout::{GroupKind, GroupSpec, KvLayout};
 use crate::leg::{
-    Generated, GenerationCheck, LegConfig, PrefillTokens, ReadDone, RequestOutcome, RouterCommand, RouterMachine,
+    Generated, GenerationCheck, LegConfig, PrefillTokens, ReadDone, RequestOutcome, RouterCommand,
+    RouterMachine,
 };
 use crate::node::{LegNode, NodeConfig, NodeOutput, Outbound, Refusal};
 use crate::proxy::{self, Policy};
@@ -364,7 +365,13 @@ fn attended(spec: &GroupSpec, position: usize) -> std::ops::RangeInclusive<usize
 }
 
 /// One generation step's digest, from the digest so far and the values the step reads.
-fn step_digest(layout: &KvLayout, digest: u64, step: usize, prompt: &[u32], read: &mut dyn FnMut(usize, usize) -> u64) -> u64 {
+fn step_digest(
+    layout: &KvLayout,
+    digest: u64,
+    step: usize,
+    prompt: &[u32],
+    read: &mut dyn FnMut(usize, usize) -> u64,
+) -> u64 {
     let mut digest = digest;
     let position = prompt.len() - 1 + step;
     for (group, spec) in layout.groups().iter().enumerate() {
@@ -649,7 +656,10 @@ pub fn simulate(config: SimConfig) -> SimReport {
         64
     };
     let mut legs = Vec::new();
-    for (role, count) in [(Role::Prefill, topology.prefills), (Role::Decode, topology.decodes)] {
+    for (role, count) in [
+        (Role::Prefill, topology.prefills),
+        (Role::Decode, topology.decodes),
+    ] {
         for index in 0..count {
             let name = NodeId(format!("{role}-{index}"));
             let incarnation = Incarnation(rng.next());
@@ -875,7 +885,14 @@ impl Sim {
             self.report.messages.push(bytes.clone());
         }
         if reliable {
-            return self.schedule(self.now_ms + 1, Event::Deliver { to, bytes, freeze_ms: 0 });
+            return self.schedule(
+                self.now_ms + 1,
+                Event::Deliver {
+                    to,
+                    bytes,
+                    freeze_ms: 0,
+                },
+            );
         }
         let mut at = self.now_ms + 1 + self.rng.below(2);
         let kind = envelope.body.kind();
@@ -1029,7 +1046,9 @@ impl Sim {
             if state.node.poll_timeout().is_some_and(|at| at <= now) {
                 // A timer still due after it was handled would spin the shell's timer forever.
                 let name = state.name.clone();
-                self.violation(format!("{name}: a timer is still due after handle_timeout (the shell would spin)"));
+                self.violation(format!(
+                    "{name}: a timer is still due after handle_timeout (the shell would spin)"
+                ));
                 self.stuck = true;
             }
             self.carry_out(leg);
@@ -1227,8 +1246,12 @@ impl Sim {
             return;
         };
         let avoid = state.attempts.avoid().to_vec();
-        let (prompt, max_tokens, stream, deadline) =
-            (state.prompt.clone(), state.max_tokens, state.stream, state.deadline_ms);
+        let (prompt, max_tokens, stream, deadline) = (
+            state.prompt.clone(),
+            state.max_tokens,
+            state.stream,
+            state.deadline_ms,
+        );
         let legs = self
             .pick(Role::Prefill, &avoid)
             .and_then(|prefill| Some((prefill, self.pick(Role::Decode, &avoid)?)));
@@ -1243,7 +1266,10 @@ impl Sim {
             return self.complete(client, RequestOutcome::Failed { stage, reason });
         };
         let failed_on = &self.clients[&client].failed_on;
-        if let Some(leg) = [&prefill, &decode].into_iter().find(|leg| failed_on.contains(leg)) {
+        if let Some(leg) = [&prefill, &decode]
+            .into_iter()
+            .find(|leg| failed_on.contains(leg))
+        {
             let message = format!("{client}: an attempt runs on {leg}, which failed an earlier attempt");
             self.violation(message);
         }
@@ -1271,7 +1297,9 @@ impl Sim {
             .get_mut(&attempt)
             .and_then(|route| route.machine.poll_command())
         {
-            let Some(route) = self.routes.get(&attempt) else { return };
+            let Some(route) = self.routes.get(&attempt) else {
+                return;
+            };
             let client = route.client;
             match command {
                 RouterCommand::Send { to, body } => {
@@ -1289,9 +1317,17 @@ impl Sim {
                         let (prefill, decode) = route.machine.legs();
                         (prefill.clone(), decode.clone())
                     };
-                    let Some(state) = self.clients.get_mut(&client) else { continue };
-                    state.failed_on.extend(legs_named(stage, &reason, &prefill, &decode));
-                    if state.attempts.retry_after(stage, &reason, &prefill, &decode).is_some() {
+                    let Some(state) = self.clients.get_mut(&client) else {
+                        continue;
+                    };
+                    state
+                        .failed_on
+                        .extend(legs_named(stage, &reason, &prefill, &decode));
+                    if state
+                        .attempts
+                        .retry_after(stage, &reason, &prefill, &decode)
+                        .is_some()
+                    {
                         state.last_failure = Some((stage, reason));
                         retry = Some(client);
                     } else {
@@ -1448,7 +1484,9 @@ impl Sim {
             if let Some((request, what)) = started
                 && !self.started.insert((leg, incarnation, request, what))
             {
-                self.violation(format!("{name} {what} {request} twice (a duplicated or late message started it again)"));
+                self.violation(format!(
+                    "{name} {what} {request} twice (a duplicated or late message started it again)"
+                ));
             }
             match output {
                 NodeOutput::Send(out) => self.send(name, incarnation, out),
@@ -1601,10 +1639,14 @@ impl Sim {
             let spec = &layout.groups()[group];
             let per_block = slots_per_block(spec);
             if attended == usize::MAX {
-                return lists[group].first().map_or(0, |&block| arena[group][block as usize]);
+                return lists[group]
+                    .first()
+                    .map_or(0, |&block| arena[group][block as usize]);
             }
             match lists[group].get(attended / per_block).copied() {
-                Some(block) if block != NULL_BLOCK => arena[group][block as usize * per_block + attended % per_block],
+                Some(block) if block != NULL_BLOCK => {
+                    arena[group][block as usize * per_block + attended % per_block]
+                }
                 _ => {
                     missing.get_or_insert((group, attended));
                     0

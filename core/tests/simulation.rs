@@ -75,7 +75,11 @@ fn under_faults_no_request_is_wrong_hung_or_leaked() {
 #[test]
 fn scenarios_span_topologies_streams_and_retries() {
     let summary = summarize(20_000..21_000, true);
-    assert!(summary.violations.is_empty(), "{:?}", &summary.violations[..summary.violations.len().min(5)]);
+    assert!(
+        summary.violations.is_empty(),
+        "{:?}",
+        &summary.violations[..summary.violations.len().min(5)]
+    );
     assert_eq!(summary.largest, 16, "an 8x8 topology ran");
     assert!(summary.streamed > 1_000, "streamed {}", summary.streamed);
     assert!(summary.retried > 100, "retried {}", summary.retried);
@@ -86,7 +90,9 @@ fn scenarios_span_topologies_streams_and_retries() {
 /// the request ended.
 mod targeted {
     use pdkv_core::leg::RequestOutcome;
-    use pdkv_core::testing::{BUDGET_MS, LEASE_MS, ScriptAction, Scripted, SimConfig, SimReport, Topology, simulate};
+    use pdkv_core::testing::{
+        BUDGET_MS, LEASE_MS, ScriptAction, Scripted, SimConfig, SimReport, Topology, simulate,
+    };
     use pdkv_core::wire::{Failure, RequestId, Stage};
 
     const SEEDS: std::ops::Range<u64> = 0..200;
@@ -188,11 +194,20 @@ mod targeted {
             ];
             let report = run(seed, &script);
             assert!(
-                matches!(outcome(&report), RequestOutcome::Failed { stage: Stage::Read, .. }),
+                matches!(
+                    outcome(&report),
+                    RequestOutcome::Failed {
+                        stage: Stage::Read,
+                        ..
+                    }
+                ),
                 "seed {seed}: {:?}",
                 outcome(&report)
             );
-            assert_eq!(report.expired_leases, 0, "seed {seed}: the grant waited for its lease");
+            assert_eq!(
+                report.expired_leases, 0,
+                "seed {seed}: the grant waited for its lease"
+            );
         }
     }
 
