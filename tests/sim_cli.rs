@@ -94,3 +94,39 @@ fn the_last_seed_runs_and_a_range_past_it_is_refused() {
         "{stderr}"
     );
 }
+
+/// `--topology PxD` runs that many legs of each role and the summary says so, with retried and
+/// streamed requests counted; a topology outside 1..=16 legs per role is refused by name.
+#[test]
+fn a_topology_runs_as_asked_and_a_bad_one_is_refused_by_name() {
+    let (code, stdout) = sim(&[
+        "--seeds",
+        "40",
+        "--topology",
+        "8x8",
+        "--max-retries",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stdout}");
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(summary["topologies"]["8x8"], 40, "{summary}");
+    assert_eq!(summary["topologies"].as_object().unwrap().len(), 1, "{summary}");
+    assert!(summary["streamed"].as_u64().unwrap() > 0, "{summary}");
+    assert!(summary["retried"].as_u64().is_some(), "{summary}");
+    assert!(summary["refused"].is_object(), "{summary}");
+    for (topology, detail) in [
+        ("0x3", "prefill count 0 is outside 1..=16"),
+        ("3x17", "decode count 17 is outside 1..=16"),
+        ("3", "expected PxD"),
+        ("ax2", "prefill count \"a\" is not a number"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+            .args(["sim", "--seeds", "1", "--topology", topology])
+            .output()
+            .expect("pdkv runs");
+        assert_eq!(output.status.code(), Some(2), "{topology}");
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        assert!(stderr.contains(detail), "{topology}: {stderr}");
+    }
+}
