@@ -295,10 +295,13 @@ struct Tombstones {
 }
 
 impl Tombstones {
+    /// Remembers how `request` was first seen here: a request that started and was aborted
+    /// later stays `Started` (a copy of it is a duplicate, whatever came between).
     fn remember(&mut self, request: RequestId, how: Tombstone) {
-        if self.how.insert(request, how).is_some() {
+        if self.how.contains_key(&request) {
             return;
         }
+        self.how.insert(request, how);
         self.order.push_back(request);
         if self.order.len() > TOMBSTONES_REMEMBERED
             && let Some(oldest) = self.order.pop_front()

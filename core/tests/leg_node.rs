@@ -143,6 +143,14 @@ fn a_request_starts_once_and_never_after_its_abort() {
             request: RequestId(1)
         })
     );
+    // Aborted after it started, a copy is still a duplicate, not "aborted".
+    prefill_leg
+        .handle_envelope(Role::Router, envelope(1, "router", Body::Abort), 1)
+        .unwrap();
+    assert!(matches!(
+        prefill_leg.handle_envelope(Role::Router, prefill(1, 5), 1),
+        Err(Refusal::Duplicate { .. })
+    ));
     // An abort that overtook its request leaves a tombstone.
     prefill_leg
         .handle_envelope(Role::Router, envelope(2, "router", Body::Abort), 1)
