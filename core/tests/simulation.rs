@@ -154,6 +154,26 @@ mod targeted {
         }
     }
 
+    /// A READ three leases long keeps its grant through renewals: the request is answered and
+    /// no lease lapses.
+    #[test]
+    fn a_slow_read_keeps_its_grant_through_renewals() {
+        let script = [at(
+            "decode",
+            0,
+            ScriptAction::SlowNextRead { by_ms: 3 * LEASE_MS },
+        )];
+        for seed in SEEDS {
+            let report = run(seed, &script);
+            assert!(
+                matches!(outcome(&report), RequestOutcome::Output(_)),
+                "seed {seed}: {:?}",
+                outcome(&report)
+            );
+            assert_eq!(report.expired_leases, 0, "seed {seed}");
+        }
+    }
+
     #[test]
     fn a_renew_arriving_after_expiry_is_refused_and_the_read_fails_closed() {
         // The READ takes three leases; the first renewal arrives two leases late and the rest
