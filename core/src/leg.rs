@@ -90,14 +90,53 @@ pub struct GenerationCheck {
     pub generation: u32,
 }
 
+/// Why the KV parameters cannot say which generation a paired block had.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerationCheckError {
+    /// One generation list per offered group is required.
+    #[error("{lists} generation lists for {groups} offered groups")]
+    ListCount {
+        /// Generation lists given.
+        lists: usize,
+        /// Groups offered.
+        groups: usize,
+    },
+    /// A group was paired that the offer does not have.
+    #[error("group {group} paired but not offered")]
+    GroupNotOffered {
+        /// Group index.
+        group: usize,
+    },
+    /// A group's generations do not match its offered blocks one to one.
+    #[error("group {group}: {generations} generations for {blocks} offered blocks")]
+    GenerationCount {
+        /// Group index.
+        group: usize,
+        /// Generations given.
+        generations: usize,
+        /// Blocks offered.
+        blocks: usize,
+    },
+    /// A pair names a position the offer does not cover.
+    #[error("group {group}: paired position {position} outside the offer")]
+    PositionOutsideOffer {
+        /// Group index.
+        group: usize,
+        /// The prefill-side position.
+        position: u64,
+    },
+}
+
 /// The generation each paired prefill block had when it was granted, from the KV parameters.
-pub fn generation_checks(params: &KvParams, pairing: &Pairing) -> Result<Vec<GenerationCheck>, String> {
+pub fn generation_checks(
+    params: &KvParams,
+    pairing: &Pairing,
+) -> Result<Vec<GenerationCheck>, GenerationCheckError> {
     if params.generations.len() != params.offer.groups.len() {
-        return Err(format!(
-            "{} generation lists for {} offered groups",
-            params.generations.len(),
-            params.offer.groups.len()
-        ));
+        return Err(GenerationCheckError::ListCount {
+            lists: params.generations.len(),
+            groups: params.offer.groups.len(),
+        });
     }
     let mut checks = Vec::with_capacity(pairing.num_pairs());
     for (group, pairs) in pairing.groups.iter().enumerate() {
@@ -105,14 +144,14 @@ pub fn generation_checks(params: &KvParams, pairing: &Pairing) -> Result<Vec<Gen
             .offer
             .groups
             .get(group)
-            .ok_or_else(|| format!("group {group} paired but not offered"))?;
+            .ok_or(GenerationCheckError::GroupNotOffered { group })?;
         let generations = &params.generations[group];
         if generations.len() != list.blocks.len() {
-            return Err(format!(
-                "group {group}: {} generations for {} offered blocks",
-                generations.len(),
-                list.blocks.len()
-            ));
+            return Err(GenerationCheckError::GenerationCount {
+                group,
+                generations: generations.len(),
+                blocks: list.blocks.len(),
+            });
         }
         for pair in pairs.iter().filter(|pair| pair.remote != NULL_BLOCK) {
             let index = pair
@@ -120,11 +159,9 @@ pub fn generation_checks(params: &KvParams, pairing: &Pairing) -> Result<Vec<Gen
                 .checked_sub(list.first_position)
                 .and_then(|index| usize::try_from(index).ok())
                 .filter(|&index| index < generations.len())
-                .ok_or_else(|| {
-                    format!(
-                        "group {group}: paired position {} outside the offer",
-                        pair.remote_position
-                    )
+                .ok_or(GenerationCheckError::PositionOutsideOffer {
+                    group,
+                    position: pair.remote_position,
                 })?;
             checks.push(GenerationCheck {
                 group,
@@ -817,7 +854,8 @@ impl DecodeMachine {
             }
         }
         .map_err(|error| Failure::Exchange(error.to_string()))?;
-        let checks = generation_checks(&self.params, &pairing).map_err(Failure::BadParams)?;
+        let checks = generation_checks(&self.params, &pairing)
+            .map_err(|error| Failure::BadParams(error.to_string()))?;
         Ok((pairing, checks))
     }
 

@@ -873,7 +873,7 @@ mod allocation_bounds {
 #[test]
 fn generation_checks_refuse_a_position_past_the_offer() {
     use pdkv_core::exchange::{BlockPair, Pairing};
-    use pdkv_core::leg::generation_checks;
+    use pdkv_core::leg::{GenerationCheckError, generation_checks};
     let params = params();
     let list = &params.offer.groups[0];
     let past = list.first_position + list.blocks.len() as u64;
@@ -890,7 +890,14 @@ fn generation_checks_refuse_a_position_past_the_offer() {
     };
     assert_eq!(
         generation_checks(&params, &pairing),
-        Err(format!("group 0: paired position {past} outside the offer"))
+        Err(GenerationCheckError::PositionOutsideOffer {
+            group: 0,
+            position: past
+        })
+    );
+    assert_eq!(
+        generation_checks(&params, &pairing).unwrap_err().to_string(),
+        format!("group 0: paired position {past} outside the offer")
     );
 }
 
