@@ -342,6 +342,41 @@ impl Machine {
             Machine::Decode(machine) => machine.is_waiting_for_blocks(),
         }
     }
+
+    fn poll_command(&mut self) -> Option<Command> {
+        match self {
+            Machine::Prefill(machine) => machine.poll_command().map(Command::Prefill),
+            Machine::Decode(machine) => machine.poll_command().map(Command::Decode),
+        }
+    }
+
+    fn handle_abort(&mut self) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_abort(),
+            Machine::Decode(machine) => machine.handle_abort(),
+        }
+    }
+
+    fn handle_timeout(&mut self, now_ms: u64) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_timeout(now_ms),
+            Machine::Decode(machine) => machine.handle_timeout(now_ms),
+        }
+    }
+
+    fn handle_queue_full(&mut self, capacity: u64) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_queue_full(capacity),
+            Machine::Decode(machine) => machine.handle_queue_full(capacity),
+        }
+    }
+
+    fn handle_blocks_freed(&mut self) {
+        match self {
+            Machine::Prefill(machine) => machine.handle_blocks_freed(),
+            Machine::Decode(machine) => machine.handle_blocks_freed(),
+        }
+    }
 }
 
 /// One request on this leg: its machine and what the node keeps for it.
@@ -623,10 +658,7 @@ impl LegNode {
                     self.revoke_request(request);
                 }
                 match self.jobs.get_mut(&request) {
-                    Some(job) => match &mut job.machine {
-                        Machine::Prefill(machine) => machine.handle_abort(),
-                        Machine::Decode(machine) => machine.handle_abort(),
-                    },
+                    Some(job) => job.machine.handle_abort(),
                     None => self.tombstones.remember(request, Tombstone::Aborted),
                 }
                 self.drive(request, now_ms);
@@ -754,13 +786,7 @@ impl LegNode {
 
     /// The prompt computation of `request` ended.
     pub fn handle_computed(&mut self, request: RequestId, result: Result<(), Failure>, now_ms: u64) {
-        if let Some(Job {
-            machine: Machine::Prefill(machine),
-            ..
-        }) = self.jobs.get_mut(&request)
-        {
-            machine.handle_computed(result, now_ms);
-        }
+        self.with_prefill(request, |machine| machine.handle_computed(result, now_ms));
         self.drive(request, now_ms);
         self.settle(now_ms);
     }
@@ -768,26 +794,14 @@ impl LegNode {
     /// The READ of `request` ended: complete and verified, or failed (a partial READ is a
     /// failure).
     pub fn handle_read_done(&mut self, request: RequestId, result: Result<ReadDone, Failure>, now_ms: u64) {
-        if let Some(Job {
-            machine: Machine::Decode(machine),
-            ..
-        }) = self.jobs.get_mut(&request)
-        {
-            machine.handle_read_done(result, now_ms);
-        }
+        self.with_decode(request, |machine| machine.handle_read_done(result, now_ms));
         self.drive(request, now_ms);
         self.settle(now_ms);
     }
 
     /// The generation of `request` ended (or stopped when told to).
     pub fn handle_generated(&mut self, request: RequestId, result: Result<Generated, Failure>, now_ms: u64) {
-        if let Some(Job {
-            machine: Machine::Decode(machine),
-            ..
-        }) = self.jobs.get_mut(&request)
-        {
-            machine.handle_generated(result);
-        }
+        self.with_decode(request, |machine| machine.handle_generated(result));
         self.drive(request, now_ms);
         self.settle(now_ms);
     }
@@ -800,9 +814,7 @@ impl LegNode {
         now_ms: u64,
     ) -> Result<Vec<Vec<BlockId>>, AllocError> {
         let result = self.allocator.extend(request, slots).map(<[_]>::to_vec);
-        if let (Ok(lists), Some(job)) = (&result, self.jobs.get_mut(&request)) {
-            job.lists = lists.clone();
-        }
+        self.keep_lists(request, &result);
         self.settle(now_ms);
         result
     }
@@ -816,9 +828,7 @@ impl LegNode {
         now_ms: u64,
     ) -> Result<Vec<Vec<BlockId>>, AllocError> {
         let result = self.release_window_lists(request, attending_token);
-        if let (Ok(lists), Some(job)) = (&result, self.jobs.get_mut(&request)) {
-            job.lists = lists.clone();
-        }
+        self.keep_lists(request, &result);
         self.settle(now_ms);
         result
     }
@@ -883,10 +893,7 @@ impl LegNode {
             .collect();
         for request in due {
             if let Some(job) = self.jobs.get_mut(&request) {
-                match &mut job.machine {
-                    Machine::Prefill(machine) => machine.handle_timeout(now_ms),
-                    Machine::Decode(machine) => machine.handle_timeout(now_ms),
-                }
+                job.machine.handle_timeout(now_ms);
             }
             self.drive(request, now_ms);
         }
@@ -923,11 +930,7 @@ impl LegNode {
             let Some(job) = self.jobs.get_mut(&request) else {
                 return;
             };
-            let command = match &mut job.machine {
-                Machine::Prefill(machine) => machine.poll_command().map(Command::Prefill),
-                Machine::Decode(machine) => machine.poll_command().map(Command::Decode),
-            };
-            match command {
+            match job.machine.poll_command() {
                 Some(Command::Prefill(command)) => self.prefill_command(request, command, now_ms),
                 Some(Command::Decode(command)) => self.decode_command(request, command, now_ms),
                 None => break,
@@ -950,10 +953,7 @@ impl LegNode {
             if waiting > capacity
                 && let Some(job) = self.jobs.get_mut(&request)
             {
-                match &mut job.machine {
-                    Machine::Prefill(machine) => machine.handle_queue_full(capacity as u64),
-                    Machine::Decode(machine) => machine.handle_queue_full(capacity as u64),
-                }
+                job.machine.handle_queue_full(capacity as u64);
                 self.drive(request, now_ms);
             }
         }
@@ -977,10 +977,7 @@ impl LegNode {
                 .collect();
             for request in waiting {
                 if let Some(job) = self.jobs.get_mut(&request) {
-                    match &mut job.machine {
-                        Machine::Prefill(machine) => machine.handle_blocks_freed(),
-                        Machine::Decode(machine) => machine.handle_blocks_freed(),
-                    }
+                    job.machine.handle_blocks_freed();
                 }
                 self.drive(request, now_ms);
             }
@@ -1003,6 +1000,13 @@ impl LegNode {
             budget_ms,
             body,
         }));
+    }
+
+    /// Keeps the lists the allocator last gave `request`, for the computations it asks for.
+    fn keep_lists(&mut self, request: RequestId, lists: &Result<Vec<Vec<BlockId>>, AllocError>) {
+        if let (Ok(lists), Some(job)) = (lists, self.jobs.get_mut(&request)) {
+            job.lists = lists.clone();
+        }
     }
 
     fn allocate(
@@ -1041,9 +1045,7 @@ impl LegNode {
             }
             PrefillCommand::ReleaseWindow { attending_token } => {
                 let lists = self.release_window_lists(request, attending_token);
-                if let (Ok(lists), Some(job)) = (&lists, self.jobs.get_mut(&request)) {
-                    job.lists = lists.clone();
-                }
+                self.keep_lists(request, &lists);
                 self.with_prefill(request, |machine| machine.handle_window_released(lists));
             }
             PrefillCommand::Grant { lists, peer } => {
