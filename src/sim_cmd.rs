@@ -63,6 +63,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
     let (mut scenarios, mut requests, mut ok, mut failed, mut steps) = (0u64, 0u64, 0u64, 0u64, 0u64);
     let (mut retried, mut streamed) = (0u64, 0u64);
     let mut refused: BTreeMap<&'static str, u64> = BTreeMap::new();
+    let mut failures: BTreeMap<&'static str, u64> = BTreeMap::new();
     let mut topologies: BTreeMap<String, u64> = BTreeMap::new();
     let mut faults: BTreeMap<Fault, u64> = BTreeMap::new();
     let mut violations = Vec::new();
@@ -83,6 +84,9 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
         retried += u64::from(report.retried);
         streamed += u64::from(report.streamed);
         *topologies.entry(report.topology.to_string()).or_default() += 1;
+        for (kind, count) in report.failures {
+            *failures.entry(kind).or_default() += u64::from(count);
+        }
         for (why, count) in report.refused {
             *refused.entry(why).or_default() += u64::from(count);
         }
@@ -107,6 +111,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
                 "failed_cleanly": failed,
                 "retried": retried,
                 "streamed": streamed,
+                "failed_by_kind": failures,
                 "refused": refused,
                 "topologies": topologies,
                 "faults": faults,
@@ -126,6 +131,11 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             .map(|(shape, count)| format!("{shape} {count}"))
             .collect();
         println!("topologies: {}", shapes.join(", "));
+        let kinds: Vec<String> = failures
+            .iter()
+            .map(|(kind, count)| format!("{kind} {count}"))
+            .collect();
+        println!("failed by kind: {}", kinds.join(", "));
         let refusals: Vec<String> = refused
             .iter()
             .map(|(why, count)| format!("{why} {count}"))

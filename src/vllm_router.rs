@@ -32,7 +32,7 @@ use futures_util::StreamExt;
 use pdkv_actors::config::ROUTER_NODE;
 use pdkv_actors::engines::VllmCluster;
 use pdkv_actors::node::{PeerState, Readiness};
-use pdkv_core::proxy::{ChunkAction, LegLoad, Loads, Policy, ProxyRequest, Replay, StageFailure, Step};
+use pdkv_core::proxy::{ChunkAction, LegView, Loads, Policy, ProxyRequest, Replay, StageFailure, Step};
 use pdkv_core::wire::Role;
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -72,12 +72,12 @@ struct Polled {
 }
 
 impl Leg {
-    fn load(&self, misses_allowed: u32) -> LegLoad {
+    fn load(&self, misses_allowed: u32) -> LegView {
         let polled = self
             .polled
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        LegLoad {
+        LegView {
             healthy: polled.ever_up && polled.misses < misses_allowed,
             in_flight: self.in_flight.load(Ordering::Relaxed),
             reported: polled.reported,
@@ -120,7 +120,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn loads(&self) -> (Vec<LegLoad>, Vec<LegLoad>) {
+    fn loads(&self) -> (Vec<LegView>, Vec<LegView>) {
         let of = |legs: &[Leg]| legs.iter().map(|leg| leg.load(self.misses_allowed)).collect();
         (of(&self.prefill), of(&self.decode))
     }

@@ -40,13 +40,14 @@ use crate::Stop;
 use crate::compute::ComputePool;
 use crate::config::{ClusterConfig, LegThreads, LinkKind, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
-use crate::error::{RequestError, ask};
+use crate::error::{RequestError, StartError, ask};
 use crate::exchange::ExchangeActor;
 use crate::hardware;
 use crate::link::{Admit, DoorService, Inbound, Link, LinkLost, LocalLink, QuicLink, SetLink};
 use crate::memory::LegMemory;
+use crate::router::Output;
 use crate::router::{Generate, Router};
-use crate::scheduler::{Direct, LegContext, LegStats, Output, Scheduler, Stats};
+use crate::scheduler::{Direct, LegContext, LegStats, Scheduler, Stats};
 use crate::transfer::TransferActor;
 
 /// Where Linux states how many memory mappings one process may hold.
@@ -65,7 +66,7 @@ fn read_max_map_count() -> u64 {
 /// Refuses, before any region is created, a shared-memory cluster in one process whose legs
 /// would map more regions than `max_map_count` leaves room for: every leg maps its own regions,
 /// and every decode leg maps every prefill leg's regions read-only.
-pub fn check_map_count(config: &ClusterConfig, max_map_count: u64) -> Result<(), RequestError> {
+pub fn check_map_count(config: &ClusterConfig, max_map_count: u64) -> Result<(), StartError> {
     let regions = (config.layout.num_layers() + config.layout.groups().len()) as u64;
     let prefill = config.nodes_with_role(Role::Prefill).count() as u64;
     let decode = config.nodes_with_role(Role::Decode).count() as u64;
@@ -75,7 +76,7 @@ pub fn check_map_count(config: &ClusterConfig, max_map_count: u64) -> Result<(),
     let reserved = 4096 + 16 * nodes;
     let usable = max_map_count.saturating_sub(reserved);
     if needed > usable {
-        return Err(RequestError::MapLimit {
+        return Err(StartError::MapLimit {
             needed,
             decode,
             prefill,
@@ -94,12 +95,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Request ids of direct (one-leg, reference) runs start here, far from the router's.
 const DIRECT_REQUEST_BASE: u64 = 1 << 62;
 
-fn incarnation() -> Result<Incarnation, RequestError> {
-    new_incarnation().map_err(|error| RequestError::NoRandomness(error.to_string()))
+fn incarnation() -> Result<Incarnation, StartError> {
+    new_incarnation().map_err(|error| StartError::NoRandomness(error.to_string()))
 }
 
-fn link_error(peer: &NodeId, detail: impl std::fmt::Display) -> RequestError {
-    RequestError::Link {
+fn link_error(peer: &NodeId, detail: impl std::fmt::Display) -> StartError {
+    StartError::Link {
         peer: peer.to_string(),
         detail: detail.to_string(),
     }
@@ -199,7 +200,7 @@ pub struct LocalCluster {
 impl LocalCluster {
     /// Starts every leg and the router, and links them as `[transport] links` says. Call inside
     /// a running actix `System`.
-    pub async fn start(config: ClusterConfig) -> Result<Self, RequestError> {
+    pub async fn start(config: ClusterConfig) -> Result<Self, StartError> {
         if config.transport.read_engine == ReadEngineKind::Shm {
             check_map_count(&config, read_max_map_count())?;
         }
@@ -402,7 +403,7 @@ impl LocalCluster {
 }
 
 /// Starts the router actor of `config` on this thread, and its door.
-pub(crate) fn start_router(config: &ClusterConfig) -> Result<(Addr<Router>, Door), RequestError> {
+pub(crate) fn start_router(config: &ClusterConfig) -> Result<(Addr<Router>, Door), StartError> {
     let hello = Hello {
         node: NodeId(ROUTER_NODE.into()),
         role: Role::Router,
@@ -461,7 +462,7 @@ fn in_process_parts(
     node: &NodeConfig,
     model: &Model,
     fabric: &LocalFabric,
-) -> Result<LegParts, RequestError> {
+) -> Result<LegParts, StartError> {
     let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
     let key = EngineKey(node.name.0.clone());
     let mut more_engines = Vec::new();
@@ -471,8 +472,10 @@ fn in_process_parts(
             MappedEngine::local(key, fabric.clone())?,
         ),
         ReadEngineKind::Shm | ReadEngineKind::Net => (
-            LegMemory::shared(model, &capacity, &node.name.0)
-                .map_err(|error| RequestError::Read(error.into()))?,
+            LegMemory::shared(model, &capacity, &node.name.0).map_err(|source| StartError::Memory {
+                node: node.name.0.clone(),
+                source,
+            })?,
             MappedEngine::shm(key)?,
         ),
         ReadEngineKind::Mori => {
@@ -500,7 +503,7 @@ pub(crate) fn start_leg(
     model: &Arc<Model>,
     parts: LegParts,
     placement: Placement,
-) -> Result<(LegHandle, Door), RequestError> {
+) -> Result<(LegHandle, Door), StartError> {
     let arbiter = match &placement {
         Placement::Own(handle) => handle.clone(),
         Placement::Current => Arbiter::current(),
@@ -654,7 +657,7 @@ fn linked_pairs(doors: &[Door]) -> Vec<(usize, usize)> {
     pairs
 }
 
-async fn admit(door: &Door, hello: &Hello, dialed_in: bool) -> Result<(), RequestError> {
+async fn admit(door: &Door, hello: &Hello, dialed_in: bool) -> Result<(), StartError> {
     let message = Admit {
         hello: hello.clone(),
         dialed_in,
@@ -667,7 +670,7 @@ async fn admit(door: &Door, hello: &Hello, dialed_in: bool) -> Result<(), Reques
 }
 
 /// Links nodes through their mailboxes, after each side admitted the other's hello.
-async fn link_locally(doors: &[Door]) -> Result<(), RequestError> {
+async fn link_locally(doors: &[Door]) -> Result<(), StartError> {
     let pairs = linked_pairs(doors);
     // Links are both ways, so every node of a pair admits the other here.
     for &(a, b) in &pairs {
@@ -682,7 +685,7 @@ async fn link_locally(doors: &[Door]) -> Result<(), RequestError> {
 }
 
 /// Gives `from` its link to `to`.
-async fn set_link(from: &Door, to: &Door, link: Arc<dyn Link>) -> Result<(), RequestError> {
+async fn set_link(from: &Door, to: &Door, link: Arc<dyn Link>) -> Result<(), StartError> {
     let message = SetLink {
         peer: to.hello.node.clone(),
         link,
@@ -695,7 +698,7 @@ async fn set_link(from: &Door, to: &Door, link: Arc<dyn Link>) -> Result<(), Req
 
 /// Gives every node a control server on loopback with a certificate from a throwaway cluster CA,
 /// and dials every linked pair: the handshake admits each side's hello.
-async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNodes, RequestError> {
+async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNodes, StartError> {
     let setup = |detail: String| link_error(&NodeId("cluster".into()), detail);
     let runtime = TransportRuntime::new(2).map_err(|error| setup(format!("transport runtime: {error}")))?;
     let handle = runtime.handle();
@@ -783,17 +786,20 @@ mod tests {
         assert!(check_map_count(&cluster(1, 1), 65_530).is_ok());
         assert!(check_map_count(&cluster(96, 96), 65_530).is_ok());
         let error = check_map_count(&cluster(112, 112), 65_530).unwrap_err();
-        assert_eq!(
-            error,
-            RequestError::MapLimit {
-                needed: 76_608,
-                decode: 112,
-                prefill: 112,
-                regions: 6,
-                limit: 65_530,
-                reserved: 4096 + 16 * 224,
-                usable: 65_530 - 4096 - 16 * 224,
-            }
+        assert!(
+            matches!(
+                error,
+                StartError::MapLimit {
+                    needed: 76_608,
+                    decode: 112,
+                    prefill: 112,
+                    regions: 6,
+                    limit: 65_530,
+                    reserved,
+                    usable,
+                } if reserved == 4096 + 16 * 224 && usable == 65_530 - 4096 - 16 * 224
+            ),
+            "{error:?}"
         );
         assert!(error.to_string().contains("vm.max_map_count = 65530"), "{error}");
         assert!(check_map_count(&cluster(112, 112), 1 << 20).is_ok());

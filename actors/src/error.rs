@@ -62,6 +62,24 @@ pub enum RequestError {
         /// Legs this request failed on and did not try again.
         avoided: Vec<pdkv_core::wire::NodeId>,
     },
+    /// The KV parameters do not fit this decode leg.
+    #[error("bad kv params: {0}")]
+    BadParams(String),
+    /// A leg failed the request in `stage`; the failure names the fault.
+    #[error("{failure}")]
+    Failed {
+        /// Where.
+        stage: Stage,
+        /// What.
+        failure: Failure,
+    },
+}
+
+/// Why a cluster, a node or one of its legs could not start: configuration the machine cannot
+/// honour, memory or engines that cannot be had, links that cannot be set up. A request never
+/// fails with these; a start that fails with one runs no request at all.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
     /// An in-process cluster on shared memory would map more regions than the kernel allows.
     #[error(
         "read_engine = \"shm\" in one process needs {needed} memory mappings ({decode} decode legs x {prefill} prefill legs x {regions} regions, plus each leg's own {regions}), more than the {usable} that vm.max_map_count = {limit} leaves after {reserved} for the rest of the process: use fewer nodes, read_engine = \"local\", or raise vm.max_map_count"
@@ -85,17 +103,6 @@ pub enum RequestError {
     /// The OS gave no randomness for a leg's incarnation.
     #[error("no randomness for an incarnation: {0}")]
     NoRandomness(String),
-    /// The KV parameters do not fit this decode leg.
-    #[error("bad kv params: {0}")]
-    BadParams(String),
-    /// A leg failed the request in `stage`; the failure names the fault.
-    #[error("{failure}")]
-    Failed {
-        /// Where.
-        stage: Stage,
-        /// What.
-        failure: Failure,
-    },
     /// The mori READ engine a node's configuration asks for cannot start.
     #[error("node {node}: the mori READ engine cannot start: {source}")]
     MoriStart {
@@ -122,6 +129,40 @@ pub enum RequestError {
         /// Why.
         detail: String,
     },
+    /// A leg's KV memory could not be created.
+    #[error("node {node}: KV memory: {source}")]
+    Memory {
+        /// The node.
+        node: String,
+        /// What failed.
+        source: pdkv_transport::region::RegionError,
+    },
+    /// The allocator refused the node's configured capacities.
+    #[error("allocator: {0}")]
+    Allocator(#[from] AllocError),
+    /// A READ engine could not be created.
+    #[error("READ engine: {0}")]
+    Engine(#[from] ReadEngineError),
+    /// The configuration names a node the cluster does not have.
+    #[error("unknown node {0}")]
+    UnknownNode(String),
+    /// An actor of a starting leg did not answer.
+    #[error("{actor} unreachable while starting: {detail}")]
+    Mailbox {
+        /// Which actor.
+        actor: &'static str,
+        /// Mailbox closed or timed out.
+        detail: String,
+    },
+}
+
+impl From<actix::MailboxError> for StartError {
+    fn from(error: actix::MailboxError) -> Self {
+        StartError::Mailbox {
+            actor: "leg",
+            detail: error.to_string(),
+        }
+    }
 }
 
 impl RequestError {
@@ -136,8 +177,8 @@ impl RequestError {
                 tokens: *tokens,
                 lookahead_tokens: *lookahead_tokens,
             },
-            RequestError::Alloc(error) => Failure::Alloc(error.to_string()),
-            RequestError::Grant(error) => Failure::Grant(error.to_string()),
+            RequestError::Alloc(error) => Failure::Alloc(error.clone()),
+            RequestError::Grant(error) => Failure::Grant(error.clone()),
             RequestError::Read(error) => Failure::Read(error.to_string()),
             RequestError::BadParams(detail) => Failure::BadParams(detail.clone()),
             RequestError::Timeout { .. } => Failure::DeadlinePassed,

@@ -14,7 +14,7 @@ use pdkv_core::wire::{Body, NodeId, RequestId, Role};
 use pdkv_transport::control::{Hello, check_compat};
 
 use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink, log_refusal};
-use crate::scheduler::{Deliver, Scheduler, Stats};
+use crate::scheduler::{Deliver, PeerLost, Scheduler, Stats};
 use crate::transfer::{AddPeer, TransferActor};
 
 /// The exchange actor of one leg.
@@ -149,6 +149,8 @@ impl Handler<LinkLost> for ExchangeActor {
     fn handle(&mut self, msg: LinkLost, _ctx: &mut Self::Context) -> Self::Result {
         if self.peers.drop_link(&msg.peer, msg.incarnation) {
             tracing::warn!(node = %self.node(), peer = %msg.peer, reason = %msg.reason, "link lost");
+            // Rare, and never to be dropped: past the mailbox bound is fine.
+            self.scheduler.do_send(PeerLost { peer: msg.peer });
         }
     }
 }

@@ -9,7 +9,7 @@ use pdkv_transport::engine::ReadEngine;
 
 use crate::config::{ClusterConfig, KvMemory, NodeConfig};
 use crate::engine::Model;
-use crate::error::RequestError;
+use crate::error::StartError;
 use crate::memory::LegMemory;
 
 /// The leg's KV memory: shared host memory (same-host peers map it), or its GPU's memory.
@@ -17,18 +17,20 @@ pub(crate) fn leg_memory(
     config: &ClusterConfig,
     node: &NodeConfig,
     model: &Model,
-) -> Result<LegMemory, RequestError> {
+) -> Result<LegMemory, StartError> {
     let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
     match config.transport.kv_memory {
-        KvMemory::Host => LegMemory::shared(model, &capacity, &node.name.0)
-            .map_err(|error| RequestError::Read(error.into())),
-        KvMemory::Gpu => {
-            LegMemory::gpu(model, &capacity, node.gpu).map_err(|source| RequestError::GpuMemory {
+        KvMemory::Host => {
+            LegMemory::shared(model, &capacity, &node.name.0).map_err(|source| StartError::Memory {
                 node: node.name.0.clone(),
-                gpu: node.gpu,
                 source,
             })
         }
+        KvMemory::Gpu => LegMemory::gpu(model, &capacity, node.gpu).map_err(|source| StartError::GpuMemory {
+            node: node.name.0.clone(),
+            gpu: node.gpu,
+            source,
+        }),
     }
 }
 
@@ -36,8 +38,8 @@ pub(crate) fn leg_memory(
 pub(crate) fn mori_engine(
     config: &ClusterConfig,
     node: &NodeConfig,
-) -> Result<Arc<dyn ReadEngine>, RequestError> {
-    start_mori(config, node).map_err(|source| RequestError::MoriStart {
+) -> Result<Arc<dyn ReadEngine>, StartError> {
+    start_mori(config, node).map_err(|source| StartError::MoriStart {
         node: node.name.0.clone(),
         source,
     })

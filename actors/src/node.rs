@@ -31,11 +31,11 @@ use serde::Serialize;
 use crate::cluster::{Door, LegHandle, LegParts, Placement, start_leg, start_router};
 use crate::config::{ClusterConfig, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
-use crate::error::RequestError;
+use crate::error::StartError;
 use crate::hardware;
 use crate::link::{Admit, DoorService, LinkLost, QuicLink, SetLink};
 use crate::router::Router;
-use crate::transfer::choose_engine;
+use pdkv_transport::kv_read::choose_engine;
 
 /// How long one dial (connect, handshake, ticket, stream) may take.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -55,8 +55,8 @@ const TICKET_TTL: Duration = Duration::from_secs(30);
 /// Threads of the runtime quinn and the network engine run on.
 const TRANSPORT_THREADS: usize = 2;
 
-fn setup_error(node: &NodeId, detail: impl std::fmt::Display) -> RequestError {
-    RequestError::Link {
+fn setup_error(node: &NodeId, detail: impl std::fmt::Display) -> StartError {
+    StartError::Link {
         peer: node.to_string(),
         detail: detail.to_string(),
     }
@@ -172,7 +172,7 @@ pub struct Readiness {
 }
 
 /// Where a node of `config` is dialled: its host and control port, which must be fixed.
-pub fn control_address(config: &ClusterConfig, node: &str) -> Result<SocketAddr, RequestError> {
+pub fn control_address(config: &ClusterConfig, node: &str) -> Result<SocketAddr, StartError> {
     let (key, host, port) = if node == ROUTER_NODE {
         (
             "router.control_port".to_string(),
@@ -184,7 +184,7 @@ pub fn control_address(config: &ClusterConfig, node: &str) -> Result<SocketAddr,
             .nodes
             .iter()
             .position(|candidate| candidate.name.0 == node)
-            .ok_or_else(|| RequestError::UnknownNode(node.to_string()))?;
+            .ok_or_else(|| StartError::UnknownNode(node.to_string()))?;
         let address = &config.nodes[index].address;
         (
             format!("nodes[{index}].control_port"),
@@ -305,7 +305,7 @@ impl NodeProcess {
         config: ClusterConfig,
         name: &str,
         identity: NodeIdentity,
-    ) -> Result<Self, RequestError> {
+    ) -> Result<Self, StartError> {
         let node_id = NodeId(name.into());
         let mut runtime = StartingRuntime(Some(
             TransportRuntime::new(TRANSPORT_THREADS).map_err(|error| setup_error(&node_id, error))?,
@@ -321,7 +321,7 @@ impl NodeProcess {
                 .nodes
                 .iter()
                 .find(|node| node.name.0 == name)
-                .ok_or_else(|| RequestError::UnknownNode(name.to_string()))?
+                .ok_or_else(|| StartError::UnknownNode(name.to_string()))?
                 .clone();
             if config.transport.read_engine == ReadEngineKind::Local {
                 return Err(setup_error(
@@ -580,7 +580,7 @@ fn start_process_leg(
     config: &ClusterConfig,
     node: &NodeConfig,
     runtime: &tokio::runtime::Handle,
-) -> Result<ProcessLeg, RequestError> {
+) -> Result<ProcessLeg, StartError> {
     let model = Arc::new(Model::new(config.model, config.layout.clone()));
     let memory = Arc::new(hardware::leg_memory(config, node, &model)?);
     let key = EngineKey(node.name.0.clone());
@@ -726,7 +726,7 @@ impl Dialer {
         }
     }
 
-    async fn link(&self) -> Result<PeerConnection, RequestError> {
+    async fn link(&self) -> Result<PeerConnection, StartError> {
         let failed = |detail: String| setup_error(&self.peer, detail);
         let connection = self
             .client
@@ -769,7 +769,7 @@ impl Dialer {
 
     /// Opens the network data connection to a prefill leg this decode leg reads over the net
     /// engine (the same choice its transfer actor made at admission).
-    async fn connect_data(&self, connection: &PeerConnection) -> Result<(), RequestError> {
+    async fn connect_data(&self, connection: &PeerConnection) -> Result<(), StartError> {
         let Some(net) = &self.net else {
             return Ok(());
         };

@@ -28,7 +28,6 @@ use crate::config::{PromptLimit, PromptTooLong};
 use crate::deployment::Selection;
 use crate::error::RequestError;
 use crate::link::{Admit, Inbound, LinkLost, Peers, Refusal, SetLink, log_refusal};
-use crate::scheduler::Output;
 use crate::timer::{self, MachineTimer};
 
 /// What a client waits on.
@@ -247,7 +246,7 @@ impl Router {
             .filter(|hello| hello.role == role)
             .collect();
         legs.sort_by(|a, b| a.node.cmp(&b.node));
-        let views: Vec<proxy::LegLoad> = legs
+        let views: Vec<proxy::LegView> = legs
             .iter()
             .map(|leg| {
                 let in_flight = self
@@ -259,7 +258,7 @@ impl Router {
                     })
                     .count();
                 let report = self.loads.get(&leg.node);
-                proxy::LegLoad {
+                proxy::LegView {
                     healthy: true,
                     in_flight: u32::try_from(in_flight).unwrap_or(u32::MAX),
                     reported: report.map_or(0, |load| u32::try_from(load.requests).unwrap_or(u32::MAX)),
@@ -412,9 +411,12 @@ impl Router {
         let (reply, answer) = oneshot::channel();
         let budget_ms = self.request_timeout_ms;
         if let Err(error) = self.peers.send(&leg, request, budget_ms, body) {
-            let error = RequestError::Link {
-                peer: leg.to_string(),
-                detail: error.to_string(),
+            let error = RequestError::Failed {
+                stage: Stage::Router,
+                failure: pdkv_core::wire::Failure::Unreachable {
+                    to: leg,
+                    detail: error.to_string(),
+                },
             };
             return Box::pin(async move { Err(error) });
         }
@@ -572,6 +574,54 @@ impl Handler<LegLoads> for Router {
     }
 }
 
+/// A finished request's result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    /// The request.
+    pub request: RequestId,
+    /// Generated tokens.
+    pub tokens: Vec<u32>,
+    /// Digest of every generated step's logits (bitwise).
+    pub logits_digest: u64,
+    /// Bytes the decode leg read (0 for direct runs).
+    pub read_bytes: u64,
+    /// READ ranges posted.
+    pub read_runs: u64,
+    /// Prefix-hit blocks the decode leg reused.
+    pub cached_blocks: u64,
+    /// Why generation ended.
+    pub finish: pdkv_core::sampling::Finish,
+    /// Per generated token, when the request asked for log-probabilities.
+    pub logprobs: Vec<pdkv_core::sampling::TokenLogprobs>,
+    /// Router's view: from sending the prefill request to receiving the KV parameters.
+    pub prefill_stage: Duration,
+    /// Router's view: from receiving the KV parameters to receiving the output.
+    pub decode_stage: Duration,
+}
+
+impl Output {
+    /// The answer a decode leg sent for `request`, with the router's stage timings.
+    pub fn from_decode(
+        request: RequestId,
+        output: pdkv_core::wire::DecodeOutput,
+        prefill_stage: Duration,
+        decode_stage: Duration,
+    ) -> Self {
+        Output {
+            request,
+            tokens: output.tokens,
+            logits_digest: output.logits_digest,
+            read_bytes: output.read_bytes,
+            read_runs: output.read_runs,
+            cached_blocks: output.cached_blocks,
+            finish: output.finish,
+            logprobs: output.logprobs,
+            prefill_stage,
+            decode_stage,
+        }
+    }
+}
+
 /// Serve a request P/D: prefill on one leg, READ and decode on another.
 #[derive(Debug, Message)]
 #[rtype(result = "Result<Output, RequestError>")]
@@ -696,6 +746,8 @@ impl Handler<PrefillOnly> for Router {
 pub struct DecodeOnly {
     /// The decode leg.
     pub decode: NodeId,
+    /// The prompt the KV was computed from.
+    pub prompt: Vec<u32>,
     /// What a prefill leg handed back.
     pub params: KvParams,
     /// Tokens to generate.
@@ -712,6 +764,7 @@ impl Handler<DecodeOnly> for Router {
             request,
             msg.decode,
             Body::Decode {
+                prompt: msg.prompt,
                 params: msg.params,
                 max_tokens: msg.max_tokens,
                 stream: false,

@@ -41,56 +41,9 @@ use crate::engine::{LogitsDigest, Model};
 use crate::error::{RequestError, ask};
 use crate::exchange::{ExchangeActor, Outbound};
 use crate::memory::LegMemory;
+use crate::router::Output;
 use crate::timer::{self, MachineTimer};
 use crate::transfer::{Read, TransferActor};
-
-/// A finished request's result.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Output {
-    /// The request.
-    pub request: RequestId,
-    /// Generated tokens.
-    pub tokens: Vec<u32>,
-    /// Digest of every generated step's logits (bitwise).
-    pub logits_digest: u64,
-    /// Bytes the decode leg read (0 for direct runs).
-    pub read_bytes: u64,
-    /// READ ranges posted.
-    pub read_runs: u64,
-    /// Prefix-hit blocks the decode leg reused.
-    pub cached_blocks: u64,
-    /// Why generation ended.
-    pub finish: sampling::Finish,
-    /// Per generated token, when the request asked for log-probabilities.
-    pub logprobs: Vec<TokenLogprobs>,
-    /// Router's view: from sending the prefill request to receiving the KV parameters.
-    pub prefill_stage: Duration,
-    /// Router's view: from receiving the KV parameters to receiving the output.
-    pub decode_stage: Duration,
-}
-
-impl Output {
-    /// The answer a decode leg sent for `request`, with the router's stage timings.
-    pub fn from_decode(
-        request: RequestId,
-        output: pdkv_core::wire::DecodeOutput,
-        prefill_stage: Duration,
-        decode_stage: Duration,
-    ) -> Self {
-        Output {
-            request,
-            tokens: output.tokens,
-            logits_digest: output.logits_digest,
-            read_bytes: output.read_bytes,
-            read_runs: output.read_runs,
-            cached_blocks: output.cached_blocks,
-            finish: output.finish,
-            logprobs: output.logprobs,
-            prefill_stage,
-            decode_stage,
-        }
-    }
-}
 
 /// Everything a leg's scheduler and its computations need; immutable once built.
 pub struct LegContext {
@@ -272,7 +225,7 @@ impl Scheduler {
                 }
                 NodeOutput::LeaseExpired { grant, request, peer } => {
                     metrics::counter!("pdkv_lease_expired_total").increment(1);
-                    tracing::warn!(node = %self.leg.node(), grant = grant.0, %request, %peer, "lease expired, unpinning");
+                    tracing::warn!(node = %self.leg.node(), grant = grant.0, %request, ?peer, "lease expired, unpinning");
                 }
                 NodeOutput::StopGenerating { request } => {
                     if let Some(stop) = self.stops.get(&request) {
@@ -405,6 +358,25 @@ impl Handler<Drain> for Scheduler {
     fn handle(&mut self, _msg: Drain, _ctx: &mut Self::Context) -> Self::Result {
         tracing::info!(node = %self.leg.node(), requests = self.node.num_jobs(), "draining");
         self.node.drain();
+    }
+}
+
+/// The exchange lost its link to `peer` (the incarnation it knew): its grants are revoked and
+/// the requests it was part of aborted now, not when leases and deadlines lapse.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct PeerLost {
+    /// The peer.
+    pub peer: NodeId,
+}
+
+impl Handler<PeerLost> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: PeerLost, ctx: &mut Self::Context) -> Self::Result {
+        let now = self.now_ms();
+        self.node.handle_peer_lost(&msg.peer, now);
+        self.carry_out(ctx);
     }
 }
 
@@ -582,7 +554,7 @@ async fn generate(
         stopped: None,
         window_moved: false,
     };
-    let alloc = |error: AllocError| Failure::Alloc(error.to_string());
+    let alloc = Failure::Alloc;
     let mailbox = |error: actix::MailboxError| Failure::Engine(format!("scheduler unreachable: {error}"));
     let generated = metrics::counter!("pdkv_generated_tokens_total");
     while state.position < end && state.stopped.is_none() {
@@ -787,7 +759,7 @@ async fn allocate_waiting(
                     stage: Stage::Decode,
                     failure: Failure::NoFreeBlocks {
                         waited_ms: leg.limits.alloc_wait_ms,
-                        last: last.to_string(),
+                        last,
                     },
                 });
             }

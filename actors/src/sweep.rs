@@ -65,8 +65,8 @@ pub async fn compare(cluster: &LocalCluster, prompt_len: u64, max_tokens: u32) -
 
 fn judge(
     prompt_tokens: u64,
-    pd: Result<crate::scheduler::Output, RequestError>,
-    direct: Result<crate::scheduler::Output, RequestError>,
+    pd: Result<crate::router::Output, RequestError>,
+    direct: Result<crate::router::Output, RequestError>,
 ) -> Comparison {
     match (pd, direct) {
         (Ok(pd), Ok(direct)) => {

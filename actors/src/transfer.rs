@@ -7,7 +7,7 @@
 //! the copy it reads the prefill leg's generation words for every source block: a block freed and
 //! possibly reused during the copy fails the READ (fail closed), as does any partial transfer.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,35 +15,11 @@ use actix::{Actor, Context, Handler, Message, ResponseFuture};
 use pdkv_core::exchange::Pairing;
 use pdkv_core::layout::KvLayout;
 use pdkv_core::leg::{GenerationCheck, ReadDone};
-use pdkv_core::plan::{self, RegionLayout, TransferPlan};
+use pdkv_core::plan::{self, RegionLayout};
 use pdkv_core::wire::{Failure, GrantId, NodeId, RequestId};
 use pdkv_transport::control::Hello;
-use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine, ReadOp};
-use pdkv_transport::host::same_host;
-
-/// Which of a decode leg's engines reads from a prefill leg: the first of `ours` (in preference
-/// order) that the peer offers and that can reach it. Same-host engines (in-process, shared
-/// memory) need equal host ids; the network engine and mori reach any host.
-pub fn choose_engine(ours: &[EngineKind], our_host: &str, peer: &Hello) -> Result<usize, String> {
-    let offered = |kind: EngineKind| peer.engines.iter().any(|advert| advert.engine.kind == kind);
-    let local = same_host(our_host, &peer.host);
-    ours.iter()
-        .position(|&kind| {
-            offered(kind)
-                && match kind {
-                    EngineKind::Local | EngineKind::Shm => local,
-                    EngineKind::Net | EngineKind::Mori => true,
-                }
-        })
-        .ok_or_else(|| {
-            let offers: Vec<EngineKind> = peer.engines.iter().map(|advert| advert.engine.kind).collect();
-            format!(
-                "{} offers READ engines {offers:?}{}, this leg reads with {ours:?}",
-                peer.node,
-                if local { "" } else { " from another host" }
-            )
-        })
-}
+use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine};
+use pdkv_transport::kv_read::{KvRead, KvReadError, choose_engine};
 
 /// The transfer actor of one decode leg.
 pub struct TransferActor {
@@ -110,7 +86,8 @@ impl Handler<AddPeer> for TransferActor {
             .iter()
             .map(|engine| engine.descriptor().kind)
             .collect();
-        let index = choose_engine(&kinds, &self.host, &msg.hello).map_err(Failure::Read)?;
+        let index = choose_engine(&kinds, &self.host, &msg.hello)
+            .map_err(|error| Failure::Read(error.to_string()))?;
         let engine = self.engines[index].clone();
         let advert = msg
             .hello
@@ -161,19 +138,35 @@ impl Handler<Read> for TransferActor {
             (Some(remote), Some(engine)) => {
                 plan::plan(&self.layout, &msg.pairing, &self.local_regions, remote)
                     .map(|plan| (plan, remote.clone(), engine.clone()))
-                    .map_err(|error| Failure::Plan(error.to_string()))
+                    .map_err(Failure::Plan)
             }
             _ => Err(Failure::Read(format!("{} never said hello", msg.prefill))),
         };
         let read_timeout = self.read_timeout;
         Box::pin(async move {
             let started = std::time::Instant::now();
-            let result = async {
+            let result: Result<ReadDone, Failure> = async {
                 let (plan, remote_regions, engine) = planned?;
                 let remote = EngineKey(msg.prefill.0.clone());
-                let report = read_plan(engine.as_ref(), &remote, msg.grant, &plan, read_timeout).await?;
-                verify_generations(engine.as_ref(), &remote, &msg, &remote_regions).await?;
-                Ok(report)
+                let read = KvRead {
+                    engine: engine.as_ref(),
+                    remote: &remote,
+                    grant: msg.grant,
+                    plan: &plan,
+                    remote_regions: &remote_regions,
+                    checks: &msg.checks,
+                    timeout: read_timeout,
+                };
+                let report = read.run().await.map_err(|error| {
+                    if let KvReadError::Stale { group, block, .. } = &error {
+                        tracing::warn!(request = %msg.request, group, block, "stale block after read");
+                    }
+                    read_failure(error)
+                })?;
+                Ok(ReadDone {
+                    bytes: report.bytes,
+                    runs: report.runs as u64,
+                })
             }
             .await;
             match &result {
@@ -184,7 +177,7 @@ impl Handler<Read> for TransferActor {
                     metrics::histogram!("pdkv_kv_transfer_runs").record(report.runs as f64);
                 }
                 Err(failure) => {
-                    metrics::counter!("pdkv_kv_transfer_failures_total", "reason" => failure_reason(failure))
+                    metrics::counter!("pdkv_kv_transfer_failures_total", "reason" => failure.kind())
                         .increment(1);
                 }
             }
@@ -193,82 +186,21 @@ impl Handler<Read> for TransferActor {
     }
 }
 
-/// A transfer failure's metric label.
-fn failure_reason(failure: &Failure) -> &'static str {
-    match failure {
-        Failure::StaleBlock { .. } => "stale_block",
-        Failure::Plan(_) => "plan",
-        Failure::Read(_) => "read",
-        _ => "other",
+/// How a READ failure crosses the wire: a changed generation keeps its own variant (the
+/// router and the client learn the KV was refused, not lost).
+fn read_failure(error: KvReadError) -> Failure {
+    match error {
+        KvReadError::Stale {
+            group,
+            block,
+            expected,
+            found,
+        } => Failure::StaleBlock {
+            group: group as u64,
+            block,
+            expected,
+            found,
+        },
+        other => Failure::Read(other.to_string()),
     }
-}
-
-async fn read_plan(
-    engine: &dyn ReadEngine,
-    remote: &EngineKey,
-    grant: GrantId,
-    plan: &TransferPlan,
-    read_timeout: Duration,
-) -> Result<ReadDone, Failure> {
-    let ops: Vec<ReadOp> = plan
-        .layers
-        .iter()
-        .map(|layer| ReadOp {
-            grant,
-            local_region: layer.local_region,
-            remote_engine: remote.clone(),
-            remote_region: layer.remote_region,
-            runs: layer.runs.clone(),
-        })
-        .collect();
-    let read = |error: pdkv_transport::engine::EngineError| Failure::Read(error.to_string());
-    let report = engine
-        .batch_read(ops)
-        .map_err(read)?
-        .wait(read_timeout)
-        .await
-        .map_err(read)?;
-    Ok(ReadDone {
-        bytes: report.bytes,
-        runs: report.runs as u64,
-    })
-}
-
-/// Reads the prefill leg's generation words after the copy: any change means a source block was
-/// freed (and maybe reused) while it was being read.
-async fn verify_generations(
-    engine: &dyn ReadEngine,
-    remote: &EngineKey,
-    msg: &Read,
-    remote_regions: &RegionLayout,
-) -> Result<(), Failure> {
-    let mut by_group: BTreeMap<usize, Vec<&GenerationCheck>> = BTreeMap::new();
-    for check in &msg.checks {
-        by_group.entry(check.group).or_default().push(check);
-    }
-    for (group, checks) in by_group {
-        let blocks: Vec<u32> = checks.iter().map(|check| check.block).collect();
-        let table = remote_regions.generation_region(group).ok_or_else(|| {
-            Failure::Read(format!(
-                "{} has no generation table for group {group}",
-                msg.prefill
-            ))
-        })?;
-        let found = engine
-            .read_remote_words(remote, msg.grant, table, &blocks)
-            .await
-            .map_err(|error| Failure::Read(error.to_string()))?;
-        for (check, found) in checks.iter().zip(found) {
-            if found != check.generation {
-                tracing::warn!(request = %msg.request, group, block = check.block, "stale block after read");
-                return Err(Failure::StaleBlock {
-                    group: group as u64,
-                    block: check.block,
-                    expected: check.generation,
-                    found,
-                });
-            }
-        }
-    }
-    Ok(())
 }

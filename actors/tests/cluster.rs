@@ -488,6 +488,7 @@ async fn a_read_after_the_lease_lapsed_fails_closed(links: LinkKind) {
         .router()
         .send(DecodeOnly {
             decode: NodeId("decode-0".into()),
+            prompt: prefill_only().prompt,
             params,
             max_tokens: 4,
         })

@@ -236,6 +236,7 @@ async fn a_decode_request_whose_params_name_another_request_fails_cleanly() {
         router,
         params.request.0,
         Body::Decode {
+            prompt: pdkv_actors::engine::prompt_tokens(2, 100, 256),
             params: other,
             max_tokens: 2,
             stream: false,
@@ -256,6 +257,7 @@ async fn a_decode_request_whose_params_name_another_request_fails_cleanly() {
         router,
         params.request.0,
         Body::Decode {
+            prompt: pdkv_actors::engine::prompt_tokens(2, 100, 256),
             params: params.clone(),
             max_tokens: 2,
             stream: false,

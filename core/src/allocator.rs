@@ -20,6 +20,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 
+use serde::{Deserialize, Serialize};
+
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::layout::{GroupKind, GroupSpec, KvLayout};
 use crate::wire::RequestId;
@@ -261,14 +263,14 @@ impl Allocator {
                 return Err(if fresh as u64 > u64::from(pool.capacity) {
                     AllocError::NeverFits {
                         group,
-                        kind: spec.kind().name(),
+                        kind: spec.kind(),
                         needed: fresh as u64,
                         capacity: pool.capacity,
                     }
                 } else {
                     AllocError::OutOfBlocks {
                         group,
-                        kind: spec.kind().name(),
+                        kind: spec.kind(),
                         needed: fresh,
                         free: available,
                     }
@@ -317,7 +319,7 @@ impl Allocator {
             if extra > pool.available() {
                 return Err(AllocError::OutOfBlocks {
                     group,
-                    kind: pool.spec.kind().name(),
+                    kind: pool.spec.kind(),
                     needed: extra,
                     free: pool.available(),
                 });
@@ -535,7 +537,7 @@ pub fn prefix_hashes(tokens: &[u32], block_tokens: usize) -> Vec<u64> {
 }
 
 /// Why the allocator refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum AllocError {
     /// Not enough free blocks now; may succeed after others finish.
     #[error("group {group} ({kind}): needs {needed} free blocks, {free} free")]
@@ -543,7 +545,7 @@ pub enum AllocError {
         /// Group index.
         group: usize,
         /// Group kind.
-        kind: &'static str,
+        kind: GroupKind,
         /// Blocks needed.
         needed: usize,
         /// Blocks free.
@@ -555,7 +557,7 @@ pub enum AllocError {
         /// Group index.
         group: usize,
         /// Group kind.
-        kind: &'static str,
+        kind: GroupKind,
         /// Blocks needed.
         needed: u64,
         /// Group capacity.
@@ -752,7 +754,7 @@ mod tests {
             allocator.extend(RequestId(2), 9).unwrap_err(),
             AllocError::OutOfBlocks {
                 group: 0,
-                kind: "full",
+                kind: GroupKind::Full,
                 needed: 1,
                 free: 0
             }

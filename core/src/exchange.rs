@@ -272,7 +272,7 @@ pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, Ex
                 Some(NULL_BLOCK) => {
                     return Err(ExchangeError::NullAtNeededPosition {
                         group,
-                        kind: spec.kind().name(),
+                        kind: spec.kind(),
                         leg: Role::Prefill,
                         position,
                     });
@@ -281,7 +281,7 @@ pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, Ex
                 None => {
                     return Err(ExchangeError::MissingPosition {
                         group,
-                        kind: spec.kind().name(),
+                        kind: spec.kind(),
                         position,
                         offered: remote.positions(),
                     });
@@ -427,7 +427,7 @@ fn anchored_list(
     if (blocks.len() as u64) < range.end {
         return Err(ExchangeError::ListTooShort {
             group,
-            kind: spec.kind().name(),
+            kind: spec.kind(),
             leg,
             len: blocks.len(),
             needed: range.end,
@@ -438,7 +438,7 @@ fn anchored_list(
     if let Some(offset) = slice.iter().position(|&id| id == NULL_BLOCK) {
         return Err(ExchangeError::NullAtNeededPosition {
             group,
-            kind: spec.kind().name(),
+            kind: spec.kind(),
             leg,
             position: range.start + offset as u64,
         });
@@ -446,7 +446,7 @@ fn anchored_list(
     if let Some((first, second)) = duplicate_positions(slice) {
         return Err(ExchangeError::DuplicateBlock {
             group,
-            kind: spec.kind().name(),
+            kind: spec.kind(),
             leg,
             block: slice[first],
             first: range.start + first as u64,
@@ -493,7 +493,7 @@ fn describe_spec_difference(ours: &GroupSpec, theirs: &GroupSpec) -> String {
 }
 
 /// Why an exchange was refused. Every variant names the group, leg and position at fault.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum ExchangeError {
     /// A request needs at least one prompt token (the decode leg recomputes the last one).
     #[error("num_prompt_tokens must be at least 1, got 0")]
@@ -514,7 +514,7 @@ pub enum ExchangeError {
         /// Group index.
         group: usize,
         /// Group kind.
-        kind: &'static str,
+        kind: GroupKind,
         /// Leg at fault.
         leg: Role,
         /// Blocks held.
@@ -528,7 +528,7 @@ pub enum ExchangeError {
         /// Group index.
         group: usize,
         /// Group kind.
-        kind: &'static str,
+        kind: GroupKind,
         /// Leg at fault.
         leg: Role,
         /// Block position.
@@ -540,7 +540,7 @@ pub enum ExchangeError {
         /// Group index.
         group: usize,
         /// Group kind.
-        kind: &'static str,
+        kind: GroupKind,
         /// Leg at fault.
         leg: Role,
         /// The repeated block id.
@@ -559,7 +559,7 @@ pub enum ExchangeError {
         /// Group index.
         group: usize,
         /// Group kind.
-        kind: &'static str,
+        kind: GroupKind,
         /// Block position needed.
         position: u64,
         /// Positions the offer covers.

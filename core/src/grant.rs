@@ -23,8 +23,9 @@ pub struct Grant {
     pub id: GrantId,
     /// The request whose blocks it covers.
     pub request: RequestId,
-    /// The only peer allowed to read under it.
-    pub peer: NodeId,
+    /// The only peer allowed to read under it; `None` until the first claim of a grant issued
+    /// to whoever claims it first ([`GrantTable::issue_unclaimed`]).
+    pub holder: Option<NodeId>,
     /// Pinned blocks per group (the null block is never granted).
     pub blocks: Vec<Vec<BlockId>>,
     /// Lease length, re-applied on every renewal.
@@ -36,6 +37,17 @@ pub struct Grant {
 }
 
 impl Grant {
+    /// Whether `peer` holds the grant.
+    pub fn is_held_by(&self, peer: &NodeId) -> bool {
+        self.holder.as_ref() == Some(peer)
+    }
+
+    /// Whether the grant covers `block` in any group (a block id names one block in every group
+    /// when the groups share one pool, as vLLM's do).
+    pub fn covers_in_any_group(&self, block: BlockId) -> bool {
+        (0..self.sorted.len()).any(|group| self.covers(group, block))
+    }
+
     /// Whether the grant covers `block` of `group` (never the null block).
     pub fn covers(&self, group: usize, block: BlockId) -> bool {
         block != NULL_BLOCK
@@ -55,6 +67,16 @@ pub enum Ending {
     Expired,
     /// The prefill leg revoked it (local failure handling, shutdown).
     Revoked,
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Ending::Released => "was released",
+            Ending::Expired => "expired (its lease lapsed)",
+            Ending::Revoked => "was revoked by the prefill side",
+        })
+    }
 }
 
 /// How many ended grants a table remembers per live-grant slot (at least [`MIN_ENDED`]).
@@ -101,6 +123,46 @@ impl GrantTable {
         lease_ms: u64,
         now_ms: u64,
     ) -> Result<GrantId, GrantError> {
+        self.insert(request, Some(peer), blocks, lease_ms, now_ms)
+    }
+
+    /// Issues a grant for `blocks` to whichever peer [`claim`](Self::claim)s it first (a vLLM
+    /// prefill worker hands KV off before it knows which decode worker will read it). Until then
+    /// no peer may read under it, and any peer may release it.
+    pub fn issue_unclaimed(
+        &mut self,
+        request: RequestId,
+        blocks: Vec<Vec<BlockId>>,
+        lease_ms: u64,
+        now_ms: u64,
+    ) -> Result<GrantId, GrantError> {
+        self.insert(request, None, blocks, lease_ms, now_ms)
+    }
+
+    /// `peer` claims grant `id`: the first claim of an unclaimed grant makes `peer` its holder;
+    /// every claim by the holder renews the lease as [`renew`](Self::renew) does. Returns the
+    /// lease's new end.
+    pub fn claim(&mut self, id: GrantId, peer: &NodeId, now_ms: u64) -> Result<u64, GrantError> {
+        let missing = self.missing(id);
+        let grant = self.grants.get_mut(&id).ok_or(missing)?;
+        if now_ms >= grant.expires_at_ms {
+            // Lapsed but not yet swept: too late to claim.
+            return Err(GrantError::Expired(id));
+        }
+        if grant.holder.is_none() {
+            grant.holder = Some(peer.clone());
+        }
+        self.renew(id, peer, now_ms)
+    }
+
+    fn insert(
+        &mut self,
+        request: RequestId,
+        holder: Option<NodeId>,
+        blocks: Vec<Vec<BlockId>>,
+        lease_ms: u64,
+        now_ms: u64,
+    ) -> Result<GrantId, GrantError> {
         if self.grants.len() >= self.max_grants {
             return Err(GrantError::TableFull {
                 max_grants: self.max_grants,
@@ -126,7 +188,7 @@ impl GrantTable {
             Grant {
                 id,
                 request,
-                peer,
+                holder,
                 blocks,
                 lease_ms,
                 expires_at_ms,
@@ -140,7 +202,7 @@ impl GrantTable {
     pub fn renew(&mut self, id: GrantId, peer: &NodeId, now_ms: u64) -> Result<u64, GrantError> {
         let missing = self.missing(id);
         let grant = self.grants.get_mut(&id).ok_or(missing)?;
-        if &grant.peer != peer {
+        if !grant.is_held_by(peer) {
             return Err(GrantError::WrongPeer {
                 id,
                 peer: peer.clone(),
@@ -156,11 +218,12 @@ impl GrantTable {
         Ok(grant.expires_at_ms)
     }
 
-    /// Ends a grant; the caller unpins the returned blocks. Only its peer may release it.
+    /// Ends a grant; the caller unpins the returned blocks. Only its holder may release it (any
+    /// peer, while nobody claimed it).
     pub fn release(&mut self, id: GrantId, peer: &NodeId) -> Result<Grant, GrantError> {
         match self.grants.get(&id) {
             None => return Err(self.missing(id)),
-            Some(grant) if &grant.peer != peer => {
+            Some(grant) if grant.holder.as_ref().is_some_and(|holder| holder != peer) => {
                 return Err(GrantError::WrongPeer {
                     id,
                     peer: peer.clone(),
@@ -202,13 +265,7 @@ impl GrantTable {
         block: BlockId,
         now_ms: u64,
     ) -> Result<(), GrantError> {
-        let grant = self.grants.get(&id).ok_or_else(|| self.missing(id))?;
-        if &grant.peer != peer {
-            return Err(GrantError::WrongPeer {
-                id,
-                peer: peer.clone(),
-            });
-        }
+        let grant = self.held(id, peer)?;
         if now_ms >= grant.expires_at_ms {
             return Err(GrantError::Expired(id));
         }
@@ -218,12 +275,43 @@ impl GrantTable {
         Ok(())
     }
 
+    /// The live grant `id`, if `peer` holds it.
+    pub fn held(&self, id: GrantId, peer: &NodeId) -> Result<&Grant, GrantError> {
+        let grant = self.grants.get(&id).ok_or_else(|| self.missing(id))?;
+        if !grant.is_held_by(peer) {
+            return Err(GrantError::WrongPeer {
+                id,
+                peer: peer.clone(),
+            });
+        }
+        Ok(grant)
+    }
+
+    /// Ends every live grant (shutdown); the caller unpins the returned blocks.
+    pub fn revoke_all(&mut self) -> Vec<Grant> {
+        let mut ids: Vec<GrantId> = self.grants.keys().copied().collect();
+        ids.sort_unstable();
+        ids.into_iter().filter_map(|id| self.revoke(id)).collect()
+    }
+
     /// The live grants issued for `request` (an abort revokes them all), in id order.
     pub fn grants_of(&self, request: RequestId) -> Vec<GrantId> {
         let mut ids: Vec<GrantId> = self
             .grants
             .values()
             .filter(|grant| grant.request == request)
+            .map(|grant| grant.id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The live grants `peer` holds, in id order.
+    pub fn held_by(&self, peer: &NodeId) -> Vec<GrantId> {
+        let mut ids: Vec<GrantId> = self
+            .grants
+            .values()
+            .filter(|grant| grant.is_held_by(peer))
             .map(|grant| grant.id)
             .collect();
         ids.sort_unstable();
@@ -472,5 +560,70 @@ mod tests {
         );
         assert_eq!(table.release(id, &peer("d0")).unwrap().request, RequestId(1));
         assert!(table.release(id, &peer("d0")).is_err());
+    }
+
+    /// A grant issued to its first claimant: nobody reads under it before the claim, the first
+    /// claim binds it, later claims by others are refused, and a lapsed lease cannot be claimed.
+    #[test]
+    fn an_unclaimed_grant_belongs_to_its_first_claimant() {
+        let mut table = GrantTable::new(4);
+        let id = table
+            .issue_unclaimed(RequestId(1), vec![vec![3, 4]], 100, 0)
+            .unwrap();
+        assert_eq!(table.get(id).unwrap().holder, None);
+        assert_eq!(
+            table.check_read(id, &peer("d0"), 0, 3, 10),
+            Err(GrantError::WrongPeer { id, peer: peer("d0") }),
+            "nobody reads before a claim"
+        );
+        assert_eq!(
+            table.renew(id, &peer("d0"), 10),
+            Err(GrantError::WrongPeer { id, peer: peer("d0") })
+        );
+        assert_eq!(table.claim(id, &peer("d0"), 50), Ok(150));
+        assert_eq!(table.check_read(id, &peer("d0"), 0, 3, 60), Ok(()));
+        assert_eq!(
+            table.claim(id, &peer("d1"), 60),
+            Err(GrantError::WrongPeer { id, peer: peer("d1") })
+        );
+        assert_eq!(
+            table.claim(id, &peer("d0"), 120),
+            Ok(220),
+            "the holder's claim renews"
+        );
+        assert!(table.release(id, &peer("d1")).is_err());
+        assert!(table.held(id, &peer("d0")).unwrap().covers_in_any_group(4));
+        assert!(!table.held(id, &peer("d0")).unwrap().covers_in_any_group(5));
+
+        let lapsed = table
+            .issue_unclaimed(RequestId(2), vec![vec![5]], 100, 0)
+            .unwrap();
+        assert_eq!(
+            table.claim(lapsed, &peer("d0"), 100),
+            Err(GrantError::Expired(lapsed))
+        );
+        assert_eq!(
+            table.get(lapsed).unwrap().holder,
+            None,
+            "a refused claim binds nobody"
+        );
+
+        let unclaimed = table
+            .issue_unclaimed(RequestId(3), vec![vec![6]], 100, 0)
+            .unwrap();
+        assert_eq!(
+            table
+                .release(unclaimed, &peer("anyone"))
+                .map(|grant| grant.blocks),
+            Ok(vec![vec![6]]),
+            "an unclaimed grant has no holder to protect it"
+        );
+        let all = table.revoke_all();
+        assert_eq!(
+            all.iter().map(|grant| grant.id).collect::<Vec<_>>(),
+            vec![id, lapsed]
+        );
+        assert!(table.is_empty());
+        assert_eq!(table.claim(id, &peer("d0"), 130), Err(GrantError::Revoked(id)));
     }
 }

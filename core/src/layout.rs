@@ -29,6 +29,12 @@ pub enum GroupKind {
     Mamba,
 }
 
+impl std::fmt::Display for GroupKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl GroupKind {
     /// Short name used in error messages and tables.
     pub fn name(&self) -> &'static str {

@@ -32,7 +32,9 @@ use crate::block::{BlockId, NULL_BLOCK};
 use crate::exchange::{self, Pairing, PairingMode};
 use crate::layout::KvLayout;
 use crate::sampling::{Finish, Sampling, TokenLogprobs};
-use crate::wire::{Body, DecodeOutput, Failure, GrantId, Incarnation, KvParams, NodeId, RequestId, Stage};
+use crate::wire::{
+    Body, DecodeOutput, Failure, GrantId, Incarnation, InternalFault, KvParams, NodeId, RequestId, Stage,
+};
 
 /// How much of a prompt a prefill leg computes and keeps.
 ///
@@ -253,7 +255,7 @@ pub struct PrefillMachine {
     slots: u64,
     state: PrefillState,
     /// The allocator's last refusal while waiting for blocks.
-    last_refusal: String,
+    last_refusal: Option<AllocError>,
     allocated: bool,
     aborted: bool,
     offer: Option<exchange::Offer>,
@@ -261,6 +263,11 @@ pub struct PrefillMachine {
 }
 
 impl PrefillMachine {
+    /// The router that asked for the request.
+    pub fn router(&self) -> &NodeId {
+        &self.router
+    }
+
     /// A machine for `request`, asked by `router` to prefill `prompt` for `decode`, due by
     /// `deadline_ms`.
     pub fn new(
@@ -282,7 +289,7 @@ impl PrefillMachine {
             deadline_ms,
             slots: 0,
             state: PrefillState::Allocating,
-            last_refusal: String::new(),
+            last_refusal: None,
             allocated: false,
             aborted: false,
             offer: None,
@@ -356,7 +363,7 @@ impl PrefillMachine {
             Err(error @ AllocError::OutOfBlocks { .. })
                 if !self.aborted && now_ms < self.alloc_deadline_ms =>
             {
-                self.last_refusal = error.to_string();
+                self.last_refusal = Some(error);
                 self.state = PrefillState::WaitingForBlocks {
                     until_ms: self.alloc_deadline_ms,
                 };
@@ -371,11 +378,11 @@ impl PrefillMachine {
                 } else {
                     self.fail(Failure::NoFreeBlocks {
                         waited_ms: self.config.alloc_wait_ms,
-                        last: error.to_string(),
+                        last: error,
                     });
                 }
             }
-            Err(error) => self.fail(Failure::Alloc(error.to_string())),
+            Err(error) => self.fail(Failure::Alloc(error)),
         }
     }
 
@@ -431,7 +438,7 @@ impl PrefillMachine {
         }
         let lists = match lists {
             Ok(lists) => lists,
-            Err(error) => return self.fail(Failure::Alloc(error.to_string())),
+            Err(error) => return self.fail(Failure::Alloc(error)),
         };
         let offer = match self.config.pairing {
             PairingMode::Anchored => exchange::offer(&self.config.layout, self.num_tokens(), &lists),
@@ -451,7 +458,7 @@ impl PrefillMachine {
                     peer: self.decode.clone(),
                 });
             }
-            Err(error) => self.fail(Failure::Exchange(error.to_string())),
+            Err(error) => self.fail(Failure::Exchange(error)),
         }
     }
 
@@ -482,7 +489,7 @@ impl PrefillMachine {
         self.commands.push_back(PrefillCommand::Finish);
         self.allocated = false;
         let Some(offer) = self.offer.take() else {
-            return self.fail(Failure::Grant("granted without an offer".into()));
+            return self.fail(Failure::Internal(InternalFault::GrantedWithoutOffer));
         };
         let params = KvParams {
             request: self.request,
@@ -492,7 +499,6 @@ impl PrefillMachine {
             generations: issued.generations,
             grant: issued.grant,
             lease_ms: issued.lease_ms,
-            prompt: std::mem::take(&mut self.prompt),
         };
         self.send_router(Body::KvReady(params));
         self.state = PrefillState::Done;
@@ -518,10 +524,8 @@ impl PrefillMachine {
             if now_ms >= self.deadline_ms {
                 self.fail_timeout();
             } else {
-                self.fail(Failure::NoFreeBlocks {
-                    waited_ms: self.config.alloc_wait_ms,
-                    last: self.last_refusal.clone(),
-                });
+                let failure = no_free_blocks(self.config.alloc_wait_ms, &self.last_refusal);
+                self.fail(failure);
             }
         }
     }
@@ -631,6 +635,8 @@ pub struct DecodeMachine {
     request: RequestId,
     router: NodeId,
     params: KvParams,
+    /// Tokens in the prompt (at least one, as many as the offer covers).
+    prompt_tokens: u64,
     max_tokens: u32,
     deadline_ms: u64,
     alloc_deadline_ms: u64,
@@ -638,7 +644,7 @@ pub struct DecodeMachine {
     slots: u64,
     state: DecodeState,
     /// The allocator's last refusal while waiting for blocks.
-    last_refusal: String,
+    last_refusal: Option<AllocError>,
     /// Next lease renewal, while the grant is held.
     renew_at_ms: Option<u64>,
     allocated: Option<Allocation>,
@@ -674,11 +680,18 @@ impl From<(Vec<u32>, u64)> for Generated {
 }
 
 impl DecodeMachine {
-    /// A machine for the request in `params`, asked by `router`, due by `deadline_ms`.
+    /// The router that asked for the request.
+    pub fn router(&self) -> &NodeId {
+        &self.router
+    }
+
+    /// A machine for the request in `params` over a prompt of `prompt_tokens` tokens, asked by
+    /// `router`, due by `deadline_ms`.
     pub fn new(
         config: LegConfig,
         router: NodeId,
         params: KvParams,
+        prompt_tokens: u64,
         max_tokens: u32,
         deadline_ms: u64,
         now_ms: u64,
@@ -690,18 +703,19 @@ impl DecodeMachine {
             request: params.request,
             router,
             params,
+            prompt_tokens,
             max_tokens,
             deadline_ms,
             slots: 0,
             state: DecodeState::Allocating,
-            last_refusal: String::new(),
+            last_refusal: None,
             allocated: None,
             read: ReadDone::default(),
             aborted: false,
             sampling: Box::default(),
             commands: VecDeque::new(),
         };
-        let num_tokens = machine.params.prompt.len() as u64;
+        let num_tokens = prompt_tokens;
         if num_tokens == 0 {
             machine.fail(Stage::Decode, Failure::EmptyPrompt);
         } else if machine.params.offer.num_prompt_tokens != num_tokens {
@@ -794,7 +808,7 @@ impl DecodeMachine {
             Err(error @ AllocError::OutOfBlocks { .. })
                 if !self.aborted && now_ms < self.alloc_deadline_ms =>
             {
-                self.last_refusal = error.to_string();
+                self.last_refusal = Some(error);
                 self.state = DecodeState::WaitingForBlocks {
                     until_ms: self.alloc_deadline_ms,
                 };
@@ -806,12 +820,12 @@ impl DecodeMachine {
                     Stage::Decode,
                     Failure::NoFreeBlocks {
                         waited_ms: self.config.alloc_wait_ms,
-                        last: error.to_string(),
+                        last: error,
                     },
                 );
             }
             Err(AllocError::OutOfBlocks { .. }) => return self.fail(Stage::Decode, Failure::DeadlinePassed),
-            Err(error) => return self.fail(Stage::Decode, Failure::Alloc(error.to_string())),
+            Err(error) => return self.fail(Stage::Decode, Failure::Alloc(error)),
         };
         self.allocated = Some(allocation);
         if self.aborted {
@@ -831,7 +845,7 @@ impl DecodeMachine {
 
     fn pair(&self) -> Result<(Pairing, Vec<GenerationCheck>), Failure> {
         let Some(allocation) = &self.allocated else {
-            return Err(Failure::Exchange("paired before allocating".into()));
+            return Err(Failure::Internal(InternalFault::PairedBeforeAllocating));
         };
         let layout = &self.config.layout;
         let offer = &self.params.offer;
@@ -853,7 +867,7 @@ impl DecodeMachine {
                 )
             }
         }
-        .map_err(|error| Failure::Exchange(error.to_string()))?;
+        .map_err(Failure::Exchange)?;
         let checks = generation_checks(&self.params, &pairing)
             .map_err(|error| Failure::BadParams(error.to_string()))?;
         Ok((pairing, checks))
@@ -878,7 +892,7 @@ impl DecodeMachine {
             self.state = DecodeState::Allocating;
             self.commands.push_back(DecodeCommand::Allocate {
                 slots: self.slots,
-                attending_token: self.params.prompt.len() as u64 - 1,
+                attending_token: self.prompt_tokens - 1,
             });
         }
     }
@@ -980,10 +994,7 @@ impl DecodeMachine {
             let reason = if now_ms >= self.deadline_ms {
                 Failure::DeadlinePassed
             } else {
-                Failure::NoFreeBlocks {
-                    waited_ms: self.config.alloc_wait_ms,
-                    last: self.last_refusal.clone(),
-                }
+                no_free_blocks(self.config.alloc_wait_ms, &self.last_refusal)
             };
             self.fail(Stage::Decode, reason);
         }
@@ -1029,6 +1040,18 @@ impl DecodeMachine {
 
 /// When a request that starts waiting for blocks at `now_ms` gives up: after `alloc_wait_ms`,
 /// and never past its deadline.
+/// The failure of a wait for blocks that lasted its whole bound, naming the allocator's last
+/// refusal.
+fn no_free_blocks(waited_ms: u64, last: &Option<AllocError>) -> Failure {
+    match last {
+        Some(last) => Failure::NoFreeBlocks {
+            waited_ms,
+            last: last.clone(),
+        },
+        None => Failure::Internal(InternalFault::WaitedWithoutRefusal),
+    }
+}
+
 fn wait_bound(config: &LegConfig, now_ms: u64, deadline_ms: u64) -> u64 {
     now_ms.saturating_add(config.alloc_wait_ms).min(deadline_ms)
 }
@@ -1079,6 +1102,8 @@ pub struct RouterMachine {
     request: RequestId,
     prefill: NodeId,
     decode: NodeId,
+    /// The prompt, for the decode leg (the prefill leg has its own copy).
+    prompt: Vec<u32>,
     max_tokens: u32,
     /// The client streams: the decode leg sends tokens as it generates them.
     stream: bool,
@@ -1152,6 +1177,7 @@ impl RouterMachine {
             request,
             prefill: prefill.0,
             decode: decode.0,
+            prompt: prompt.clone(),
             max_tokens,
             stream: false,
             sampling: Sampling::default(),
@@ -1223,9 +1249,11 @@ impl RouterMachine {
         match (self.state, body) {
             (RouterState::Prefilling, Body::KvReady(params)) if *from == self.prefill => {
                 self.state = RouterState::Decoding;
+                let prompt = std::mem::take(&mut self.prompt);
                 self.send(
                     self.decode.clone(),
                     Body::Decode {
+                        prompt,
                         params,
                         max_tokens: self.max_tokens,
                         stream: self.stream,
@@ -1339,6 +1367,7 @@ impl RouterMachine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::grant::GrantError;
 
     fn node(name: &str) -> NodeId {
         NodeId(name.into())
@@ -1373,7 +1402,12 @@ mod tests {
                 Stage::Prefill,
                 Failure::NoFreeBlocks {
                     waited_ms: 5,
-                    last: "full".into()
+                    last: AllocError::OutOfBlocks {
+                        group: 0,
+                        kind: crate::layout::GroupKind::Full,
+                        needed: 1,
+                        free: 0,
+                    }
                 }
             ),
             None
@@ -1384,7 +1418,7 @@ mod tests {
             Some(p.clone())
         );
         assert_eq!(
-            retry(Stage::Read, Failure::Grant("lease expired".into())),
+            retry(Stage::Read, Failure::Grant(GrantError::Expired(GrantId(1)))),
             Some(p.clone())
         );
         assert_eq!(

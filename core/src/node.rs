@@ -267,8 +267,8 @@ pub enum NodeOutput {
         grant: GrantId,
         /// Its request.
         request: RequestId,
-        /// The peer it was for.
-        peer: NodeId,
+        /// The peer that held it (`None`: nobody claimed it).
+        peer: Option<NodeId>,
     },
     /// Stop the request's generation at its next token and answer
     /// [`LegNode::handle_generated`] then.
@@ -354,6 +354,13 @@ impl Machine {
         match self {
             Machine::Prefill(machine) => machine.handle_abort(),
             Machine::Decode(machine) => machine.handle_abort(),
+        }
+    }
+
+    fn router(&self) -> &NodeId {
+        match self {
+            Machine::Prefill(machine) => machine.router(),
+            Machine::Decode(machine) => machine.router(),
         }
     }
 
@@ -589,17 +596,19 @@ impl LegNode {
                 Ok(())
             }
             Body::Decode {
+                prompt,
                 params,
                 max_tokens,
                 stream,
                 sampling,
             } => {
-                let prompt: Arc<[u32]> = params.prompt.clone().into();
+                let prompt: Arc<[u32]> = prompt.into();
                 let stream_to = stream.then(|| from.clone());
                 let machine = DecodeMachine::new(
                     self.config.leg.clone(),
                     from,
                     params,
+                    prompt.len() as u64,
                     max_tokens,
                     deadline_ms,
                     now_ms,
@@ -784,6 +793,35 @@ impl LegNode {
         self.settle(now_ms);
     }
 
+    /// The link to `peer` was lost (it stopped, restarted or is cut off). Every grant `peer`
+    /// holds is revoked at once, not at lease end (a READ of it still running fails its
+    /// generation check, and the router starts the request over). When `peer` is a router, the
+    /// requests it asked for are aborted: nobody is left to answer. A request whose other leg is
+    /// `peer` runs on: its router decides (it aborts what it lost, and retries), and this leg
+    /// cannot tell a dead leg from a link cut between two legs only.
+    pub fn handle_peer_lost(&mut self, peer: &NodeId, now_ms: u64) {
+        let held = self.table().held_by(peer);
+        for grant in held {
+            self.revoke(grant);
+        }
+        let involved: Vec<RequestId> = self
+            .jobs
+            .iter()
+            .filter(|(_, job)| job.machine.router() == peer)
+            .map(|(&request, _)| request)
+            .collect();
+        for request in involved {
+            if self.config.role == Role::Prefill {
+                self.revoke_request(request);
+            }
+            if let Some(job) = self.jobs.get_mut(&request) {
+                job.machine.handle_abort();
+            }
+            self.drive(request, now_ms);
+        }
+        self.settle(now_ms);
+    }
+
     /// The prompt computation of `request` ended.
     pub fn handle_computed(&mut self, request: RequestId, result: Result<(), Failure>, now_ms: u64) {
         self.with_prefill(request, |machine| machine.handle_computed(result, now_ms));
@@ -882,7 +920,7 @@ impl LegNode {
             self.outputs.push_back(NodeOutput::LeaseExpired {
                 grant: grant.id,
                 request: grant.request,
-                peer: grant.peer,
+                peer: grant.holder,
             });
         }
         let due: Vec<RequestId> = self
@@ -1072,10 +1110,7 @@ impl LegNode {
         lists: Vec<Vec<BlockId>>,
         now_ms: u64,
     ) -> Result<IssuedGrant, Failure> {
-        let generations = self
-            .allocator
-            .pin(&lists)
-            .map_err(|error| Failure::Alloc(error.to_string()))?;
+        let generations = self.allocator.pin(&lists).map_err(Failure::Alloc)?;
         let lease_ms = self.config.lease_ms;
         let issued = self.table().issue(request, peer, lists.clone(), lease_ms, now_ms);
         match issued {
@@ -1086,7 +1121,7 @@ impl LegNode {
             }),
             Err(error) => {
                 self.unpin(&lists);
-                Err(Failure::Grant(error.to_string()))
+                Err(Failure::Grant(error))
             }
         }
     }

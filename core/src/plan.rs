@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::exchange::{BlockPair, Pairing};
 use crate::layout::KvLayout;
+use crate::wire::Role;
 
 /// Where one layer's blocks live inside a leg's registered memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -176,7 +177,7 @@ pub fn plan(
             groups: layout.groups().len(),
         });
     }
-    for (side, regions) in [("decode", local), ("prefill", remote)] {
+    for (side, regions) in [(Role::Decode, local), (Role::Prefill, remote)] {
         if regions.layers.len() != layers {
             return Err(PlanError::LayerCountMismatch {
                 side,
@@ -205,8 +206,8 @@ pub fn plan(
         let bytes = local_layer.bytes_per_block;
         let mut layer_runs = Vec::with_capacity(runs.len());
         for run in runs {
-            let local_offset = byte_offset("decode", layer, &local_layer, run.local, run.count)?;
-            let remote_offset = byte_offset("prefill", layer, &remote_layer, run.remote, run.count)?;
+            let local_offset = byte_offset(Role::Decode, layer, &local_layer, run.local, run.count)?;
+            let remote_offset = byte_offset(Role::Prefill, layer, &remote_layer, run.remote, run.count)?;
             layer_runs.push(ReadRun {
                 local_offset,
                 remote_offset,
@@ -226,7 +227,7 @@ pub fn plan(
 
 /// Offset of block `first` in `region`, checking that blocks `first .. first + count` fit.
 fn byte_offset(
-    side: &'static str,
+    side: Role,
     layer: usize,
     region: &LayerRegion,
     first: BlockId,
@@ -248,7 +249,7 @@ fn byte_offset(
 }
 
 /// Why a plan could not be built.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum PlanError {
     /// The pairing has a different number of groups than the layout.
     #[error("pairing has {given} groups, the layout has {groups}")]
@@ -262,7 +263,7 @@ pub enum PlanError {
     #[error("{side} region layout places {given} layers, the model has {layers}")]
     LayerCountMismatch {
         /// Leg at fault.
-        side: &'static str,
+        side: Role,
         /// Layers placed.
         given: usize,
         /// Layers in the model.
@@ -282,7 +283,7 @@ pub enum PlanError {
     #[error("layer {layer}: {side} block {block} is beyond the region's {num_blocks} blocks")]
     BlockOutOfRange {
         /// Leg at fault.
-        side: &'static str,
+        side: Role,
         /// Layer index.
         layer: usize,
         /// Block id.
@@ -294,7 +295,7 @@ pub enum PlanError {
     #[error("layer {layer}: {side} byte offset overflows")]
     OffsetOverflow {
         /// Leg at fault.
-        side: &'static str,
+        side: Role,
         /// Layer index.
         layer: usize,
     },

@@ -34,9 +34,10 @@ pub enum Policy {
     RoundRobin,
 }
 
-/// What the router knows of one leg's load.
+/// What the router knows of one leg: its health and load as seen from the router (the leg's own
+/// report, [`crate::wire::LegLoad`], is one input to it).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct LegLoad {
+pub struct LegView {
     /// The leg answers its health checks.
     pub healthy: bool,
     /// Requests this router has in flight there.
@@ -47,7 +48,7 @@ pub struct LegLoad {
     pub kv_usage: f64,
 }
 
-impl LegLoad {
+impl LegView {
     /// The ordering key of `least_loaded`: requests (the larger of ours and the leg's count),
     /// then KV in use in thousandths.
     fn key(&self) -> (u32, u64) {
@@ -59,7 +60,7 @@ impl LegLoad {
 /// Chooses a leg among `loads` (indexed by leg), skipping unhealthy legs and those in `avoid`.
 /// `turn` rotates the start so ties (and `round_robin`) go to each leg in turn; it advances by
 /// one per call. `None` when no leg is eligible.
-pub fn choose(loads: &[LegLoad], avoid: &[usize], policy: Policy, turn: &mut usize) -> Option<usize> {
+pub fn choose(loads: &[LegView], avoid: &[usize], policy: Policy, turn: &mut usize) -> Option<usize> {
     let eligible: Vec<usize> = (0..loads.len())
         .filter(|leg| loads[*leg].healthy && !avoid.contains(leg))
         .collect();
@@ -146,9 +147,9 @@ pub struct ProxyRequest {
 #[derive(Debug)]
 pub struct Loads<'a> {
     /// Prefill legs.
-    pub prefill: &'a [LegLoad],
+    pub prefill: &'a [LegView],
     /// Decode legs.
-    pub decode: &'a [LegLoad],
+    pub decode: &'a [LegView],
     /// Rotation of prefill choices.
     pub prefill_turn: &'a mut usize,
     /// Rotation of decode choices.
@@ -352,8 +353,8 @@ impl Replay {
 mod tests {
     use super::*;
 
-    fn up(in_flight: u32, reported: u32, kv_usage: f64) -> LegLoad {
-        LegLoad {
+    fn up(in_flight: u32, reported: u32, kv_usage: f64) -> LegView {
+        LegView {
             healthy: true,
             in_flight,
             reported,
@@ -363,7 +364,7 @@ mod tests {
 
     #[test]
     fn least_loaded_takes_fewest_requests_then_least_kv_and_rotates_ties() {
-        let loads = [up(2, 0, 0.0), up(0, 1, 0.9), up(0, 1, 0.1), LegLoad::default()];
+        let loads = [up(2, 0, 0.0), up(0, 1, 0.9), up(0, 1, 0.1), LegView::default()];
         let mut turn = 0;
         // Leg 3 is down; legs 1 and 2 carry one request each (reported), leg 2 less KV.
         assert_eq!(choose(&loads, &[], Policy::LeastLoaded, &mut turn), Some(2));
@@ -377,7 +378,7 @@ mod tests {
         sorted.sort_unstable();
         assert_eq!(sorted, vec![0, 1, 2], "{picks:?}");
         assert_eq!(
-            choose(&[LegLoad::default()], &[], Policy::LeastLoaded, &mut turn),
+            choose(&[LegView::default()], &[], Policy::LeastLoaded, &mut turn),
             None
         );
         assert_eq!(choose(&equal, &[0, 1, 2], Policy::RoundRobin, &mut turn), None);
@@ -394,8 +395,8 @@ mod tests {
     }
 
     struct World {
-        prefill: Vec<LegLoad>,
-        decode: Vec<LegLoad>,
+        prefill: Vec<LegView>,
+        decode: Vec<LegView>,
         turns: (usize, usize),
     }
 

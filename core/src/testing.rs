@@ -238,6 +238,8 @@ pub struct SimReport {
     pub expired_leases: u32,
     /// How every request ended, by the client's request id (`1..=requests`).
     pub outcomes: BTreeMap<RequestId, RequestOutcome>,
+    /// Requests that failed, by [`Failure::kind`].
+    pub failures: BTreeMap<&'static str, u32>,
     /// Messages a node refused, by the refusal's kind ([`refusal_kind`]; a grant refusal is
     /// `renew_refused` or `release_refused`).
     pub refused: BTreeMap<&'static str, u32>,
@@ -750,6 +752,7 @@ pub fn simulate(config: SimConfig) -> SimReport {
             late_one_sided_reads: 0,
             expired_leases: 0,
             outcomes: BTreeMap::new(),
+            failures: BTreeMap::new(),
             refused: BTreeMap::new(),
             messages: Vec::new(),
         },
@@ -1175,9 +1178,14 @@ impl Sim {
                     }
                     self.drain_route(attempt);
                 }
-                for (index, other) in self.legs.iter_mut().enumerate() {
+                // Every other leg's link to the old incarnation dropped: its shell tells the node.
+                let now = self.now_ms;
+                for index in 0..self.legs.len() {
                     if index != leg {
+                        let other = &mut self.legs[index];
                         other.known.insert(name.clone(), incarnation);
+                        other.node.handle_peer_lost(&name, now);
+                        self.carry_out(index);
                     }
                 }
             }
@@ -1212,7 +1220,7 @@ impl Sim {
         let legs: Vec<usize> = (0..self.legs.len())
             .filter(|&leg| self.legs[leg].role == role)
             .collect();
-        let views: Vec<proxy::LegLoad> = legs
+        let views: Vec<proxy::LegView> = legs
             .iter()
             .map(|&leg| {
                 let name = &self.legs[leg].name;
@@ -1224,7 +1232,7 @@ impl Sim {
                         prefill == name || decode == name
                     })
                     .count();
-                proxy::LegLoad {
+                proxy::LegView {
                     healthy: true,
                     in_flight: in_flight as u32,
                     reported: 0,
@@ -1389,6 +1397,7 @@ impl Sim {
                     self.violation(format!("{client} failed without a reason"));
                 }
                 self.report.failed += 1;
+                *self.report.failures.entry(reason.kind()).or_default() += 1;
             }
         }
         self.outcomes.insert(client, outcome);
@@ -1614,7 +1623,7 @@ impl Sim {
             run.slots = position as u64 + 1;
             match self.legs[leg].node.extend(request, run.slots, now) {
                 Ok(lists) => run.lists = lists,
-                Err(error) => return ended(self, Err(Failure::Alloc(error.to_string()))),
+                Err(error) => return ended(self, Err(Failure::Alloc(error))),
             }
             self.carry_out(leg);
         }
@@ -1682,7 +1691,7 @@ impl Sim {
         if crate::allocator::window_crosses_block(&layout, run.windows_released_for, attending) {
             match self.legs[leg].node.release_window(request, attending, now) {
                 Ok(lists) => run.lists = lists,
-                Err(error) => return ended(self, Err(Failure::Alloc(error.to_string()))),
+                Err(error) => return ended(self, Err(Failure::Alloc(error))),
             }
             run.windows_released_for = attending;
             self.carry_out(leg);

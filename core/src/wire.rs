@@ -6,7 +6,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::exchange::Offer;
+use crate::allocator::AllocError;
+use crate::exchange::{ExchangeError, Offer};
+use crate::grant::GrantError;
+use crate::plan::PlanError;
 use crate::sampling::{Finish, Sampling, TokenLogprobs};
 
 /// A request's id, unique within a cluster run (assigned by the router).
@@ -53,8 +56,6 @@ pub struct KvParams {
     pub grant: GrantId,
     /// How long the grant lives unless renewed, in milliseconds.
     pub lease_ms: u64,
-    /// The prompt's token ids (the decode leg needs them for prefix hits and the last token).
-    pub prompt: Vec<u32>,
 }
 
 /// A random id a node draws at every process start. Messages carry it so a peer can tell a
@@ -148,7 +149,7 @@ pub enum Failure {
         /// The wait bound.
         waited_ms: u64,
         /// The allocator's last refusal.
-        last: String,
+        last: AllocError,
     },
     /// Too many requests already wait for blocks on the leg.
     #[error("{leg}: wait queue full ({capacity} requests wait for blocks)")]
@@ -160,16 +161,16 @@ pub enum Failure {
     },
     /// The allocator refused for good (the request can never fit, or is malformed).
     #[error("allocation failed: {0}")]
-    Alloc(String),
+    Alloc(AllocError),
     /// The exchange refused to pair (a needed position missing on either leg, …).
     #[error("exchange failed: {0}")]
-    Exchange(String),
+    Exchange(ExchangeError),
     /// The transfer plan could not be built.
     #[error("transfer plan failed: {0}")]
-    Plan(String),
+    Plan(PlanError),
     /// The grant was refused or is gone.
     #[error("grant failed: {0}")]
-    Grant(String),
+    Grant(GrantError),
     /// The READ failed or was partial.
     #[error("read failed: {0}")]
     Read(String),
@@ -215,6 +216,56 @@ pub enum Failure {
     /// The client cancelled.
     #[error("cancelled by the client")]
     Cancelled,
+    /// A leg's request machine was driven out of order (a bug in its shell, never the client's
+    /// fault).
+    #[error("internal fault: {0}")]
+    Internal(InternalFault),
+}
+
+impl Failure {
+    /// A short stable name for the failure's kind (metric labels, summaries): the typed
+    /// allocator, exchange, plan and grant errors name their own variant.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Failure::DeadlinePassed => "deadline_passed",
+            Failure::EmptyPrompt => "empty_prompt",
+            Failure::SlotOverflow { .. } => "slot_overflow",
+            Failure::NoFreeBlocks { .. } => "no_free_blocks",
+            Failure::QueueFull { .. } => "queue_full",
+            Failure::Alloc(AllocError::NeverFits { .. }) => "alloc_never_fits",
+            Failure::Alloc(_) => "alloc",
+            Failure::Exchange(_) => "exchange",
+            Failure::Plan(_) => "plan",
+            Failure::Grant(GrantError::Expired(_)) => "grant_expired",
+            Failure::Grant(GrantError::Revoked(_)) => "grant_revoked",
+            Failure::Grant(GrantError::TableFull { .. }) => "grant_table_full",
+            Failure::Grant(_) => "grant",
+            Failure::Read(_) => "read",
+            Failure::StaleBlock { .. } => "stale_block",
+            Failure::Engine(_) => "engine",
+            Failure::BadParams(_) => "bad_params",
+            Failure::LegLost(_) => "leg_lost",
+            Failure::Unreachable { .. } => "unreachable",
+            Failure::Refused { .. } => "refused",
+            Failure::Cancelled => "cancelled",
+            Failure::Internal(_) => "internal",
+        }
+    }
+}
+
+/// A request machine's input that its state says cannot arrive: the shell that drives it broke
+/// the machine's contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum InternalFault {
+    /// A prefill machine's grant answer arrived before its offer was built.
+    #[error("a grant arrived before the offer it covers")]
+    GrantedWithoutOffer,
+    /// A decode machine was asked to pair before its blocks were allocated.
+    #[error("pairing was asked before the blocks were allocated")]
+    PairedBeforeAllocating,
+    /// A machine gave up waiting for blocks without ever having been refused any.
+    #[error("a wait for blocks ended that no refusal started")]
+    WaitedWithoutRefusal,
 }
 
 /// What a decode leg answers when a request is done.
@@ -250,6 +301,9 @@ pub enum Body {
     KvReady(KvParams),
     /// Router → decode leg: READ the KV in `params`, recompute the last prompt token, decode.
     Decode {
+        /// The prompt's token ids (the decode leg needs them for prefix hits and the last
+        /// token); as many as `params.offer.num_prompt_tokens`.
+        prompt: Vec<u32>,
         /// What the prefill leg handed back.
         params: KvParams,
         /// Tokens to generate.

@@ -460,7 +460,7 @@ fn a_block_held_twice_is_refused_on_either_leg() {
         error,
         ExchangeError::DuplicateBlock {
             group: 1,
-            kind: "sliding_window",
+            kind: pdkv_core::layout::GroupKind::SlidingWindow { window: W },
             leg: pdkv_core::wire::Role::Prefill,
             block: 7,
             first: 5,

@@ -5,7 +5,8 @@
 use pdkv_core::allocator::{AllocError, Allocation};
 use pdkv_core::block::BlockId;
 use pdkv_core::exchange::PairingMode;
-use pdkv_core::layout::{GroupSpec, KvLayout};
+use pdkv_core::grant::GrantError;
+use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
 use pdkv_core::leg::{
     DecodeCommand, DecodeMachine, IssuedGrant, LegConfig, PrefillCommand, PrefillMachine, PrefillTokens,
     ReadDone, RequestOutcome, RouterCommand, RouterMachine,
@@ -59,7 +60,7 @@ fn drain_router(machine: &mut RouterMachine) -> Vec<RouterCommand> {
 fn out_of_blocks() -> AllocError {
     AllocError::OutOfBlocks {
         group: 0,
-        kind: "full",
+        kind: GroupKind::Full,
         needed: 3,
         free: 0,
     }
@@ -184,7 +185,7 @@ fn a_prefill_waits_for_blocks_within_its_bound() {
         matches!(
             commands.as_slice(),
             [PrefillCommand::Send { body: Body::Failed { stage: Stage::Prefill, reason }, .. }]
-                if *reason == Failure::NoFreeBlocks { waited_ms: 100, last: out_of_blocks().to_string() }
+                if *reason == Failure::NoFreeBlocks { waited_ms: 100, last: out_of_blocks() }
         ),
         "{commands:?}"
     );
@@ -238,6 +239,7 @@ fn decode_to_read(now_ms: u64) -> DecodeMachine {
         config("d", 3, PrefillTokens::All),
         node("router"),
         params(),
+        prompt().len() as u64,
         2,
         500,
         0,
@@ -278,6 +280,7 @@ fn a_decode_renews_every_third_of_the_lease_while_it_waits() {
         config("d", 3, PrefillTokens::All),
         node("router"),
         params(),
+        prompt().len() as u64,
         2,
         500,
         0,
@@ -573,6 +576,7 @@ mod allocation_bounds {
             config("d", 3, PrefillTokens::All),
             node("router"),
             params(),
+            prompt().len() as u64,
             2,
             deadline_ms,
             0,
@@ -608,7 +612,7 @@ mod allocation_bounds {
     fn never_fits() -> AllocError {
         AllocError::NeverFits {
             group: 0,
-            kind: "full",
+            kind: GroupKind::Full,
             needed: 9,
             capacity: 4,
         }
@@ -630,7 +634,7 @@ mod allocation_bounds {
             prefill_failure(&drain_prefill(&mut machine)),
             Some(Failure::NoFreeBlocks {
                 waited_ms: ALLOC_WAIT_MS,
-                last: out_of_blocks().to_string()
+                last: out_of_blocks()
             })
         );
         assert!(machine.is_done());
@@ -656,7 +660,7 @@ mod allocation_bounds {
         machine.handle_allocated(Err(never_fits()), 0);
         assert_eq!(
             prefill_failure(&drain_prefill(&mut machine)),
-            Some(Failure::Alloc(never_fits().to_string()))
+            Some(Failure::Alloc(never_fits()))
         );
         for error in [out_of_blocks(), never_fits()] {
             let mut machine = prefill(1_000);
@@ -710,7 +714,7 @@ mod allocation_bounds {
             if aborted {
                 machine.handle_abort();
             }
-            let refusal = Failure::Grant("too many live grants".into());
+            let refusal = Failure::Grant(GrantError::TableFull { max_grants: 1 });
             machine.handle_granted(Err(refusal.clone()), 2);
             let commands = drain_prefill(&mut machine);
             assert_eq!(commands[0], PrefillCommand::Finish);
@@ -740,7 +744,7 @@ mod allocation_bounds {
                 Stage::Decode,
                 Failure::NoFreeBlocks {
                     waited_ms: ALLOC_WAIT_MS,
-                    last: out_of_blocks().to_string()
+                    last: out_of_blocks()
                 }
             ))
         );
@@ -765,7 +769,7 @@ mod allocation_bounds {
             decode_failure(&drain_decode(&mut machine)).map(|(_, failure)| failure),
             Some(Failure::NoFreeBlocks {
                 waited_ms: ALLOC_WAIT_MS,
-                last: out_of_blocks().to_string()
+                last: out_of_blocks()
             })
         );
         let mut machine = decode(60);
@@ -781,7 +785,7 @@ mod allocation_bounds {
         machine.handle_allocated(Err(never_fits()), 0);
         assert_eq!(
             decode_failure(&drain_decode(&mut machine)),
-            Some((Stage::Decode, Failure::Alloc(never_fits().to_string())))
+            Some((Stage::Decode, Failure::Alloc(never_fits())))
         );
         for error in [out_of_blocks(), never_fits()] {
             let mut machine = decode(1_000);
@@ -1079,6 +1083,7 @@ fn a_renewal_answer_sets_the_next_renewal_from_the_granted_lease() {
         config("d", 3, PrefillTokens::All),
         node("router"),
         params(),
+        prompt().len() as u64,
         2,
         500,
         0,
@@ -1142,7 +1147,7 @@ fn only_a_lost_or_refusing_prefill_leg_is_retried_and_only_before_it_commits() {
         Failure::EmptyPrompt,
         Failure::NoFreeBlocks {
             waited_ms: 5,
-            last: "out of blocks".into(),
+            last: out_of_blocks(),
         },
         Failure::Cancelled,
     ] {

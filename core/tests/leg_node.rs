@@ -325,3 +325,50 @@ fn requests_past_the_wait_queue_bound_fail_at_once_naming_the_queue() {
         "frees are published before the woken request's work: {after:?}"
     );
 }
+
+/// A lost reader's grants are revoked at once (not at lease end); a lost router's requests are
+/// aborted; a request whose other leg is lost runs on (its router decides); a stranger's loss
+/// touches nothing.
+#[test]
+fn a_lost_peer_loses_its_grants_and_a_lost_router_its_requests() {
+    let mut prefill_leg = leg(Role::Prefill, 4);
+    granted(&mut prefill_leg, 1, 9, 0);
+    // A second request, computing for decode-0, asked by the router.
+    prefill_leg
+        .handle_envelope(Role::Router, prefill(2, 5), 0)
+        .unwrap();
+    assert!(matches!(
+        outputs(&mut prefill_leg).as_slice(),
+        [NodeOutput::Compute { .. }]
+    ));
+    prefill_leg.handle_peer_lost(&node("decode-9"), 1);
+    assert!(
+        outputs(&mut prefill_leg).is_empty(),
+        "a stranger's loss changes nothing"
+    );
+    assert_eq!(prefill_leg.load().grants, 1);
+
+    prefill_leg.handle_peer_lost(&node("decode-0"), 2);
+    let freed = outputs(&mut prefill_leg);
+    assert!(
+        freed
+            .iter()
+            .any(|output| matches!(output, NodeOutput::Freed(blocks) if !blocks.is_empty())),
+        "the grant's blocks come back before its lease ends: {freed:?}"
+    );
+    assert_eq!(prefill_leg.load().grants, 0);
+    assert_eq!(prefill_leg.num_jobs(), 1, "request 2 runs on: its router decides");
+
+    prefill_leg.handle_peer_lost(&node("router"), 3);
+    prefill_leg.handle_computed(RequestId(2), Ok(()), 4);
+    let after = outputs(&mut prefill_leg);
+    assert!(
+        !after
+            .iter()
+            .any(|output| matches!(output, NodeOutput::Send(out) if matches!(out.body, Body::KvReady(_)))),
+        "an aborted prefill grants nothing: {after:?}"
+    );
+    assert_eq!(prefill_leg.load().grants, 0);
+    assert!(prefill_leg.is_idle());
+    assert_eq!(prefill_leg.poll_timeout(), None);
+}

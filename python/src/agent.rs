@@ -11,7 +11,7 @@
 //! here, so the decode worker's READ lands directly in its tensors and the prefill worker's
 //! tensors are read without a copy on its side.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs::File;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::BorrowedFd;
@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use pdkv_core::block::BlockId;
 use pdkv_core::exchange::{BlockPair, Pairing};
 use pdkv_core::layout::{GroupSpec, KvLayout};
+use pdkv_core::leg::GenerationCheck;
 use pdkv_core::plan::{self, LayerRegion, RegionLayout};
 use pdkv_core::wire::{GrantId, Incarnation, NodeId, Role};
 use pdkv_transport::clock::MonotonicClock;
@@ -30,8 +31,9 @@ use pdkv_transport::control::{
     ControlClient, ControlError, ControlLimits, ControlServer, ControlService, EngineAdvert, Hello,
     PeerConnection, ServerSetup, TransportRuntime, new_incarnation,
 };
-use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine, ReadOp};
+use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine};
 use pdkv_transport::host;
+use pdkv_transport::kv_read::{KvRead, KvReadError, choose_engine};
 use pdkv_transport::mapped::MappedEngine;
 use pdkv_transport::net::{
     MemoryServer, MemoryServerLimits, NetEngine, ReadAuthorizer, ReadDenied, TicketBook,
@@ -972,38 +974,39 @@ impl Agent {
                 found: theirs.incarnation.0,
             });
         }
-        let offers = |kind: EngineKind| theirs.engines.iter().any(|advert| advert.engine.kind == kind);
         let ours = |kind: EngineKind| self.hello.engines.iter().any(|advert| advert.engine.kind == kind);
-        let shm_possible = host::same_host(&self.hello.host, &theirs.host)
-            && offers(EngineKind::Shm)
-            && ours(EngineKind::Shm);
-        let mori_possible = self.mori.is_some() && offers(EngineKind::Mori);
-        if !mori_possible && !ours(EngineKind::Net) {
-            connection.close();
-            return Err(unreachable(
-                "this worker's KV is on a GPU and mori is not offered on both sides: only mori READs GPU memory".into(),
-            ));
-        }
-        let kind = match self.choice {
-            EngineChoice::Auto if mori_possible => EngineKind::Mori,
-            EngineChoice::Mori if mori_possible => EngineKind::Mori,
-            EngineChoice::Mori => {
+        let preference: &[EngineKind] = match self.choice {
+            EngineChoice::Auto => &[EngineKind::Mori, EngineKind::Shm, EngineKind::Net],
+            EngineChoice::Mori => &[EngineKind::Mori],
+            EngineChoice::Shm => &[EngineKind::Shm],
+            EngineChoice::Net => &[EngineKind::Net],
+        };
+        // mori reads whatever memory it registered; shm and the network read only KV this
+        // worker offers through them (none when the KV is on a GPU).
+        let usable: Vec<EngineKind> = preference
+            .iter()
+            .copied()
+            .filter(|&kind| match kind {
+                EngineKind::Mori => self.mori.is_some(),
+                kind => ours(kind),
+            })
+            .collect();
+        let kind = match choose_engine(&usable, &self.hello.host, theirs) {
+            Ok(index) => usable[index],
+            Err(error) => {
                 connection.close();
-                return Err(unreachable(
-                    "read_engine is \"mori\", but this worker or the prefill worker has no mori engine"
-                        .into(),
-                ));
-            }
-            EngineChoice::Auto if shm_possible => EngineKind::Shm,
-            EngineChoice::Auto | EngineChoice::Net => EngineKind::Net,
-            EngineChoice::Shm if shm_possible => EngineKind::Shm,
-            EngineChoice::Shm => {
-                connection.close();
-                return Err(unreachable(
-                    "read_engine is \"shm\", but it runs on another host or either side's KV is \
-                     not in shared memory"
-                        .into(),
-                ));
+                let hint = match self.choice {
+                    EngineChoice::Mori => "; read_engine is \"mori\": both workers need a mori engine",
+                    EngineChoice::Shm => {
+                        "; read_engine is \"shm\", but the prefill worker runs on another host or either \
+                         side's KV is not in shared memory"
+                    }
+                    _ if !ours(EngineKind::Net) && !ours(EngineKind::Shm) => {
+                        "; this worker's KV is on a GPU: only mori READs GPU memory"
+                    }
+                    _ => "",
+                };
+                return Err(unreachable(format!("{error}{hint}")));
             }
         };
         let Some(advert) = theirs.engines.iter().find(|advert| advert.engine.kind == kind) else {
@@ -1119,7 +1122,7 @@ impl Agent {
         };
         // Every source block must be part of the hand-off; its generation now is the one it
         // must still show after the copy.
-        let mut checks: BTreeMap<usize, Vec<(BlockId, u32)>> = BTreeMap::new();
+        let mut checks = Vec::new();
         for (group, list) in pairs.iter().enumerate() {
             for pair in list {
                 let generation =
@@ -1130,57 +1133,40 @@ impl Agent {
                             group,
                             block: pair.remote,
                         })?;
-                checks.entry(group).or_default().push((pair.remote, generation));
+                checks.push(GenerationCheck {
+                    group,
+                    block: pair.remote,
+                    generation,
+                });
             }
         }
         let pairing = Pairing { groups: pairs };
         let plan = plan::plan(&self.layout, &pairing, &self.regions, &peer.regions)
             .map_err(|error| read_error(error.to_string()))?;
-        let ops: Vec<ReadOp> = plan
-            .layers
-            .iter()
-            .map(|layer| ReadOp {
-                grant: claimed.grant,
-                local_region: layer.local_region,
-                remote_engine: peer.engine.clone(),
-                remote_region: layer.remote_region,
-                runs: layer.runs.clone(),
-            })
-            .collect();
-        let report = if ops.is_empty() {
-            Default::default()
-        } else {
-            peer.reader
-                .batch_read(ops)
-                .map_err(|error| read_error(error.to_string()))?
-                .wait(self.limits.read)
-                .await
-                .map_err(|error| read_error(error.to_string()))?
+        let read = KvRead {
+            engine: peer.reader.as_ref(),
+            remote: &peer.engine,
+            grant: claimed.grant,
+            plan: &plan,
+            remote_regions: &peer.regions,
+            checks: &checks,
+            timeout: self.limits.read,
         };
-        for (group, checks) in checks {
-            let table = peer.regions.generation_region(group).ok_or_else(|| {
-                read_error(format!(
-                    "the prefill worker has no generation table for group {group}"
-                ))
-            })?;
-            let blocks: Vec<u32> = checks.iter().map(|(block, _)| *block).collect();
-            let found = peer
-                .reader
-                .read_remote_words(&peer.engine, claimed.grant, table, &blocks)
-                .await
-                .map_err(|error| read_error(error.to_string()))?;
-            for ((block, expected), found) in checks.into_iter().zip(found) {
-                if found != expected {
-                    return Err(AgentError::Stale {
-                        request: request.to_string(),
-                        group,
-                        block,
-                        expected,
-                        found,
-                    });
-                }
-            }
-        }
+        let report = read.run().await.map_err(|error| match error {
+            KvReadError::Stale {
+                group,
+                block,
+                expected,
+                found,
+            } => AgentError::Stale {
+                request: request.to_string(),
+                group,
+                block,
+                expected,
+                found,
+            },
+            other => read_error(other.to_string()),
+        })?;
         Ok(Loaded {
             bytes: report.bytes,
             runs: report.runs,
@@ -1636,7 +1622,7 @@ mod tests {
         let read = |agent: &Agent, grant: GrantId, block: u64| {
             agent.runtime.block_on(async {
                 let peer = agent.peer("p0", address, incarnation).await.unwrap();
-                let op = ReadOp {
+                let op = pdkv_transport::engine::ReadOp {
                     grant,
                     local_region: 0,
                     remote_engine: peer.engine.clone(),

@@ -1,39 +1,21 @@
 //! The prefill worker's hand-offs: which finished requests' blocks a decode worker may READ, for
-//! how long, and when vLLM may free them. Sans-IO: time enters as `now_ms`, and what must happen
-//! to memory (bump the blocks' generations) comes back as an [`Ended`] the shell acts on before it
-//! tells vLLM the request is done.
+//! how long, and when vLLM may free them. A thin layer over pdkv's one grant table
+//! ([`GrantTable`]): a hand-off is a grant issued to whoever claims it first, named by vLLM's
+//! request id. Sans-IO: time enters as `now_ms`, and what must happen to memory (bump the
+//! blocks' generations) comes back as an [`Ended`] the shell acts on before it tells vLLM the
+//! request is done.
 //!
 //! A hand-off is announced when vLLM finishes a prefill and keeps the blocks (delayed free). Its
 //! lease starts then, so a decode worker that never comes cannot pin blocks forever. The first
 //! decode worker to claim it owns it (claims renew the lease); it ends on that worker's release,
 //! on lease expiry, or on revocation (abort, shutdown).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 
 use pdkv_core::block::{BlockId, NULL_BLOCK};
-use pdkv_core::grant::GrantError;
-use pdkv_core::wire::{GrantId, NodeId};
-
-/// How a hand-off ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ending {
-    /// Its decode worker released it after reading.
-    Released,
-    /// Nobody released it before its lease lapsed.
-    Expired,
-    /// The prefill side gave it up (abort, shutdown).
-    Revoked,
-}
-
-impl std::fmt::Display for Ending {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Ending::Released => "was released",
-            Ending::Expired => "expired (its lease lapsed)",
-            Ending::Revoked => "was revoked by the prefill side",
-        })
-    }
-}
+pub use pdkv_core::grant::Ending;
+use pdkv_core::grant::{Grant, GrantError, GrantTable};
+use pdkv_core::wire::{GrantId, NodeId, RequestId};
 
 /// A hand-off that ended: bump its blocks' generations, then tell vLLM the request is done.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +56,14 @@ pub enum HandoffError {
         /// How.
         how: Ending,
     },
+    /// The grant table refused for a reason of its own.
+    #[error("request {request}: {source}")]
+    Grant {
+        /// The request.
+        request: String,
+        /// The table's refusal.
+        source: GrantError,
+    },
     /// Another decode worker claimed it first.
     #[error("request {request} is claimed by {owner}, not {peer}")]
     ClaimedByOther {
@@ -84,24 +74,6 @@ pub enum HandoffError {
         /// Who asked.
         peer: String,
     },
-}
-
-#[derive(Debug)]
-struct Handoff {
-    grant: GrantId,
-    blocks: Vec<Vec<BlockId>>,
-    /// `blocks`, each group sorted, so a served READ's check is a binary search.
-    sorted: Vec<Vec<BlockId>>,
-    owner: Option<NodeId>,
-    expires_at_ms: u64,
-}
-
-impl Handoff {
-    fn covers(&self, group: usize, block: BlockId) -> bool {
-        self.sorted
-            .get(group)
-            .is_some_and(|list| list.binary_search(&block).is_ok())
-    }
 }
 
 /// A claimed hand-off.
@@ -115,18 +87,22 @@ pub struct Claim {
     pub expires_at_ms: u64,
 }
 
-/// How many ended hand-offs are remembered (so a late claim learns why it was refused).
+/// How many ended hand-offs are remembered by name (so a late claim learns why it was refused).
 const REMEMBERED_ENDINGS: usize = 4096;
 
 /// The live hand-offs of one prefill worker.
 #[derive(Debug)]
 pub struct Handoffs {
-    live: HashMap<String, Handoff>,
-    by_grant: HashMap<GrantId, String>,
-    next_grant: u64,
-    deadlines: BTreeMap<(u64, String), ()>,
+    table: GrantTable,
+    /// Live hand-offs: vLLM's request id → its grant.
+    live: HashMap<String, GrantId>,
+    /// Live grants → vLLM's request id.
+    names: HashMap<GrantId, String>,
+    /// Ended hand-offs' last grant by request id, oldest first (bounded), for [`Self::missing`].
     ended: VecDeque<String>,
-    ended_how: HashMap<String, Ending>,
+    ended_grant: HashMap<String, GrantId>,
+    /// The grant table's request ids (vLLM's ids are strings; the table's are serials).
+    next_request: u64,
     lease_ms: u64,
     max_live: usize,
 }
@@ -139,12 +115,12 @@ impl Handoffs {
             return Err(HandoffError::ZeroLease);
         }
         Ok(Handoffs {
+            table: GrantTable::new(max_live),
             live: HashMap::new(),
-            by_grant: HashMap::new(),
-            next_grant: 1,
-            deadlines: BTreeMap::new(),
+            names: HashMap::new(),
             ended: VecDeque::new(),
-            ended_how: HashMap::new(),
+            ended_grant: HashMap::new(),
+            next_request: 1,
             lease_ms,
             max_live,
         })
@@ -160,72 +136,53 @@ impl Handoffs {
         if self.live.contains_key(request) {
             return Err(HandoffError::Duplicate(request.to_string()));
         }
-        if self.live.len() >= self.max_live {
-            return Err(HandoffError::Full {
-                request: request.to_string(),
-                max: self.max_live,
-            });
-        }
         let blocks: Vec<Vec<BlockId>> = blocks
             .into_iter()
             .map(|group| group.into_iter().filter(|&block| block != NULL_BLOCK).collect())
             .collect();
-        let sorted = blocks
-            .iter()
-            .map(|group| {
-                let mut group = group.clone();
-                group.sort_unstable();
-                group
-            })
-            .collect();
-        let expires_at_ms = now_ms.saturating_add(self.lease_ms);
-        let grant = GrantId(self.next_grant);
-        self.next_grant += 1;
-        self.forget_ending(request);
-        self.deadlines.insert((expires_at_ms, request.to_string()), ());
-        self.by_grant.insert(grant, request.to_string());
-        self.live.insert(
-            request.to_string(),
-            Handoff {
-                grant,
-                blocks,
-                sorted,
-                owner: None,
-                expires_at_ms,
-            },
-        );
+        let serial = RequestId(self.next_request);
+        let grant = match self.table.issue_unclaimed(serial, blocks, self.lease_ms, now_ms) {
+            Ok(grant) => grant,
+            Err(GrantError::TableFull { .. }) => {
+                return Err(HandoffError::Full {
+                    request: request.to_string(),
+                    max: self.max_live,
+                });
+            }
+            Err(GrantError::ZeroLease) => return Err(HandoffError::ZeroLease),
+            Err(source) => {
+                return Err(HandoffError::Grant {
+                    request: request.to_string(),
+                    source,
+                });
+            }
+        };
+        self.next_request += 1;
+        self.live.insert(request.to_string(), grant);
+        self.names.insert(grant, request.to_string());
         Ok(())
     }
 
     /// `peer` claims `request`: the first claim makes it the owner; every claim by the owner
     /// renews the lease. Returns the grant its READs name, the blocks and the lease's new end.
     pub fn claim(&mut self, request: &str, peer: &NodeId, now_ms: u64) -> Result<Claim, HandoffError> {
-        let lease_ms = self.lease_ms;
-        let Some(handoff) = self.live.get_mut(request) else {
+        let Some(&grant) = self.live.get(request) else {
             return Err(self.missing(request));
         };
-        match &handoff.owner {
-            Some(owner) if owner != peer => {
-                return Err(HandoffError::ClaimedByOther {
-                    request: request.to_string(),
-                    owner: owner.to_string(),
-                    peer: peer.to_string(),
-                });
-            }
-            Some(_) => {}
-            None => handoff.owner = Some(peer.clone()),
-        }
-        let old = (handoff.expires_at_ms, request.to_string());
-        handoff.expires_at_ms = now_ms.saturating_add(lease_ms).max(handoff.expires_at_ms);
-        let renewed = (handoff.expires_at_ms, request.to_string());
-        let claim = Claim {
-            grant: handoff.grant,
-            blocks: handoff.blocks.clone(),
-            expires_at_ms: handoff.expires_at_ms,
-        };
-        self.deadlines.remove(&old);
-        self.deadlines.insert(renewed, ());
-        Ok(claim)
+        let expires_at_ms = self
+            .table
+            .claim(grant, peer, now_ms)
+            .map_err(|error| self.refusal(request, grant, peer, error))?;
+        let blocks = self
+            .table
+            .get(grant)
+            .map(|live| live.blocks.clone())
+            .unwrap_or_default();
+        Ok(Claim {
+            grant,
+            blocks,
+            expires_at_ms,
+        })
     }
 
     /// Whether `peer` may READ `block` of `group` under `grant` now: its owner, a live lease,
@@ -238,25 +195,13 @@ impl Handoffs {
         block: BlockId,
         now_ms: u64,
     ) -> Result<(), GrantError> {
-        let handoff = self.owned(grant, peer)?;
-        if now_ms >= handoff.expires_at_ms {
-            return Err(GrantError::Expired(grant));
-        }
-        if !handoff.covers(group, block) {
-            return Err(GrantError::OutsideGrant {
-                id: grant,
-                group,
-                block,
-            });
-        }
-        Ok(())
+        self.table.check_read(grant, peer, group, block, now_ms)
     }
 
     /// Whether `peer` may read the generation word of `block` under `grant`: its owner, a block
     /// of the hand-off in any group (vLLM's groups share one block pool, hence one table).
     pub fn check_word(&self, grant: GrantId, peer: &NodeId, block: BlockId) -> Result<(), GrantError> {
-        let handoff = self.owned(grant, peer)?;
-        if (0..handoff.sorted.len()).any(|group| handoff.covers(group, block)) {
+        if self.table.held(grant, peer)?.covers_in_any_group(block) {
             Ok(())
         } else {
             Err(GrantError::OutsideGrant {
@@ -267,66 +212,46 @@ impl Handoffs {
         }
     }
 
-    fn owned(&self, grant: GrantId, peer: &NodeId) -> Result<&Handoff, GrantError> {
-        let handoff = self
-            .by_grant
-            .get(&grant)
-            .and_then(|request| self.live.get(request))
-            .ok_or(GrantError::Unknown(grant))?;
-        if handoff.owner.as_ref() != Some(peer) {
-            return Err(GrantError::WrongPeer {
-                id: grant,
-                peer: peer.clone(),
-            });
-        }
-        Ok(handoff)
-    }
-
     /// `peer` is done reading `request` (its owner, or anyone if nobody claimed it).
     pub fn release(&mut self, request: &str, peer: &NodeId) -> Result<Ended, HandoffError> {
-        let Some(handoff) = self.live.get(request) else {
+        let Some(&grant) = self.live.get(request) else {
             return Err(self.missing(request));
         };
-        if let Some(owner) = handoff.owner.as_ref().filter(|owner| *owner != peer) {
-            return Err(HandoffError::ClaimedByOther {
-                request: request.to_string(),
-                owner: owner.to_string(),
-                peer: peer.to_string(),
-            });
-        }
-        Ok(self.end(request, Ending::Released).expect("checked live above"))
+        let released = self
+            .table
+            .release(grant, peer)
+            .map_err(|error| self.refusal(request, grant, peer, error))?;
+        Ok(self.ended(released, Ending::Released))
     }
 
     /// Ends `request`'s hand-off from the prefill side, if it is live.
     pub fn revoke(&mut self, request: &str) -> Option<Ended> {
-        self.end(request, Ending::Revoked)
+        let grant = *self.live.get(request)?;
+        let revoked = self.table.revoke(grant)?;
+        Some(self.ended(revoked, Ending::Revoked))
     }
 
     /// Ends every live hand-off (shutdown).
     pub fn revoke_all(&mut self) -> Vec<Ended> {
-        let requests: Vec<String> = self.live.keys().cloned().collect();
-        requests
-            .iter()
-            .filter_map(|request| self.revoke(request))
+        let revoked = self.table.revoke_all();
+        revoked
+            .into_iter()
+            .map(|grant| self.ended(grant, Ending::Revoked))
             .collect()
     }
 
     /// Ends every hand-off whose lease lapsed at or before `now_ms`.
     pub fn expire(&mut self, now_ms: u64) -> Vec<Ended> {
-        let due: Vec<String> = self
-            .deadlines
-            .keys()
-            .take_while(|(at, _)| *at <= now_ms)
-            .map(|(_, request)| request.clone())
-            .collect();
-        due.iter()
-            .filter_map(|request| self.end(request, Ending::Expired))
+        let expired = self.table.expire(now_ms);
+        expired
+            .into_iter()
+            .map(|grant| self.ended(grant, Ending::Expired))
             .collect()
     }
 
     /// When the next lease lapses, if any is live.
     pub fn poll_timeout(&self) -> Option<u64> {
-        self.deadlines.keys().next().map(|(at, _)| *at)
+        self.table.poll_timeout()
     }
 
     /// Number of live hand-offs.
@@ -334,34 +259,58 @@ impl Handoffs {
         self.live.len()
     }
 
-    fn end(&mut self, request: &str, how: Ending) -> Option<Ended> {
-        let handoff = self.live.remove(request)?;
-        self.by_grant.remove(&handoff.grant);
-        self.deadlines
-            .remove(&(handoff.expires_at_ms, request.to_string()));
-        self.ended.push_back(request.to_string());
-        self.ended_how.insert(request.to_string(), how);
+    /// Forgets an ended grant's name, remembering (bounded) which grant it last was.
+    fn ended(&mut self, grant: Grant, how: Ending) -> Ended {
+        let request = self.names.remove(&grant.id).unwrap_or_default();
+        self.live.remove(&request);
+        if self.ended_grant.insert(request.clone(), grant.id).is_none() {
+            self.ended.push_back(request.clone());
+        }
         while self.ended.len() > REMEMBERED_ENDINGS {
             if let Some(oldest) = self.ended.pop_front() {
-                self.ended_how.remove(&oldest);
+                self.ended_grant.remove(&oldest);
             }
         }
-        Some(Ended {
-            request: request.to_string(),
-            blocks: handoff.blocks,
+        Ended {
+            request,
+            blocks: grant.blocks,
             how,
-        })
-    }
-
-    fn forget_ending(&mut self, request: &str) {
-        if self.ended_how.remove(request).is_some() {
-            self.ended.retain(|ended| ended != request);
         }
     }
 
+    /// A claim or release of the live `grant` the table refused, in hand-off terms.
+    fn refusal(&self, request: &str, grant: GrantId, peer: &NodeId, error: GrantError) -> HandoffError {
+        match error {
+            GrantError::WrongPeer { .. } => HandoffError::ClaimedByOther {
+                request: request.to_string(),
+                owner: self
+                    .table
+                    .get(grant)
+                    .and_then(|live| live.holder.as_ref())
+                    .map_or_else(String::new, |owner| owner.to_string()),
+                peer: peer.to_string(),
+            },
+            GrantError::Expired(_) => HandoffError::Ended {
+                request: request.to_string(),
+                how: Ending::Expired,
+            },
+            _ => self.missing(request),
+        }
+    }
+
+    /// Why `request` names no live hand-off: how it ended, while that is remembered.
     fn missing(&self, request: &str) -> HandoffError {
-        match self.ended_how.get(request) {
-            Some(&how) => HandoffError::Ended {
+        let how = self
+            .ended_grant
+            .get(request)
+            .and_then(|&grant| match self.table.missing(grant) {
+                GrantError::Released(_) => Some(Ending::Released),
+                GrantError::Expired(_) => Some(Ending::Expired),
+                GrantError::Revoked(_) => Some(Ending::Revoked),
+                _ => None,
+            });
+        match how {
+            Some(how) => HandoffError::Ended {
                 request: request.to_string(),
                 how,
             },
@@ -436,7 +385,8 @@ mod tests {
         assert_eq!(ended.how, Ending::Released);
         assert_eq!(
             table.check_word(grant, &node("d0"), 9),
-            Err(GrantError::Unknown(grant))
+            Err(GrantError::Released(grant)),
+            "a released hand-off's grant says how it ended"
         );
         assert_eq!(ended.blocks, vec![vec![3, 4], vec![9]]);
         assert_eq!(table.len(), 0);

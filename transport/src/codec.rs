@@ -16,8 +16,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Version of the pdkv wire protocol; peers with another version are refused at handshake. 2: a
 /// data reply says how many padding bytes come before its data. 3: engine descriptors carry
-/// engine-specific packed bytes (mori's descriptors).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// engine-specific packed bytes (mori's descriptors). 4: a failure carries the typed allocator,
+/// exchange, plan and grant errors instead of their text; the prompt travels once, in the decode
+/// request, not back and forth inside the KV parameters.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// QUIC ALPN of the pdkv control plane.
 pub const ALPN: &[u8] = b"pdkv/1";
@@ -138,7 +140,6 @@ mod tests {
             generations: vec![vec![1, 2, 3]],
             grant: GrantId(3),
             lease_ms: 100,
-            prompt: vec![1, 2, 3],
         }
     }
 

@@ -23,6 +23,7 @@ pub mod engine;
 pub mod fuzzing;
 pub mod gpu;
 pub mod host;
+pub mod kv_read;
 pub mod mapped;
 pub mod mori;
 mod native;

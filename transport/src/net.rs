@@ -128,14 +128,6 @@ pub enum ReadDenied {
     /// The grant refuses (unknown, ended, another peer's, not covering the block).
     #[error(transparent)]
     Grant(#[from] GrantError),
-    /// The grant belongs to another peer.
-    #[error("grant {grant} does not belong to peer {peer}")]
-    WrongPeer {
-        /// The grant.
-        grant: u64,
-        /// The reader.
-        peer: NodeId,
-    },
     /// The grant does not cover a block whose generation was asked for.
     #[error("grant {grant} does not cover block {block} of group {group}")]
     NotCovered {
@@ -241,13 +233,7 @@ impl ReadAuthorizer for GrantAuthorizer {
             .filter(|&group| group < self.layout.groups().len())
             .ok_or(ReadDenied::NotGenerationTable(region))?;
         let grants = self.grants.lock().unwrap_or_else(PoisonError::into_inner);
-        let grant = grants.get(grant).ok_or_else(|| grants.missing(grant))?;
-        if &grant.peer != peer {
-            return Err(ReadDenied::WrongPeer {
-                grant: grant.id.0,
-                peer: peer.clone(),
-            });
-        }
+        let grant = grants.held(grant, peer)?;
         // Generations are read after the data, also after the grant ended, to detect reuse;
         // they may be read for any block the grant covered.
         for &block in indices {
