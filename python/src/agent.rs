@@ -1780,7 +1780,8 @@ mod tests {
         let net = start("d0", Role::Decode, plain, EngineChoice::Net);
         let refused = net.load("r8", "p0", &at, prefill.incarnation(), pairs(&[(5, 6)]));
         assert!(
-            matches!(&refused, Err(AgentError::Unreachable { reason, .. }) if reason.contains("offers no Net")),
+            matches!(&refused, Err(AgentError::Unreachable { reason, .. })
+                if reason.contains("offers READ engines [Mori], this side reads with [Net]")),
             "{refused:?}"
         );
         drop((net, prefill));
