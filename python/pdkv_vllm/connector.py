@@ -280,15 +280,18 @@ def prompt_digest(request: "Request", token_ids: "list[int] | None" = None) -> s
     return digest.hexdigest()
 
 
-def model_identity(vllm_config: "VllmConfig", groups: list[dict]) -> str:
+def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
-    name and architecture, its shapes, the KV dtype and pdkv's view of the KV groups. Equal on
-    two legs serving the same model the same way; a digest, so it travels in every
-    ``kv_transfer_params``."""
+    name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
+    sizes, windows) and the parallel layout (a decode rank reads the prefill rank of its own
+    index, so TP, PP and DCP must match today). Equal on two legs serving the same model the
+    same way; it travels in every ``kv_transfer_params`` beside its digest, so a refusal can
+    name what differs."""
     model = vllm_config.model_config
     text = model.hf_text_config
     served = model.served_model_name
-    identity = {
+    parallel = vllm_config.parallel_config
+    fields = {
         "served_model_name": served[0] if isinstance(served, (list, tuple)) else served,
         "architectures": list(getattr(model.hf_config, "architectures", None) or []),
         "dtype": str(model.dtype),
@@ -298,8 +301,33 @@ def model_identity(vllm_config: "VllmConfig", groups: list[dict]) -> str:
         "kv_heads": model.get_total_num_kv_heads(),
         "head_size": model.get_head_size(),
         "groups": groups,
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
     }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    # Plain JSON values: the fields travel in kv_transfer_params through HTTP.
+    return json.loads(json.dumps(fields, default=str))
+
+
+def model_identity(fields: dict) -> str:
+    """The digest of :func:`model_fields`: the cheap equality every decode request checks."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def identity_differences(theirs: Any, ours: dict) -> str:
+    """Which of :func:`model_fields` differ between the prefill's (``theirs``, from a router:
+    anything may arrive) and this leg's, each with both values; the digests when the prefill
+    sent no fields."""
+    if not isinstance(theirs, dict):
+        return "the prefill sent no model fields"
+    # Through JSON both ways, so a tuple here and a list there are not a difference.
+    ours = json.loads(json.dumps(ours, default=str))
+    differing = [
+        f"{key}: prefill {json.dumps(theirs.get(key), default=str)}, this leg {json.dumps(ours.get(key), default=str)}"
+        for key in sorted(set(theirs) | set(ours))
+        if theirs.get(key) != ours.get(key)
+    ]
+    return "; ".join(differing) if differing else "the fields agree but the digests differ"
 
 
 class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
@@ -325,7 +353,8 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.groups = kv_groups(vllm_config, kv_cache_config)
         self.layout = Layout(self.groups)
-        self.model_identity = model_identity(vllm_config, self.groups)
+        self.model_fields = model_fields(vllm_config, self.groups)
+        self.model_identity = model_identity(self.model_fields)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
 
@@ -497,8 +526,8 @@ class _SchedulerSide:
             return problem
         if ours["model"] != self.connector.model_identity:
             return (
-                f"were made by a prefill serving another model or KV layout (identity {ours['model']}, "
-                f"this leg's {self.connector.model_identity})"
+                "were made by a prefill serving another model or KV layout ("
+                f"{identity_differences(ours.get('model_fields'), self.connector.model_fields)})"
             )
         n = ours["num_prompt_tokens"]
         if n != request.num_prompt_tokens:
@@ -595,6 +624,7 @@ class _SchedulerSide:
                 "num_prompt_tokens": n,
                 "prompt": digest,
                 "model": self.connector.model_identity,
+                "model_fields": self.connector.model_fields,
                 "offer": offered,
                 "workers": self.workers,
             },

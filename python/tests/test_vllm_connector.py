@@ -679,8 +679,14 @@ def test_kv_offered_for_another_prompt_or_model_is_refused_and_never_cached(cert
         assert pd.decode.computed["d-foreign"] == n, "the prompt is computed here"
         # An offer that names another model is refused the same way.
         params, _ = pd.prefill.prefill("p-model", ours, 12, n)
+        from pdkv_vllm.connector import model_identity
+
+        fields = params["pdkv"]["model_fields"]
+        assert model_identity(fields) == params["pdkv"]["model"], "the digest is of the fields sent"
+        assert fields["tensor_parallel_size"] == 1 and fields["groups"], fields
         forged = json.loads(json.dumps(params))
-        forged["pdkv"]["model"] = "0" * 32
+        forged["pdkv"]["model_fields"]["tensor_parallel_size"] = 2
+        forged["pdkv"]["model"] = model_identity(forged["pdkv"]["model_fields"])
         pd.decode.add("d-model", ours, 2, forged, 12)
         pd.drive("d-model", unclaimed="p-model")
         assert "d-model" not in pd.decode.loaded and "d-model" not in pd.decode.failed_loads
@@ -694,6 +700,23 @@ def test_kv_offered_for_another_prompt_or_model_is_refused_and_never_cached(cert
         pd.assert_no_leaks_with_cache()
     finally:
         pd.close()
+
+
+def test_a_model_mismatch_names_each_differing_field_with_both_values():
+    """What a decoder logs when it refuses an offer made for another model or layout: every
+    field of the identity that differs, with the prefill's value and its own."""
+    from pdkv_vllm.connector import identity_differences
+
+    ours = {"kv_cache_dtype": "auto", "tensor_parallel_size": 1, "groups": [{"kind": "full", "block_size": 16}]}
+    theirs = {"kv_cache_dtype": "fp8_e4m3", "tensor_parallel_size": 2, "groups": [{"kind": "full", "block_size": 16}]}
+    assert identity_differences(theirs, ours) == (
+        'kv_cache_dtype: prefill "fp8_e4m3", this leg "auto"; tensor_parallel_size: prefill 2, this leg 1'
+    )
+    assert identity_differences({**ours, "groups": [{"kind": "full", "block_size": 32}]}, ours) == (
+        'groups: prefill [{"kind": "full", "block_size": 32}], this leg [{"kind": "full", "block_size": 16}]'
+    )
+    assert identity_differences(None, ours) == "the prefill sent no model fields"
+    assert identity_differences(ours, ours) == "the fields agree but the digests differ"
 
 
 def test_a_request_aborted_before_its_load_gives_its_handoff_back(certs):
