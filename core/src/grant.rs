@@ -289,29 +289,26 @@ impl GrantTable {
 
     /// Ends every live grant (shutdown); the caller unpins the returned blocks.
     pub fn revoke_all(&mut self) -> Vec<Grant> {
-        let mut ids: Vec<GrantId> = self.grants.keys().copied().collect();
-        ids.sort_unstable();
+        let ids = self.live_ids(|_| true);
         ids.into_iter().filter_map(|id| self.revoke(id)).collect()
     }
 
     /// The live grants issued for `request` (an abort revokes them all), in id order.
     pub fn grants_of(&self, request: RequestId) -> Vec<GrantId> {
-        let mut ids: Vec<GrantId> = self
-            .grants
-            .values()
-            .filter(|grant| grant.request == request)
-            .map(|grant| grant.id)
-            .collect();
-        ids.sort_unstable();
-        ids
+        self.live_ids(|grant| grant.request == request)
     }
 
     /// The live grants `peer` holds, in id order.
     pub fn held_by(&self, peer: &NodeId) -> Vec<GrantId> {
+        self.live_ids(|grant| grant.is_held_by(peer))
+    }
+
+    /// The ids of the live grants `keep` accepts, in id order.
+    fn live_ids(&self, keep: impl Fn(&Grant) -> bool) -> Vec<GrantId> {
         let mut ids: Vec<GrantId> = self
             .grants
             .values()
-            .filter(|grant| grant.is_held_by(peer))
+            .filter(|grant| keep(grant))
             .map(|grant| grant.id)
             .collect();
         ids.sort_unstable();
