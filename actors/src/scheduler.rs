@@ -361,8 +361,9 @@ impl Handler<Drain> for Scheduler {
     }
 }
 
-/// The exchange lost its link to `peer` (the incarnation it knew): its grants are revoked and
-/// the requests it was part of aborted now, not when leases and deadlines lapse.
+/// The exchange lost its link to `peer` (the incarnation it knew): the grants it holds are
+/// revoked now, not when their leases lapse, and if it is a router the requests it asked for are
+/// aborted (`LegNode::handle_peer_lost`).
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub struct PeerLost {
