@@ -358,6 +358,7 @@ fn hello(node: &str, role: Role) -> Hello {
         regions: memory.regions,
         protocol_version: pdkv_transport::codec::PROTOCOL_VERSION,
         layout_hash: config.layout.compat_hash(),
+        model: config.model_fields(),
         engines: Vec::new(),
         host: "fuzz-host".into(),
     }

@@ -33,6 +33,7 @@ fn hello(node: &str) -> Hello {
         regions: RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 7,
+        model: pdkv_core::identity::ModelFields::default(),
         engines: vec![],
         host: pdkv_transport::host::host_id(),
     }

@@ -230,6 +230,26 @@ fn loads_after(decode: &str, before: (f64, f64)) -> (f64, f64) {
     }
 }
 
+/// A counter of the decode leg's `/metrics` (0 before its first increment).
+fn counter(decode: &str, name: &str) -> f64 {
+    let (_, text) = get(&format!("{decode}/metrics"));
+    pdkv::client::sample_sum(&text, name).unwrap_or(0.0)
+}
+
+/// Waits (bounded) until counter `name` leaves `before`, and returns by how much it grew.
+fn counter_after(decode: &str, name: &str, before: f64) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = counter(decode, name);
+        if now != before || Instant::now() >= deadline {
+            return now - before;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+const RECOMPUTED: &str = "vllm:pdkv_recomputed_requests_total";
+
 /// Waits (bounded) until a leg runs nothing and holds no KV.
 fn wait_idle(name: &str, url: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -403,11 +423,9 @@ fn suite(kind: &str, restart: bool) {
     };
     let foreign = prefill_answer(&theirs);
     assert!(foreign.is_object(), "the prefill hands off: {foreign}");
-    let refused = |decode: &str| {
-        let (_, text) = get(&format!("{decode}/metrics"));
-        pdkv::client::sample_sum(&text, "vllm:pdkv_refused_offers_total").unwrap_or(0.0)
-    };
+    let refused = |decode: &str| counter(decode, "vllm:pdkv_refused_offers_total");
     let (before, refused_before) = (loads(&decode), refused(&decode));
+    let recomputed_before = counter(&decode, RECOMPUTED);
     let mut body = request(&ours);
     body["kv_transfer_params"] = foreign;
     let answer = complete(&decode, &body);
@@ -420,6 +438,11 @@ fn suite(kind: &str, restart: bool) {
         refused(&decode) - refused_before,
         1.0,
         "the refusal is counted in vLLM's metrics"
+    );
+    assert_eq!(
+        counter_after(&decode, RECOMPUTED, recomputed_before),
+        1.0,
+        "a refused offer is a recomputed request"
     );
     assert_eq!(output(&answer), output(&complete(&oracle.url, &request(&ours))));
     let longer: Vec<u64> = ours.iter().copied().chain(prompt(3, 40)).collect();
@@ -444,7 +467,7 @@ fn suite(kind: &str, restart: bool) {
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-    let before = loads(&decode);
+    let (before, recomputed_before) = (loads(&decode), counter(&decode, RECOMPUTED));
     let mut body = request(&victim);
     body["kv_transfer_params"] = params;
     let answer = complete(&decode, &body);
@@ -452,6 +475,11 @@ fn suite(kind: &str, restart: bool) {
         loads_after(&decode, before),
         (0.0, 1.0),
         "a dead prefill's load fails"
+    );
+    assert_eq!(
+        counter_after(&decode, RECOMPUTED, recomputed_before),
+        1.0,
+        "its request is counted once as recomputed"
     );
     assert_eq!(output(&answer), output(&complete(&oracle.url, &request(&victim))));
     let during = prompt(5, 60);

@@ -411,6 +411,7 @@ pub(crate) fn start_router(config: &ClusterConfig) -> Result<(Addr<Router>, Door
         regions: RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: config.layout.compat_hash(),
+        model: config.model_fields(),
         engines: Vec::new(),
         host: host_id(),
     };
@@ -551,6 +552,7 @@ pub(crate) fn start_leg(
         regions: memory.regions.clone(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: config.layout.compat_hash(),
+        model: config.model_fields(),
         engines: adverts,
         host: host.clone(),
     };

@@ -7,6 +7,7 @@
 use std::collections::HashSet;
 
 use pdkv_core::exchange::PairingMode;
+use pdkv_core::identity::ModelFields;
 use pdkv_core::layout::KvLayout;
 use pdkv_core::layout::{GroupEntry, GroupEntryError};
 
@@ -375,6 +376,20 @@ impl ClusterConfig {
     pub fn embedded_default() -> Self {
         // The shipped file is checked by a test, so this cannot fail in a released build.
         Self::from_toml(DEFAULT_CLUSTER_TOML).expect("the shipped cluster.toml is valid")
+    }
+
+    /// What defines the KV this cluster's legs compute, by name ([`ModelFields`]): the
+    /// reference engine's model (seed, sizes) and the KV layout. Nodes started from different
+    /// files that disagree on any of it refuse each other at the handshake, naming the fields.
+    pub fn model_fields(&self) -> ModelFields {
+        let model = [
+            ("engine".to_string(), "pdkv-reference".to_string()),
+            ("seed".to_string(), self.model.seed.to_string()),
+            ("d_model".to_string(), self.model.d_model.to_string()),
+            ("vocab".to_string(), self.model.vocab.to_string()),
+        ];
+        ModelFields::new(model.into_iter().chain(self.layout.identity_fields()))
+            .expect("a handful of short fixed names")
     }
 
     /// Parses and checks a `cluster.toml` of reference-engine legs; a cluster of vLLM legs is
@@ -1219,6 +1234,42 @@ impl ConfigError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_of_files_that_compute_kv_differently_differ_in_their_model_fields() {
+        let shipped = DEFAULT_CLUSTER_TOML;
+        let base = ClusterConfig::embedded_default().model_fields();
+        assert_eq!(base.get("seed"), Some("7"));
+        assert_eq!(
+            base.get("kv_groups"),
+            Some("full block 64 dcp 1, sliding_window(128) block 64 dcp 1")
+        );
+        for (from, to, field) in [
+            ("seed = 7", "seed = 8", "seed"),
+            ("d_model = 32", "d_model = 16", "d_model"),
+            ("vocab = 256", "vocab = 255", "vocab"),
+            ("window = 128", "window = 96", "kv_groups"),
+            (
+                "layer_groups = [0, 1, 0, 1]",
+                "layer_groups = [1, 0, 1, 0]",
+                "layer_groups",
+            ),
+        ] {
+            assert!(shipped.contains(from), "{from}");
+            let other = ClusterConfig::from_toml(&shipped.replacen(from, to, 1))
+                .unwrap()
+                .model_fields();
+            let names: Vec<String> = base.differences(&other).into_iter().map(|d| d.name).collect();
+            assert_eq!(names, [field], "{from} -> {to}");
+        }
+        // Settings that do not change the KV (limits, nodes) do not differ.
+        let limits = shipped.replacen("lease_ms = 10000", "lease_ms = 20000", 1);
+        assert!(limits != shipped, "the shipped file sets lease_ms");
+        assert!(
+            base.differences(&ClusterConfig::from_toml(&limits).unwrap().model_fields())
+                .is_empty()
+        );
+    }
 
     #[test]
     fn shipped_cluster_toml_mirrors_the_seed() {

@@ -458,6 +458,7 @@ mod tests {
             regions: RegionLayout::default(),
             protocol_version: 1,
             layout_hash: 0,
+            model: pdkv_core::identity::ModelFields::default(),
             engines: Vec::new(),
             host: String::new(),
         }

@@ -48,6 +48,7 @@ async fn dial_as(
             }),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: cluster.config().layout.compat_hash(),
+        model: cluster.config().model_fields(),
         engines: vec![],
         host: pdkv_transport::host::host_id(),
     };
@@ -302,6 +303,7 @@ fn plain_hello(name: &str) -> Hello {
         regions: pdkv_core::plan::RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 1,
+        model: pdkv_core::identity::ModelFields::default(),
         engines: vec![],
         host: pdkv_transport::host::host_id(),
     }

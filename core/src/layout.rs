@@ -214,6 +214,27 @@ impl KvLayout {
         self.layer_groups.len()
     }
 
+    /// The layout as named model-identity fields ([`crate::identity::ModelFields`]): the groups
+    /// (kind, window, block size, DCP) and the layer-to-group map, so a handshake refusing
+    /// another layout can show both.
+    pub fn identity_fields(&self) -> [(String, String); 2] {
+        let groups: Vec<String> = self
+            .groups
+            .iter()
+            .map(|group| {
+                let kind = match group.kind {
+                    GroupKind::SlidingWindow { window } => format!("sliding_window({window})"),
+                    kind => kind.name().to_string(),
+                };
+                format!("{kind} block {} dcp {}", group.block_size, group.dcp)
+            })
+            .collect();
+        [
+            ("kv_groups".to_string(), groups.join(", ")),
+            ("layer_groups".to_string(), format!("{:?}", self.layer_groups)),
+        ]
+    }
+
     /// A 64-bit digest of everything two legs must agree on (kinds, block sizes, windows, DCP
     /// factors, layer-to-group map). Stable across runs and platforms.
     pub fn compat_hash(&self) -> u64 {

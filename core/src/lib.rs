@@ -10,6 +10,7 @@
 //! - [`exchange`]: trim, clip, anchor and pair per-group block lists; the legacy pairing.
 //! - [`allocator`]: one leg's block pools, prefix cache, pins and generations.
 //! - [`grant`]: READ grants with leases.
+//! - [`identity`]: the model fields two nodes must agree on, compared by name at handshake.
 //! - [`leg`]: the leg protocol as sans-IO request machines (prefill, decode, router).
 //! - [`node`]: a leg as one sans-IO object: allocator, grant table, machines and the rules between them.
 //! - [`plan`]: block pairs to coalesced per-layer byte ranges.
@@ -27,6 +28,7 @@ pub mod block;
 pub mod codec;
 pub mod exchange;
 pub mod grant;
+pub mod identity;
 pub mod layout;
 pub mod leg;
 pub mod node;

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("pdkv_vllm")
@@ -280,13 +281,37 @@ def prompt_digest(request: "Request", token_ids: "list[int] | None" = None) -> s
     return digest.hexdigest()
 
 
-def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
+def speculative_fields(vllm_config: "VllmConfig") -> dict | None:
+    """What of a speculative config changes the KV a leg keeps, as NIXL compares it: an EAGLE/MTP
+    drafter's layers have KV of their own (their method, model, revision, KV dtype and the target
+    layers whose hidden states feed it). The number of draft tokens is not among them: it
+    changes only a leg's lookahead slots, which the exchange trims, so legs may differ in it.
+    None without a KV-keeping drafter."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is None or not speculative.use_eagle():
+        return None
+    draft = speculative.draft_model_config
+    auxiliary = getattr(getattr(draft, "hf_config", None), "eagle_aux_hidden_state_layer_ids", None)
+    return {
+        "method": speculative.method,
+        "model": getattr(draft, "model", None),
+        "revision": getattr(draft, "revision", None),
+        "parallel_drafting": getattr(speculative, "parallel_drafting", None),
+        "kv_cache_dtype": str(getattr(speculative, "kv_cache_dtype", None) or vllm_config.cache_config.cache_dtype),
+        "auxiliary_layer_ids": list(auxiliary) if auxiliary is not None else None,
+    }
+
+
+def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int | None = None) -> dict:
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
     name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
-    sizes, windows) and the parallel layout (a decode rank reads the prefill rank of its own
+    sizes, windows), the layers holding KV, a drafter's KV-relevant config and the parallel layout (a decode rank reads the prefill rank of its own
     index, so TP, PP and DCP must match today). Equal on two legs serving the same model the
-    same way; it travels in every ``kv_transfer_params`` beside its digest, so a refusal can
-    name what differs."""
+    same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
+    refuses another model's offer before allocating anything) and in every worker's handshake
+    (a decode worker and a prefill worker that differ refuse each other before a byte moves:
+    the load fails and vLLM recomputes); either refusal names each differing field with both
+    values."""
     model = vllm_config.model_config
     text = model.hf_text_config
     served = model.served_model_name
@@ -301,6 +326,9 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
         "kv_heads": model.get_total_num_kv_heads(),
         "head_size": model.get_head_size(),
         "groups": groups,
+        # Layers with KV pages (drafter layers included): a decoder reads them plane by plane.
+        "kv_layers": kv_layers,
+        "speculative": speculative_fields(vllm_config),
         "tensor_parallel_size": parallel.tensor_parallel_size,
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
@@ -353,7 +381,8 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.groups = kv_groups(vllm_config, kv_cache_config)
         self.layout = Layout(self.groups)
-        self.model_fields = model_fields(vllm_config, self.groups)
+        kv_layers = sum(len(group.layer_names) for group in kv_cache_config.kv_cache_groups)
+        self.model_fields = model_fields(vllm_config, self.groups, kv_layers)
         self.model_identity = model_identity(self.model_fields)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
@@ -386,6 +415,9 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self._scheduler.set_handshake(metadata)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler.update_connector_output(connector_output)
 
     # Worker side.
 
@@ -471,6 +503,9 @@ class _SchedulerSide:
         self.to_release: dict[str, ReleaseSpec] = {}
         self.failed: set[str] = set()
         self.local_hits: dict[str, int] = {}
+        self.recomputes_failed_loads = (
+            connector._vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+        )
         self.stats = PdkvStats()
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
@@ -478,6 +513,12 @@ class _SchedulerSide:
             {"node": meta.node, "address": meta.address, "incarnation": meta.incarnation}
             for _, meta in sorted(metadata.items())
         ]
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """vLLM's per-step summary of every worker's transfers (a request once, whatever its
+        rank count): a failed load is a request vLLM recomputes, under the recompute policy."""
+        if not self.is_prefill and self.recomputes_failed_loads and output.failed_recving:
+            self.stats.count("recomputed_requests", len(output.failed_recving))
 
     def on_new_request(self, request: "Request") -> None:
         params = request.kv_transfer_params
@@ -508,6 +549,7 @@ class _SchedulerSide:
             logger.error("request %s: kv_transfer_params.%s %s; computing the prompt here", request.request_id, PARAMS_KEY, refusal)
             params["do_remote_prefill"] = False
             self.stats.count("refused_offers")
+            self.stats.count("recomputed_requests")
             return 0, False
         self.local_hits[request.request_id] = num_computed_tokens
         # The decoder recomputes token N-1 itself (pdkv reads tokens 0 ..= N-2). With nothing to
@@ -786,6 +828,7 @@ class _WorkerSide:
             connect_timeout_ms=self.settings.connect_timeout_ms,
             request_timeout_ms=self.settings.request_timeout_ms,
             read_timeout_ms=self.settings.read_timeout_ms,
+            model_json=json.dumps(self.connector.model_fields),
         )
 
     def _rank_port(self, port: int) -> int:

@@ -5,6 +5,9 @@ collected by each worker and by the scheduler, aggregated by vLLM and exported b
 - ``vllm:pdkv_load_seconds``, ``vllm:pdkv_load_bytes``, ``vllm:pdkv_load_runs``: one observation
   per decode worker and completed READ of a request's KV (its ``_count`` counts loads);
 - ``vllm:pdkv_failed_loads_total``: loads that failed (the prompt is recomputed);
+- ``vllm:pdkv_recomputed_requests_total``: decode requests that came with a prefill's KV but
+  computed their prompt here instead (a refused offer or a failed load), counted once per request
+  by the decode scheduler;
 - ``vllm:pdkv_refused_offers_total``: ``kv_transfer_params`` a decoder refused before reading
   (malformed, another model's, another prompt's);
 - ``vllm:pdkv_released_unread_total``: hand-offs a decoder gave back without reading (nothing
@@ -27,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 SERIES = ("load_seconds", "load_bytes", "load_runs")
 
 #: Counts of events.
-COUNTS = ("failed_loads", "refused_offers", "released_unread", "expired_handoffs")
+COUNTS = ("failed_loads", "recomputed_requests", "refused_offers", "released_unread", "expired_handoffs")
 
 
 @dataclasses.dataclass
@@ -73,6 +76,7 @@ class PdkvStats(KVConnectorStats):
             "Avg load time (ms)": round(seconds / loads * 1e3, 3) if loads else 0,
             "Load throughput (MB/s)": round(megabytes / seconds, 3) if seconds else 0,
             "Num failed loads": self.data["failed_loads"],
+            "Num recomputed requests": self.data["recomputed_requests"],
             "Num refused offers": self.data["refused_offers"],
             "Num released unread": self.data["released_unread"],
             "Num expired hand-offs": self.data["expired_handoffs"],
@@ -118,6 +122,7 @@ class PdkvPromMetrics(KVConnectorPromMetrics):
         }
         documentation = {
             "failed_loads": "KV loads that failed; the prompt was recomputed (pdkv).",
+            "recomputed_requests": "Decode requests whose prompt was computed here instead of loaded: refused offer or failed load (pdkv).",
             "refused_offers": "kv_transfer_params refused before reading: malformed, another model's or another prompt's (pdkv).",
             "released_unread": "Hand-offs a decoder gave back without reading: it needed none of the KV (pdkv).",
             "expired_handoffs": "Prefill hand-offs whose lease lapsed before a decoder released them (pdkv).",

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use pdkv_core::block::BlockId;
 use pdkv_core::exchange::{BlockPair, Pairing};
+use pdkv_core::identity::ModelFields;
 use pdkv_core::layout::{GroupSpec, KvLayout};
 use pdkv_core::leg::GenerationCheck;
 use pdkv_core::plan::{self, LayerRegion, RegionLayout};
@@ -59,6 +60,17 @@ pub enum AgentError {
         /// Its control address.
         address: String,
         /// What failed.
+        reason: String,
+    },
+    /// The prefill worker serves another model, or the same model computed differently (the
+    /// handshake names each differing field with both values): its KV is never read.
+    #[error("prefill worker {node} at {address} is incompatible: {reason}")]
+    Incompatible {
+        /// Its node name.
+        node: String,
+        /// Its control address.
+        address: String,
+        /// What differs.
         reason: String,
     },
     /// The prefill worker is a different process than the one that computed the KV.
@@ -425,6 +437,9 @@ pub struct AgentSetup {
     pub peers: Vec<String>,
     /// The model's KV groups.
     pub groups: Vec<GroupSpec>,
+    /// What defines this worker's KV (model, shapes, dtype, parallel layout): a prefill and a
+    /// decode worker that differ in any field refuse each other at their first handshake.
+    pub model: ModelFields,
     /// The memory holding the KV tensors.
     pub memory: Vec<Memory>,
     /// Where each K/V/state plane lies in them.
@@ -677,6 +692,7 @@ impl Agent {
             regions: regions.clone(),
             protocol_version: PROTOCOL_VERSION,
             layout_hash: layout.compat_hash(),
+            model: setup.model.clone(),
             engines,
             host: host::host_id(),
         };
@@ -964,7 +980,14 @@ impl Agent {
             .client(address.is_ipv6())?
             .connect(address, node, &self.hello, self.limits.connect)
             .await
-            .map_err(|error| unreachable(error.to_string()))?;
+            .map_err(|error| match error {
+                ControlError::Handshake(error) => AgentError::Incompatible {
+                    node: node.to_string(),
+                    address: address.to_string(),
+                    reason: error.to_string(),
+                },
+                error => unreachable(error.to_string()),
+            })?;
         let theirs = &connection.peer;
         if theirs.incarnation != expected {
             connection.close();
@@ -1277,6 +1300,7 @@ mod tests {
             certs_dir: dir.to_path_buf(),
             peers: peers.iter().map(|peer| peer.to_string()).collect(),
             groups: vec![GroupSpec::new(GroupKind::Full, Some(4), 1).unwrap()],
+            model: model("float32"),
             memory: vec![memory],
             planes: (0..2)
                 .map(|plane| Plane {
@@ -1303,9 +1327,20 @@ mod tests {
     }
 
     fn leg_with(dir: &std::path::Path, node: &str, role: Role, peers: &[&str], engine: EngineChoice) -> Leg {
+        leg_of_model(dir, node, role, peers, engine, model("float32"))
+    }
+
+    fn leg_of_model(
+        dir: &std::path::Path,
+        node: &str,
+        role: Role,
+        peers: &[&str],
+        engine: EngineChoice,
+        model: ModelFields,
+    ) -> Leg {
         let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
         memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
-        let agent = Agent::start(setup(
+        let mut setup = setup(
             dir,
             node,
             role,
@@ -1313,9 +1348,19 @@ mod tests {
             Memory::Memfd(memory.as_raw_fd()),
             engine,
             None,
-        ))
-        .unwrap();
+        );
+        setup.model = model;
+        let agent = Agent::start(setup).unwrap();
         Leg { agent, memory }
+    }
+
+    /// A model identity as the connector sends it, differing only in its KV dtype.
+    fn model(kv_cache_dtype: &str) -> ModelFields {
+        ModelFields::new([
+            ("served_model_name".to_string(), "tiny".to_string()),
+            ("kv_cache_dtype".to_string(), kv_cache_dtype.to_string()),
+        ])
+        .unwrap()
     }
 
     fn page(leg: &Leg, plane: u64, block: u32) -> Vec<u8> {
@@ -1562,6 +1607,45 @@ mod tests {
             ),
         }
         assert_eq!(prefill.agent.finished(), vec!["r2".to_string()]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_worker_of_another_model_is_refused_at_the_handshake_naming_what_differs() {
+        let dir = certs();
+        let prefill = leg(&dir, "p0", Role::Prefill, &["d0"]);
+        let decode = leg_of_model(
+            &dir,
+            "d0",
+            Role::Decode,
+            &["p0"],
+            EngineChoice::Auto,
+            model("fp8"),
+        );
+        fill(&prefill, 0, 2, 9);
+        prefill.agent.announce("r1", vec![vec![2]]).unwrap();
+        let at = address(&prefill);
+        let refused = decode
+            .agent
+            .load("r1", "p0", &at, prefill.agent.incarnation(), pairs(&[(2, 2)]));
+        match refused {
+            Err(AgentError::Incompatible { node, reason, .. }) => {
+                assert_eq!(node, "p0");
+                assert_eq!(
+                    reason,
+                    "model differs between d0 and p0: kv_cache_dtype: d0 fp8, p0 float32"
+                );
+            }
+            other => panic!("expected an incompatible prefill worker, got {other:?}"),
+        }
+        assert_eq!(page(&decode, 0, 2), vec![0; PAGE as usize], "nothing was read");
+        // The hand-off is untouched: a compatible decoder still reads it.
+        let compatible = leg(&dir, "d0", Role::Decode, &["p0"]);
+        compatible
+            .agent
+            .load("r1", "p0", &at, prefill.agent.incarnation(), pairs(&[(2, 2)]))
+            .unwrap();
+        assert_eq!(page(&compatible, 0, 2), vec![9; PAGE as usize]);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use pdkv_core::exchange::BlockPair;
+use pdkv_core::identity::ModelFields;
 use pdkv_core::wire::Role;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -26,6 +27,13 @@ create_exception!(
     PeerUnreachable,
     LoadError,
     "The prefill worker could not be reached (down, refused us, or on another host)."
+);
+create_exception!(
+    _native,
+    IncompatibleModel,
+    LoadError,
+    "The prefill worker serves another model or computes its KV differently; the message names \
+     each differing field with both values."
 );
 create_exception!(
     _native,
@@ -52,12 +60,28 @@ fn to_python(error: AgentError) -> PyErr {
     match error {
         AgentError::Config(_) => AgentConfigError::new_err(message),
         AgentError::Unreachable { .. } => PeerUnreachable::new_err(message),
+        AgentError::Incompatible { .. } => IncompatibleModel::new_err(message),
         AgentError::HandoffRefused { .. } | AgentError::HandoffMissing { .. } => {
             HandoffEnded::new_err(message)
         }
         AgentError::Restarted { .. } | AgentError::Stale { .. } => StaleKv::new_err(message),
         AgentError::NotHandedOff { .. } | AgentError::Read { .. } => LoadError::new_err(message),
     }
+}
+
+/// The connector's model fields (a JSON object) as the handshake's named fields: a string
+/// value as it is, any other value as compact JSON.
+fn parse_model(json: &str) -> PyResult<ModelFields> {
+    let object: serde_json::Map<String, serde_json::Value> = serde_json::from_str(json)
+        .map_err(|error| AgentConfigError::new_err(format!("model fields are not a JSON object: {error}")))?;
+    let fields = object.into_iter().map(|(name, value)| {
+        let text = match value {
+            serde_json::Value::String(text) => text,
+            other => other.to_string(),
+        };
+        (name, text)
+    });
+    ModelFields::new(fields).map_err(|error| AgentConfigError::new_err(error.to_string()))
 }
 
 fn parse_role(text: &str) -> PyResult<Role> {
@@ -102,7 +126,7 @@ impl KvAgent {
     #[pyo3(signature = (
         node, role, certs_dir, peers, groups_json, memory, planes, num_blocks,
         listen=None, data_listen=None, advertise=None, data_advertise=None, read_engine="auto", mori_host=None, mori_port=0, lease_ms=30_000, max_handoffs=4096, claim_wait_ms=5_000,
-        connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000,
+        connect_timeout_ms=5_000, request_timeout_ms=5_000, read_timeout_ms=30_000, model_json=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -128,6 +152,7 @@ impl KvAgent {
         connect_timeout_ms: u64,
         request_timeout_ms: u64,
         read_timeout_ms: u64,
+        model_json: Option<&str>,
     ) -> PyResult<Self> {
         let address = |what: &str, text: Option<&str>| {
             text.map(|text| {
@@ -164,6 +189,7 @@ impl KvAgent {
             certs_dir,
             peers,
             groups: parse_groups(groups_json)?,
+            model: model_json.map(parse_model).transpose()?.unwrap_or_default(),
             memory: memory
                 .into_iter()
                 .map(|(fd, ptr, len, device)| match (fd, u32::try_from(device)) {
@@ -326,6 +352,7 @@ pub fn add_to(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_function(wrap_pyfunction!(write_cluster_certs, module)?)?;
     module.add("LoadError", py.get_type::<LoadError>())?;
     module.add("PeerUnreachable", py.get_type::<PeerUnreachable>())?;
+    module.add("IncompatibleModel", py.get_type::<IncompatibleModel>())?;
     module.add("HandoffEnded", py.get_type::<HandoffEnded>())?;
     module.add("StaleKv", py.get_type::<StaleKv>())?;
     module.add("AgentConfigError", py.get_type::<AgentConfigError>())?;

@@ -690,6 +690,8 @@ def test_kv_offered_for_another_prompt_or_model_is_refused_and_never_cached(cert
         pd.decode.add("d-model", ours, 2, forged, 12)
         pd.drive("d-model", unclaimed="p-model")
         assert "d-model" not in pd.decode.loaded and "d-model" not in pd.decode.failed_loads
+        counted = pd.decode.scheduler_stats.data
+        assert (counted["refused_offers"], counted["recomputed_requests"]) == (2, 2), counted
         # Its first 3 blocks hit the decoder's cache (d-foreign computed them here); the rest is
         # computed here.
         assert pd.decode.computed["d-model"] == n - 3 * BLOCK
@@ -739,6 +741,58 @@ def test_a_request_aborted_before_its_load_gives_its_handoff_back(certs):
             pd.decode.step()
             pd.prefill.step()
         assert pd.decode.computed.get("d-gone", 0) == 0
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+def test_a_prefill_worker_of_another_model_is_refused_at_the_handshake_and_the_prompt_recomputed(
+    certs, monkeypatch, caplog
+):
+    """Transfer params that pass the decoder's per-request check (a router that rewrote them, or
+    an address that now serves another model) still never move bytes: the decode worker's first
+    handshake with the prefill worker compares their model fields, refuses, names each differing
+    field with both workers' values, and vLLM recomputes the prompt."""
+    import logging
+
+    import pdkv_vllm.connector as connector
+
+    real = connector.model_fields
+
+    def other_model(vllm_config, groups, kv_layers=None):
+        return {**real(vllm_config, groups, kv_layers), "served_model_name": "another-model", "kv_cache_dtype": "fp8"}
+
+    monkeypatch.setattr(connector, "model_fields", other_model)
+    prefill = LocalPrefill(Leg(certs, "prefill", "p0", ["d0"], "full+window"))
+    monkeypatch.setattr(connector, "model_fields", real)
+    pd = Pd(certs, "full+window", prefill=prefill)
+    try:
+        n = 3 * BLOCK + 5
+        prompt = [(13 * 7 + i) % 997 + 1 for i in range(n)]
+        params, _ = pd.prefill.prefill("p-other", prompt, 13, n)
+        assert params["pdkv"]["model_fields"]["served_model_name"] == "another-model"
+        # Rewritten to carry the decoder's own identity: the per-request check passes.
+        forged = json.loads(json.dumps(params))
+        decoder = pd.decode.scheduler.connector
+        forged["pdkv"]["model_fields"] = decoder.model_fields
+        forged["pdkv"]["model"] = decoder.model_identity
+        with caplog.at_level(logging.WARNING, logger="pdkv_vllm"):
+            pd.decode.add("d-other", prompt, 2, forged, 13)
+            pd.drive("d-other", unclaimed="p-other")
+        assert "d-other" in pd.decode.failed_loads, "the load failed"
+        assert "d-other" not in pd.checked, "nothing was read"
+        assert pd.decode.computed["d-other"] == n, "the whole prompt is computed here"
+        served = decoder.model_fields["served_model_name"]
+        refusals = [record.getMessage() for record in caplog.records if "incompatible" in record.getMessage()]
+        assert refusals, [record.getMessage() for record in caplog.records]
+        assert (
+            f'kv_cache_dtype: d0 {decoder.model_fields["kv_cache_dtype"]}, p0 fp8; '
+            f"served_model_name: d0 {served}, p0 another-model"
+        ) in refusals[0], refusals[0]
+        stats = pd.decode.workers[0].get_kv_connector_stats()
+        assert stats is not None and stats.data["failed_loads"] == 1, stats
+        counted = pd.decode.scheduler_stats.data
+        assert (counted["recomputed_requests"], counted["refused_offers"]) == (1, 0), counted
         pd.assert_no_leaks()
     finally:
         pd.close()

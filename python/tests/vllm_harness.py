@@ -58,6 +58,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from pdkv_vllm import memory  # noqa: E402
 from pdkv_vllm.connector import PdkvConnector  # noqa: E402
+from pdkv_vllm.stats import PdkvStats  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 BLOCK = 16
@@ -244,6 +245,17 @@ class Leg:
             hash_block_size=hash_block_size,
         )
         self.scheduler.num_lookahead_tokens = lookahead
+        # vLLM takes the scheduler side's stats every step; keep a running sum, as its metrics do.
+        self.scheduler_stats = PdkvStats()
+        take_stats = self.scheduler.connector.get_kv_connector_stats
+
+        def taken():
+            stats = take_stats()
+            if stats is not None:
+                self.scheduler_stats.aggregate(stats)
+            return stats
+
+        self.scheduler.connector.get_kv_connector_stats = taken
         # As vLLM's engine core does whenever a KV connector is configured.
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)

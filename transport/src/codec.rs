@@ -18,8 +18,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// data reply says how many padding bytes come before its data. 3: engine descriptors carry
 /// engine-specific packed bytes (mori's descriptors). 4: a failure carries the typed allocator,
 /// exchange, plan and grant errors instead of their text; the prompt travels once, in the decode
-/// request, not back and forth inside the KV parameters.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// request, not back and forth inside the KV parameters. 5: the hello names the model
+/// fields two nodes must agree on (`pdkv_core::identity::ModelFields`).
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// QUIC ALPN of the pdkv control plane.
 pub const ALPN: &[u8] = b"pdkv/1";

@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pdkv_core::identity::{FieldDifference, ModelFields};
 use pdkv_core::plan::RegionLayout;
 use pdkv_core::wire::{Incarnation, NodeId, Role};
 use serde::de::DeserializeOwned;
@@ -87,6 +88,10 @@ pub struct Hello {
     pub protocol_version: u32,
     /// `KvLayout::compat_hash` of the sender's model.
     pub layout_hash: u64,
+    /// What defines the sender's KV, by name (model, shapes, dtype, groups, parallel layout):
+    /// two nodes that both describe a model must agree on every field. Empty for a node that
+    /// makes and reads no KV.
+    pub model: ModelFields,
     /// READ engines the sender offers.
     pub engines: Vec<EngineAdvert>,
     /// Where the sender runs ([`crate::host::host_id`]): shared memory is offered only between
@@ -107,6 +112,13 @@ pub fn check_compat(ours: &Hello, theirs: &Hello) -> Result<(), HandshakeError> 
         return Err(HandshakeError::ProtocolVersion {
             ours: ours.protocol_version,
             theirs: theirs.protocol_version,
+        });
+    }
+    if let Err(differences) = ours.model.compatible(&theirs.model) {
+        return Err(HandshakeError::Model {
+            ours: ours.node.clone(),
+            theirs: theirs.node.clone(),
+            differences,
         });
     }
     if ours.layout_hash != theirs.layout_hash {
@@ -135,6 +147,8 @@ enum Reply<S> {
     Refused(String),
     Ticket(Ticket),
     Response(S),
+    /// The hellos disagree: what differs, as the server saw it.
+    Incompatible(HandshakeError),
 }
 
 /// Application requests a node serves over the control plane.
@@ -351,12 +365,12 @@ async fn serve_connection<S: ControlService>(
         Err(format!("node {} is not part of this cluster", theirs.node))
     } else if let Err(error) = verify_peer_name(&connection, &theirs.node.0) {
         Err(error.to_string())
+    } else if let Err(error) = check_compat(&shared.hello, &theirs) {
+        // Typed, so the peer can name what differs from its own side.
+        let reason = error.to_string();
+        return Err(refuse_with(&connection, &mut send, Reply::Incompatible(error), reason).await);
     } else {
-        check_compat(&shared.hello, &theirs).map_err(|error| error.to_string())
-    };
-    let admitted = match admitted {
-        Ok(()) => shared.service.admit(&theirs).await,
-        refused => refused,
+        shared.service.admit(&theirs).await
     };
     if let Err(reason) = admitted {
         return Err(refuse(&connection, &mut send, reason).await);
@@ -451,8 +465,18 @@ async fn refuse(
     send: &mut quinn::SendStream,
     reason: String,
 ) -> ControlError {
+    refuse_with(connection, send, Reply::Refused(reason.clone()), reason).await
+}
+
+/// Answers a hello with `reply` (a refusal) and closes the connection with `reason`.
+async fn refuse_with(
+    connection: &quinn::Connection,
+    send: &mut quinn::SendStream,
+    reply: Reply<()>,
+    reason: String,
+) -> ControlError {
     tracing::warn!(remote = %connection.remote_address(), %reason, "refusing control peer");
-    let _ = codec::write_message(send, &Reply::<()>::Refused(reason.clone())).await;
+    let _ = codec::write_message(send, &reply).await;
     let _ = send.finish();
     // Give the refusal a moment to leave before the close overtakes it.
     let _ = tokio::time::timeout(Duration::from_millis(200), send.stopped()).await;
@@ -577,6 +601,7 @@ async fn dial(
     let theirs = match reply {
         Reply::Hello(theirs) => theirs,
         Reply::Refused(reason) => return Err(ControlError::Refused(reason)),
+        Reply::Incompatible(error) => return Err(ControlError::Handshake(error.seen_from_the_peer())),
         _ => return Err(ControlError::Protocol("expected a hello".into())),
     };
     if theirs.node.0 != peer {
@@ -723,8 +748,9 @@ impl FrameSender {
     }
 }
 
-/// Why two nodes refused each other at handshake.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why two nodes refused each other at handshake. Travels to the refused peer, which sees it
+/// from its own side ([`HandshakeError::seen_from_the_peer`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum HandshakeError {
     /// Different wire protocol versions.
     #[error("protocol version differs: ours {ours}, theirs {theirs}")]
@@ -742,9 +768,61 @@ pub enum HandshakeError {
         /// Theirs.
         theirs: u64,
     },
+    /// The two nodes describe different models (or the same model computed differently).
+    #[error(
+        "model differs between {ours} and {theirs}: {}",
+        describe_differences(differences, ours, theirs)
+    )]
+    Model {
+        /// The node that found the difference.
+        ours: NodeId,
+        /// The peer.
+        theirs: NodeId,
+        /// Every differing field, with both values.
+        differences: Vec<FieldDifference>,
+    },
     /// A node dialled itself, or two nodes share a name.
     #[error("peer claims our own node name {0}")]
     SameNode(String),
+}
+
+impl HandshakeError {
+    /// The same disagreement with "ours" and "theirs" swapped: how the node that was refused
+    /// reports it.
+    pub fn seen_from_the_peer(self) -> Self {
+        match self {
+            HandshakeError::ProtocolVersion { ours, theirs } => HandshakeError::ProtocolVersion {
+                ours: theirs,
+                theirs: ours,
+            },
+            HandshakeError::LayoutHash { ours, theirs } => HandshakeError::LayoutHash {
+                ours: theirs,
+                theirs: ours,
+            },
+            HandshakeError::Model {
+                ours,
+                theirs,
+                differences,
+            } => HandshakeError::Model {
+                ours: theirs,
+                theirs: ours,
+                differences: differences
+                    .into_iter()
+                    .map(|difference| FieldDifference {
+                        ours: difference.theirs,
+                        theirs: difference.ours,
+                        ..difference
+                    })
+                    .collect(),
+            },
+            same @ HandshakeError::SameNode(_) => same,
+        }
+    }
+}
+
+fn describe_differences(differences: &[FieldDifference], ours: &NodeId, theirs: &NodeId) -> String {
+    let describe = |difference: &FieldDifference| difference.describe(&ours.0, &theirs.0);
+    differences.iter().map(describe).collect::<Vec<_>>().join("; ")
 }
 
 /// Why a control-plane operation failed.
@@ -795,6 +873,7 @@ mod tests {
             regions: RegionLayout::default(),
             protocol_version: codec::PROTOCOL_VERSION,
             layout_hash: 0,
+            model: ModelFields::default(),
             engines: vec![],
             host: "test".into(),
         }

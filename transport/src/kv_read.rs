@@ -191,6 +191,7 @@ mod tests {
             regions: RegionLayout::default(),
             protocol_version: crate::codec::PROTOCOL_VERSION,
             layout_hash: 0,
+            model: pdkv_core::identity::ModelFields::default(),
             engines: offers
                 .iter()
                 .map(|&kind| EngineAdvert {

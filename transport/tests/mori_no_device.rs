@@ -105,6 +105,7 @@ fn descriptors_are_mori_msgpack_and_travel_through_the_handshake() {
         regions: RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 1,
+        model: pdkv_core::identity::ModelFields::default(),
         engines: vec![EngineAdvert {
             engine: descriptor,
             regions: vec![memory],

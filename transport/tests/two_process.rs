@@ -15,7 +15,7 @@ use pdkv_core::wire::{GrantId, Incarnation, NodeId, Role};
 use pdkv_transport::codec::PROTOCOL_VERSION;
 use pdkv_transport::codec::decode as decode_frame;
 use pdkv_transport::control::{
-    ControlClient, ControlError, EngineAdvert, Hello, PeerConnection, TransportRuntime,
+    ControlClient, ControlError, EngineAdvert, HandshakeError, Hello, PeerConnection, TransportRuntime,
 };
 use pdkv_transport::engine::{EngineError, EngineKey, EngineKind, ReadEngine, ReadOp};
 use pdkv_transport::mapped::MappedEngine;
@@ -107,6 +107,7 @@ fn hello(node: &str) -> Hello {
         regions: RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: layout().compat_hash(),
+        model: pdkv_core::identity::ModelFields::new(layout().identity_fields()).unwrap(),
         engines: vec![],
         host: pdkv_transport::host::host_id(),
     }
@@ -402,25 +403,44 @@ fn strangers_and_incompatible_peers_are_refused() {
         ControlError::Refused("peer certificate is not valid for node \"prefill-0\"".into())
     );
 
-    // Incompatible layout or protocol: refused, saying what differs.
+    // Incompatible layout, model or protocol: refused, saying what differs, seen from the
+    // dialler's side.
     let mut other_layout = hello("decode-0");
     other_layout.layout_hash ^= 1;
-    let error = dial(&peer.identity("decode-0"), other_layout)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        error.starts_with("refused: KV layout differs: our layout hash"),
-        "{error}"
+    let error = dial(&peer.identity("decode-0"), other_layout).unwrap_err();
+    assert_eq!(
+        error,
+        ControlError::Handshake(HandshakeError::LayoutHash {
+            ours: layout().compat_hash() ^ 1,
+            theirs: layout().compat_hash(),
+        })
+    );
+    let mut other_model = hello("decode-0");
+    let mut fields: Vec<(String, String)> = layout()
+        .identity_fields()
+        .into_iter()
+        .filter(|(name, _)| name != "layer_groups")
+        .collect();
+    fields.push(("kv_cache_dtype".into(), "fp8".into()));
+    other_model.model = pdkv_core::identity::ModelFields::new(fields).unwrap();
+    let error = dial(&peer.identity("decode-0"), other_model).unwrap_err();
+    let layer_groups = format!("{:?}", layout().layer_groups());
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "incompatible peer: model differs between decode-0 and prefill-0: kv_cache_dtype: \
+             decode-0 fp8, prefill-0 (not set); layer_groups: decode-0 (not set), prefill-0 {layer_groups}"
+        )
     );
     let mut other_version = hello("decode-0");
     other_version.protocol_version = 99;
     let error = dial(&peer.identity("decode-0"), other_version).unwrap_err();
     assert_eq!(
         error,
-        ControlError::Refused(format!(
-            "protocol version differs: ours {}, theirs 99",
-            pdkv_transport::codec::PROTOCOL_VERSION
-        ))
+        ControlError::Handshake(HandshakeError::ProtocolVersion {
+            ours: 99,
+            theirs: pdkv_transport::codec::PROTOCOL_VERSION,
+        })
     );
 
     // And the rightful node still gets in.

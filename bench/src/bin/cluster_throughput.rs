@@ -208,6 +208,7 @@ fn echo_hello(node: &str) -> Hello {
         regions: RegionLayout::default(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: 1,
+        model: pdkv_core::identity::ModelFields::default(),
         engines: vec![],
         host: pdkv_transport::host::host_id(),
     }

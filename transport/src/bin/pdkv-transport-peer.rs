@@ -187,6 +187,7 @@ fn run() -> Result<(), String> {
         regions: regions.clone(),
         protocol_version: PROTOCOL_VERSION,
         layout_hash: layout().compat_hash(),
+        model: pdkv_core::identity::ModelFields::new(layout().identity_fields()).unwrap(),
         engines: vec![
             EngineAdvert {
                 engine: shm.descriptor(),

@@ -54,6 +54,7 @@ mod tests {
             regions: RegionLayout::default(),
             protocol_version: PROTOCOL_VERSION,
             layout_hash: 7,
+            model: pdkv_core::identity::ModelFields::default(),
             engines: vec![EngineAdvert {
                 engine: EngineDescriptor {
                     key: EngineKey("p0".into()),
