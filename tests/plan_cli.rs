@@ -304,3 +304,14 @@ fn oversized_standard_input_is_refused() {
         "cannot read scenario from standard input: scenario is larger than 67108864 bytes (64 MiB), the most pdkv plan reads"
     );
 }
+
+/// vLLM's mamba prefix caching: N = 40, B = 16. The prefill holds a cached checkpoint at
+/// position 0, the running state after 39 tokens at (40 - 2) / 16 = 2 and a scratch block; the
+/// decoder hit its first full block and holds its state slot at 2 and a scratch block. Only the
+/// running state is read, never the checkpoint or a scratch block.
+#[test]
+fn shipped_mamba_prefix_caching_scenario_pairs_only_the_running_state() {
+    let json = plan_json(&["scenarios/mamba-prefix-caching.json"]);
+    assert_eq!(pairs_of(&json, 0), vec![(2, 102), (3, 103)]);
+    assert_eq!(pairs_of(&json, 1), vec![(6, 26)]);
+}

@@ -8,8 +8,8 @@ use std::collections::HashSet;
 
 use pdkv_core::exchange::PairingMode;
 use pdkv_core::identity::ModelFields;
-use pdkv_core::layout::KvLayout;
 use pdkv_core::layout::{GroupEntry, GroupEntryError};
+use pdkv_core::layout::{GroupKind, KvLayout};
 
 use crate::deployment::{
     HttpConfig, Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig,
@@ -824,6 +824,15 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
                 .map_err(|error: GroupEntryError| ConfigError::Group(error))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(index) = groups
+        .iter()
+        .position(|group| group.kind() == GroupKind::MambaAlign)
+    {
+        return Err(ConfigError::invalid(
+            format!("model.groups[{index}].kind"),
+            "mamba_align is vLLM's mamba prefix caching (mamba_cache_mode = \"align\"); the reference engine keeps one state per request: use kind = \"mamba\"",
+        ));
+    }
     if model.layer_groups.is_empty() {
         return Err(ConfigError::invalid(
             "model.layer_groups",
@@ -1088,7 +1097,7 @@ pub fn token_capacity(layout: &KvLayout, blocks: u32) -> TokenCapacity {
         .groups()
         .iter()
         .enumerate()
-        .filter(|(_, spec)| spec.kind() != pdkv_core::layout::GroupKind::Mamba)
+        .filter(|(_, spec)| spec.kind() != GroupKind::Mamba)
         .map(|(group, spec)| TokenCapacity {
             tokens: u64::from(blocks) * spec.effective_block_size(),
             group: Some(group),
@@ -1177,7 +1186,7 @@ pub fn leg_memory_bytes(layout: &KvLayout, d_model: u64, blocks: u32) -> Option<
     for &group in layout.layer_groups() {
         let spec = layout.groups()[group];
         let block_bytes = match spec.kind() {
-            pdkv_core::layout::GroupKind::Mamba => d_model.checked_mul(4)?,
+            GroupKind::Mamba => d_model.checked_mul(4)?,
             _ => spec.effective_block_size().checked_mul(d_model)?.checked_mul(8)?,
         };
         total = total.checked_add(blocks.checked_mul(block_bytes)?)?;
@@ -1234,6 +1243,26 @@ impl ConfigError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_aligned_mamba_group_is_refused_for_the_reference_engine() {
+        let text = DEFAULT_CLUSTER_TOML.replacen(
+            "kind = \"sliding_window\"\nblock_size = 64\nwindow = 128",
+            "kind = \"mamba_align\"\nblock_size = 64",
+            1,
+        );
+        assert_ne!(
+            text, DEFAULT_CLUSTER_TOML,
+            "the shipped file has the window group"
+        );
+        match ClusterConfig::from_toml(&text) {
+            Err(ConfigError::Invalid { key, reason }) => {
+                assert_eq!(key, "model.groups[1].kind");
+                assert!(reason.contains("use kind = \"mamba\""), "{reason}");
+            }
+            other => panic!("expected the aligned mamba group refused, got {other:?}"),
+        }
+    }
 
     #[test]
     fn nodes_of_files_that_compute_kv_differently_differ_in_their_model_fields() {

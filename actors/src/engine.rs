@@ -77,7 +77,9 @@ impl Model {
         for &group in layout.layer_groups() {
             let kind = layout.groups()[group].kind();
             layers.push(match kind {
-                GroupKind::Mamba => LayerWeights::Mamba {
+                // cluster.toml refuses aligned mamba groups (vLLM's prefix caching layout):
+                // this engine keeps one state per request.
+                GroupKind::Mamba | GroupKind::MambaAlign => LayerWeights::Mamba {
                     group,
                     // Decays in (0.5, 1): state remembers far back, so a wrong state shows.
                     decay: matrix(1, d, 1.0).into_iter().map(|x| 0.75 + 0.24 * x).collect(),

@@ -565,6 +565,7 @@ fn expected_read_bytes(config: &ClusterConfig, n: u64, cached: &[u64]) -> u64 {
                 total += d * 4;
                 continue;
             }
+            GroupKind::MambaAlign => unreachable!("cluster.toml refuses aligned mamba groups"),
             GroupKind::Full => (0, block_tokens * 2 * d * 4),
             GroupKind::SlidingWindow { window } => {
                 (n.saturating_sub(u64::from(window)), block_tokens * 2 * d * 4)

@@ -16,7 +16,10 @@
 //!    [`pair`] joins entries by absolute position. A position one side needs and the other lacks
 //!    (or holds as the null block) is an error naming the group and position, never a shift.
 //! 4. **Mamba** groups exchange their running state (entry 0): the prefill leg stores the state
-//!    after `N - 1` tokens and the decode leg recomputes the last prompt token.
+//!    after `N - 1` tokens and the decode leg recomputes the last prompt token. **Aligned mamba**
+//!    groups (vLLM's mamba prefix caching) keep that state at position `(N - 2) / B` of a
+//!    position-indexed list on both legs, so they pair like a window group whose window holds
+//!    token `N - 2` only.
 //!
 //! Prefix hits on the decode leg are leading positions it already holds; [`need`] leaves them out
 //! so only the rest is read.
@@ -39,12 +42,15 @@ use crate::wire::Role;
 /// Full groups: the blocks holding tokens `0 ..= N - 2`. Window groups: the blocks holding tokens
 /// `max(0, N - W) ..= N - 2` (the last prompt token's window, minus that token). Both are empty
 /// (`0..0`) when there is no such token (`N = 1`, or `W = 1`). Mamba groups: their state,
-/// position 0, always.
+/// position 0, always. Aligned mamba groups: the position holding the state after `N - 1`
+/// tokens, `(N - 2) / B` (none when `N = 1`: the decoder starts from the empty state).
 pub fn needed_positions(group: &GroupSpec, num_prompt_tokens: u64) -> Range<u64> {
     // Tokens `first .. end` (end exclusive) are read; token N - 1 is recomputed locally.
     let end = num_prompt_tokens.saturating_sub(1);
     let first = match group.kind() {
         GroupKind::Mamba => return 0..1,
+        // The state after tokens 0 ..= N - 2 is stored with the last of them.
+        GroupKind::MambaAlign => end.saturating_sub(1),
         GroupKind::Full => 0,
         GroupKind::SlidingWindow { window } => num_prompt_tokens.saturating_sub(u64::from(window)),
     };
@@ -351,7 +357,9 @@ pub fn legacy_pair(
         .enumerate()
     {
         let (remote_start, local_start, remote, local) = match spec.kind() {
-            GroupKind::Mamba => (0, 0, &remote[..remote.len().min(1)], &local[..local.len().min(1)]),
+            GroupKind::Mamba | GroupKind::MambaAlign => {
+                (0, 0, &remote[..remote.len().min(1)], &local[..local.len().min(1)])
+            }
             GroupKind::Full => (0, 0, &remote[..], &local[..]),
             GroupKind::SlidingWindow { window } => {
                 let keep = u64::from(window).div_ceil(u64::from(spec.block_size())) + 1;

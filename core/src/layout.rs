@@ -27,6 +27,12 @@ pub enum GroupKind {
     },
     /// A fixed-size recurrent state (one state block per request, plus scratch slots).
     Mamba,
+    /// A recurrent state checkpointed every `block_size` tokens (vLLM's
+    /// `mamba_cache_mode = "align"`, its mamba prefix caching): the block list is indexed by
+    /// token position like an attention group's, and the running state after `t` tokens sits at
+    /// position `(t - 1) / block_size`, the earlier positions holding cached checkpoints or the
+    /// null block.
+    MambaAlign,
 }
 
 impl std::fmt::Display for GroupKind {
@@ -42,7 +48,13 @@ impl GroupKind {
             GroupKind::Full => "full",
             GroupKind::SlidingWindow { .. } => "sliding_window",
             GroupKind::Mamba => "mamba",
+            GroupKind::MambaAlign => "mamba_align",
         }
+    }
+
+    /// Whether the group holds a recurrent state rather than per-token KV.
+    pub fn is_state(&self) -> bool {
+        matches!(self, GroupKind::Mamba | GroupKind::MambaAlign)
     }
 
     /// The window in tokens, for sliding-window groups.
@@ -95,6 +107,24 @@ impl GroupSpec {
                     return Err(LayoutError::DcpNotSupported { kind: "mamba", dcp });
                 }
                 Ok(Self::mamba())
+            }
+            GroupKind::MambaAlign => {
+                // vLLM refuses DCP with mamba layers; the checkpoints sit on unsharded positions.
+                if dcp != 1 {
+                    return Err(LayoutError::DcpNotSupported {
+                        kind: "mamba_align",
+                        dcp,
+                    });
+                }
+                let block_size = block_size.ok_or(LayoutError::MissingBlockSize { kind: kind.name() })?;
+                if block_size == 0 {
+                    return Err(LayoutError::ZeroBlockSize);
+                }
+                Ok(GroupSpec {
+                    kind,
+                    block_size,
+                    dcp,
+                })
             }
             GroupKind::Full | GroupKind::SlidingWindow { .. } => {
                 let block_size = block_size.ok_or(LayoutError::MissingBlockSize { kind: kind.name() })?;
@@ -246,6 +276,7 @@ impl KvLayout {
                 GroupKind::Full => (0u8, 0u32),
                 GroupKind::SlidingWindow { window } => (1, window),
                 GroupKind::Mamba => (2, 0),
+                GroupKind::MambaAlign => (3, 0),
             };
             hasher.update([tag]);
             hasher.update(window.to_le_bytes());
@@ -342,6 +373,7 @@ impl GroupEntry {
         let kind = match self.kind.as_str() {
             "full" => GroupKind::Full,
             "mamba" => GroupKind::Mamba,
+            "mamba_align" => GroupKind::MambaAlign,
             "sliding_window" => GroupKind::SlidingWindow {
                 window: self.window.ok_or(GroupEntryError::MissingWindow { index })?,
             },
@@ -369,7 +401,9 @@ impl GroupEntry {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GroupEntryError {
     /// `kind` is not one pdkv knows.
-    #[error("groups[{index}]: unknown kind {kind:?}, expected \"full\", \"sliding_window\" or \"mamba\"")]
+    #[error(
+        "groups[{index}]: unknown kind {kind:?}, expected \"full\", \"sliding_window\", \"mamba\" or \"mamba_align\""
+    )]
     UnknownKind {
         /// Group index.
         index: usize,

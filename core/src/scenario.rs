@@ -207,6 +207,23 @@ mod tests {
         }
         assert_eq!(entry("mamba", None, None).to_spec(0), Ok(GroupSpec::mamba()));
         assert_eq!(
+            entry("mamba_align", Some(16), None).to_spec(0),
+            GroupSpec::new(crate::layout::GroupKind::MambaAlign, Some(16), 1)
+                .map_err(|source| { crate::layout::GroupEntryError::Invalid { index: 0, source } })
+        );
+        assert_eq!(
+            entry("mamba_align", None, None)
+                .to_spec(0)
+                .unwrap_err()
+                .to_string(),
+            entry("full", None, None)
+                .to_spec(0)
+                .unwrap_err()
+                .to_string()
+                .replace("full", "mamba_align"),
+            "an aligned mamba group needs its block size, as an attention group does"
+        );
+        assert_eq!(
             entry("sliding_window", Some(4), Some(8)).to_spec(0),
             Ok(GroupSpec::sliding_window(4, 8, 1).unwrap())
         );

@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use pdkv_core::block::{BlockId, NULL_BLOCK};
 use pdkv_core::exchange::{self, BlockPair, ExchangeError, Pairing, needed_positions};
-use pdkv_core::layout::GroupKind::{Full, Mamba, SlidingWindow};
+use pdkv_core::layout::GroupKind::{Full, Mamba, MambaAlign, SlidingWindow};
 use pdkv_core::layout::{GroupSpec, KvLayout};
 use proptest::prelude::*;
 
@@ -34,6 +34,11 @@ fn positions_by_definition(spec: &GroupSpec, num_prompt_tokens: u64) -> Vec<u64>
     let block_tokens = u64::from(spec.block_size()) * u64::from(spec.dcp());
     let first_token = match spec.kind() {
         Mamba => return vec![0],
+        // vLLM's align mode keeps the running state after `t` tokens in block `(t - 1) / B`
+        // (`preprocess_mamba`: `(num_computed_tokens - 1) // block_size`); the decoder starts
+        // from the state after the N - 1 tokens it does not recompute, or from nothing.
+        MambaAlign if num_prompt_tokens < 2 => return vec![],
+        MambaAlign => return vec![(num_prompt_tokens - 2) / block_tokens],
         Full => 0i128,
         SlidingWindow { window } => (num_prompt_tokens as i128 - i128::from(window)).max(0),
     };
@@ -676,4 +681,101 @@ proptest! {
             }
         }
     }
+}
+
+/// A leg's aligned-mamba list as vLLM's align mode leaves it after `computed` tokens with `k`
+/// speculative scratch blocks: position-indexed, the running state at `(computed - 1) / B`,
+/// cached checkpoints (real blocks) at the positions in `checkpoints`, the null block elsewhere
+/// below the state, then `k` scratch blocks. Returns the list and the state's block id.
+fn aligned_mamba_list(
+    block_size: u64,
+    computed: u64,
+    k: u64,
+    checkpoints: &[u64],
+    ids: &mut impl Iterator<Item = BlockId>,
+) -> (Vec<BlockId>, BlockId) {
+    let state = (computed - 1) / block_size;
+    let mut list: Vec<BlockId> = (0..state)
+        .map(|position| {
+            if checkpoints.contains(&position) {
+                ids.next().unwrap()
+            } else {
+                NULL_BLOCK
+            }
+        })
+        .collect();
+    let state_block = ids.next().unwrap();
+    list.push(state_block);
+    list.extend((0..k).map(|_| ids.next().unwrap()));
+    (list, state_block)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// vLLM's mamba prefix caching (align mode): the decoder reads exactly the prefill's
+    /// running state after N - 1 tokens into its own state slot for N - 1 tokens, whatever the
+    /// speculative scratch blocks, cached checkpoints and lookahead on either leg, and reads no
+    /// state for a one-token prompt.
+    #[test]
+    fn aligned_mamba_pairs_the_state_after_n_minus_1_tokens(
+        block_size in prop_oneof![Just(1u64), 1u64..=8, 16u64..=64],
+        num_prompt_tokens in prop_oneof![1u64..=3, 1u64..=600],
+        prefill_k in 0u64..=3,
+        decode_k in 0u64..=3,
+        decode_tail in tail_strategy(),
+        checkpoint_every in 1u64..=4,
+        seed in any::<u64>(),
+    ) {
+        let layout = KvLayout::one_layer_per_group(vec![
+            GroupSpec::full(16, 1).unwrap(),
+            GroupSpec::new(MambaAlign, Some(block_size as u32), 1).unwrap(),
+        ])
+        .unwrap();
+        let mut ids = id_stream(seed);
+        let computed = num_prompt_tokens - 1;
+        let full = |tokens: u64, ids: &mut dyn Iterator<Item = BlockId>| -> Vec<BlockId> {
+            (0..tokens.div_ceil(16).max(1)).map(|_| ids.next().unwrap()).collect()
+        };
+        let checkpoints: Vec<u64> = (0..600).filter(|p| p % checkpoint_every == 0).collect();
+        let (prefill_mamba, prefill_state) = if computed == 0 {
+            (vec![ids.next().unwrap()], NULL_BLOCK)
+        } else {
+            aligned_mamba_list(block_size, computed, prefill_k, &checkpoints, &mut ids)
+        };
+        let decode_tokens = (computed + decode_tail).max(1);
+        let (decode_mamba, decode_state) =
+            aligned_mamba_list(block_size, computed.max(1), decode_k, &[], &mut ids);
+        let prefill = vec![full(num_prompt_tokens, &mut ids), prefill_mamba];
+        let decode = vec![full(decode_tokens + 1, &mut ids), decode_mamba];
+        let offer = exchange::offer(&layout, num_prompt_tokens, &prefill).unwrap();
+        let need = exchange::need(&layout, num_prompt_tokens, &decode, &[]).unwrap();
+        let pairing = exchange::pair(&layout, &offer, &need).unwrap();
+        let states: Vec<(BlockId, BlockId)> =
+            pairing.groups[1].iter().map(|pair| (pair.remote, pair.local)).collect();
+        if num_prompt_tokens < 2 {
+            prop_assert!(states.is_empty(), "{:?}", states);
+        } else {
+            prop_assert_eq!(states, vec![(prefill_state, decode_state)]);
+        }
+    }
+}
+
+#[test]
+fn aligned_mamba_by_hand() {
+    let group = GroupSpec::new(MambaAlign, Some(16), 1).unwrap();
+    check_needed(group, 1, &[]);
+    check_needed(group, 2, &[0]);
+    check_needed(group, 17, &[0]);
+    check_needed(group, 18, &[1]);
+    check_needed(group, 33, &[1]);
+    check_needed(group, 34, &[2]);
+    assert!(
+        GroupSpec::new(MambaAlign, None, 1).is_err(),
+        "aligned mamba needs its block size"
+    );
+    assert!(
+        GroupSpec::new(MambaAlign, Some(16), 2).is_err(),
+        "vLLM runs mamba without DCP"
+    );
 }

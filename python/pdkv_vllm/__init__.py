@@ -70,7 +70,7 @@ class Layout:
     """A model's KV layout: groups as vLLM's ``KVCacheConfig`` describes them.
 
     ``groups`` holds one dict per KV-cache group: ``{"kind": "full", "block_size": 16}``,
-    ``{"kind": "sliding_window", "block_size": 16, "window": 4096}``, ``{"kind": "mamba"}``,
+    ``{"kind": "sliding_window", "block_size": 16, "window": 4096}``, ``{"kind": "mamba"}``, ``{"kind": "mamba_align", "block_size": 16}``,
     each with an optional ``"dcp"`` (decode context parallel factor, default 1).
     """
 

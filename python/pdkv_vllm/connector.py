@@ -197,12 +197,20 @@ def kv_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> li
         if not group.enable_kv_transfer:
             raise ConnectorConfigError(f"KV group {index} is not transferable; pdkv transfers every group")
         if isinstance(spec, MambaSpec):
-            if spec.mamba_cache_mode != "none":
+            # Either mode keeps speculative scratch blocks (num_speculative_blocks) after the
+            # running state; pdkv reads the running state only.
+            if spec.mamba_cache_mode == "align":
+                # Prefix caching: a position-indexed list, the running state after t tokens at
+                # position (t - 1) // block_size, earlier positions cached checkpoints or null.
+                groups.append({"kind": "mamba_align", "block_size": spec.block_size})
+            elif spec.mamba_cache_mode == "none":
+                # One state, first in the list.
+                groups.append({"kind": "mamba"})
+            else:
                 raise ConnectorConfigError(
-                    f"KV group {index}: mamba_cache_mode {spec.mamba_cache_mode!r} keeps prefix "
-                    "checkpoints pdkv does not pair; use mamba_cache_mode='none'"
+                    f"KV group {index}: mamba_cache_mode {spec.mamba_cache_mode!r} is not one pdkv "
+                    "pairs (\"none\" or \"align\")"
                 )
-            groups.append({"kind": "mamba"})
         elif isinstance(spec, SlidingWindowSpec):
             groups.append(
                 {
@@ -220,7 +228,7 @@ def kv_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> li
         else:
             raise ConnectorConfigError(
                 f"KV group {index}: {type(spec).__name__} is not a KV layout pdkv pairs "
-                "(full attention, sliding window, mamba)"
+                "(full attention, sliding window, mamba with mamba_cache_mode \"none\" or \"align\")"
             )
     return groups
 

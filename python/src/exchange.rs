@@ -34,7 +34,7 @@ pub struct Layout {
 
 #[pymethods]
 impl Layout {
-    /// `groups_json`: a JSON list of `{"kind": "full"|"sliding_window"|"mamba", "block_size": B,
+    /// `groups_json`: a JSON list of `{"kind": "full"|"sliding_window"|"mamba"|"mamba_align", "block_size": B,
     /// "window": W, "dcp": D}`; `layer_groups`: the group of each layer (default: one layer per
     /// group).
     #[new]

@@ -41,6 +41,10 @@ def certs(tmp_path_factory):
 def oracle_positions(kind: str, block_tokens: int, window: int | None, n: int) -> list[int]:
     if kind == "mamba":
         return [0]
+    if kind == "mamba_align":
+        # vLLM's align mode: the state after the N - 1 tokens the decoder does not recompute
+        # lies with the last of them (preprocess_mamba: (num_computed_tokens - 1) // block_size).
+        return [(n - 2) // block_tokens] if n >= 2 else []
     first = max(0, n - window) if kind == "sliding_window" else 0
     return sorted({token // block_tokens for token in range(first, n - 1)})
 
@@ -92,7 +96,7 @@ class Pd:
                         f"{self.layout} n={n} rank {rank} plane {plane.index} position {position}"
                     )
                     # ... and against the definition, token by token.
-                    if kind == "mamba":
+                    if kind in ("mamba", "mamba_align"):
                         assert int(got.flatten()[0]) == tag(seed, plane.index, n - 1), "mamba state not after N-1"
                         continue
                     first = max(0, n - window) if kind == "sliding_window" else 0
@@ -794,5 +798,46 @@ def test_a_prefill_worker_of_another_model_is_refused_at_the_handshake_and_the_p
         counted = pd.decode.scheduler_stats.data
         assert (counted["recomputed_requests"], counted["refused_offers"]) == (1, 0), counted
         pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+def test_mamba_prefix_caching_reads_the_state_past_prefix_hits_on_either_leg(certs):
+    """vLLM's mamba prefix caching (mamba_cache_mode "align"): each leg caches a state checkpoint
+    at block boundaries; a P/D request whose prefix both legs hold reads only the attention
+    blocks past the decoder's hit and the prefill's running state after N - 1 tokens, never a
+    checkpoint (checked byte for byte and against the definition in ``Pd.check_loaded``)."""
+    layout = "full+window+mamba-align"
+    pd = Pd(certs, layout, p_lookahead=2, d_lookahead=3, prefix_caching=True)
+    hits = {}
+    scheduler_side = pd.decode.scheduler.connector
+    original = scheduler_side.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        hits[request.request_id] = num_computed_tokens
+        return original(request, num_computed_tokens)
+
+    scheduler_side.get_num_new_matched_tokens = spy
+    try:
+        seed = 31
+        # The decoder computes a 70-token prompt itself (no P/D): vLLM splits its prefill at the
+        # last block boundary, so the state after 64 tokens is cached there.
+        prompt = [(seed * 7 + i) % 997 + 1 for i in range(70)]
+        pd.decode.add("local", prompt, 2, {}, seed)
+        pd.drive("local")
+        assert pd.decode.computed["local"] == 70
+        # P/D of the same prompt: the prefill computes it (and caches its checkpoints); the
+        # decoder's own cache covers 64 tokens, so it reads blocks past them and the state.
+        first = pd.run("short", 70, seed=seed)
+        assert hits[first] == 64 and first in pd.checked, hits
+        assert pd.decode.computed[first] == 1
+        # Longer prompts sharing the prefix: both legs hit their caches, the decoder reads the
+        # rest and the state after N - 1 tokens.
+        for n in (100, 131, 150):
+            did = pd.run(f"long{n}", n, seed=seed)
+            assert hits[did] >= 64, f"n={n}: the decoder should hit its cached prefix, hit {hits[did]}"
+            assert did in pd.checked and did not in pd.decode.failed_loads
+            assert pd.decode.computed[did] == 1
+        pd.assert_no_leaks_with_cache()
     finally:
         pd.close()

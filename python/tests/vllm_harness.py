@@ -84,7 +84,31 @@ LAYOUTS = {
         "dcp": 1,
     },
     "dcp2": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1"]], "dcp": 2},
+    # Speculative decoding: the mamba group keeps 2 scratch blocks after its state.
+    "full+mamba+spec": {
+        "groups": [("full", BLOCK, None), ("mamba", None, None)],
+        "layers": [["f0"], ["m0"]],
+        "dcp": 1,
+        "speculative_blocks": 2,
+    },
+    # Mamba prefix caching (mamba_cache_mode "align", which needs prefix caching): the state
+    # group is position-indexed like attention, with 1 scratch block after the running state.
+    "full+window+mamba-align": {
+        "groups": [("full", BLOCK, None), ("sliding_window", BLOCK, 40), ("mamba_align", BLOCK, None)],
+        "layers": [["f0"], ["s0"], ["m0"]],
+        "dcp": 1,
+        "speculative_blocks": 1,
+    },
 }
+
+
+def is_state(kind: str) -> bool:
+    return kind in ("mamba", "mamba_align")
+
+
+def aligned(layout: str) -> bool:
+    """Whether the layout runs vLLM's mamba prefix caching (mamba_cache_mode "align")."""
+    return any(kind == "mamba_align" for kind, _, _ in LAYOUTS[layout]["groups"])
 
 HEADS, HEAD = 2, 8  # per token: K and V of 2 heads x 8 floats = 32 words
 MAMBA_SHAPES = ((4, 6), (3, 5))
@@ -130,12 +154,14 @@ def kv_cache_config(layout: str, num_blocks: int, kv_layout: str = "LBHNC") -> K
             )
         else:
             kv = MambaSpec(
-                block_size=MAX_MODEL_LEN,
+                block_size=MAX_MODEL_LEN if kind == "mamba" else block_size,
                 shapes=MAMBA_SHAPES,
                 dtypes=(torch.int32, torch.int32),
                 page_size_padded=attention_page,
+                mamba_cache_mode="align" if kind == "mamba_align" else "none",
+                num_speculative_blocks=spec.get("speculative_blocks", 0),
             )
-        if kind != "mamba":
+        if not is_state(kind):
             attention_page = kv.page_size_bytes
         groups.append(KVCacheGroupSpec(list(layers), kv))
         specs.append(kv)
@@ -217,7 +243,12 @@ class Leg:
             model_config=ModelConfig(
                 model=model_dir(root), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32"
             ),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+            cache_config=CacheConfig(
+                block_size=BLOCK,
+                # vLLM derives the mamba mode from prefix caching: align needs it on.
+                enable_prefix_caching=prefix_caching or aligned(layout),
+                mamba_cache_mode="align" if aligned(layout) else "none",
+            ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
                 max_num_batched_tokens=MAX_MODEL_LEN,
@@ -291,6 +322,13 @@ class Leg:
         kind, block_size, _ = self.spec["groups"][group]
         return MAX_MODEL_LEN if kind == "mamba" else block_size * self.spec["dcp"]
 
+    def state_position(self, group: int, tokens: int) -> int:
+        """Where the running state after ``tokens`` tokens lies in the group's block list, as
+        vLLM's model runner keeps it: first (mamba_cache_mode "none"), or at ``(tokens - 1) //
+        block_size`` ("align", ``preprocess_mamba``)."""
+        kind, block_size, _ = self.spec["groups"][group]
+        return 0 if kind == "mamba" else (tokens - 1) // block_size
+
     def write_kv(self, request_id: str, first: int, end: int) -> None:
         """Computes tokens ``first .. end`` of a request: tags their slots in every layer."""
         self.computed[request_id] = self.computed.get(request_id, 0) + end - first
@@ -301,7 +339,7 @@ class Leg:
             for plane in planes:
                 ids = block_ids[plane.group]
                 if plane.kind == "mamba":
-                    plane.view[ids[0]].fill_(tag(seed, plane.index, end))
+                    plane.view[ids[self.state_position(plane.group, end)]].fill_(tag(seed, plane.index, end))
                     continue
                 slots = plane.view.shape[1]
                 for token in range(first, end):
@@ -398,6 +436,8 @@ def record_pages(leg: Leg, rid: str, n: int) -> dict:
             block_tokens = leg.block_tokens(plane.group)
             if kind == "mamba":
                 positions = [0]
+            elif kind == "mamba_align":
+                positions = [leg.state_position(plane.group, n - 1)] if n >= 2 else []
             else:
                 first = max(0, n - window) if kind == "sliding_window" else 0
                 positions = sorted({token // block_tokens for token in range(first, n - 1)})
