@@ -54,13 +54,15 @@ class Pd:
     checks at every load."""
 
     def __init__(self, root, layout, p_lookahead=0, d_lookahead=0, p_extra=None, d_extra=None, nodes=("p0", "d0"),
-                 prefill=None, prefix_caching=False, kv_layout="LBHNC", alloc="memfd"):
+                 prefill=None, prefix_caching=False, kv_layout="LBHNC", alloc="memfd", p_spec=None, d_spec=None):
         p, d = nodes
         memory = {"prefix_caching": prefix_caching, "kv_layout": kv_layout, "alloc": alloc}
         self.prefill = prefill or LocalPrefill(
-            Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, **memory)
+            Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, speculative_tokens=p_spec, **memory)
         )
-        self.decode = Leg(root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, **memory)
+        self.decode = Leg(
+            root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, speculative_tokens=d_spec, **memory
+        )
         self.decode.on_loaded = self.check_loaded
         self.layout = layout
         self.expected = {}  # decode request id -> (n, seed, prefill pages per rank/plane/position)
@@ -841,3 +843,13 @@ def test_mamba_prefix_caching_reads_the_state_past_prefix_hits_on_either_leg(cer
         pd.assert_no_leaks_with_cache()
     finally:
         pd.close()
+
+
+@pytest.mark.parametrize("layout", ["full+draft", "full+window+mamba", "full+mamba+spec"])
+def test_speculative_decoding_with_a_different_k_on_each_leg_loads_byte_exact_kv(certs, layout):
+    """A speculative config on both legs (a draft model proposing k tokens; vLLM reserves k
+    lookahead slots and, for mamba, k scratch blocks after the state), k different on each leg:
+    the tails never move a needed block, the drafter's layer travels like any layer, and the
+    mamba state is read, never a scratch block."""
+    for seed, (p_spec, d_spec) in ((1300, (1, 4)), (1350, (5, 2))):
+        sweep(certs, layout, LENGTHS, seed, "shm", p_spec=p_spec, d_spec=d_spec)

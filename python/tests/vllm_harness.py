@@ -31,6 +31,7 @@ from vllm.config import (  # noqa: E402
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
@@ -84,6 +85,8 @@ LAYOUTS = {
         "dcp": 1,
     },
     "dcp2": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1"]], "dcp": 2},
+    # A draft model's attention layer has KV of its own, beside the target's: one more layer.
+    "full+draft": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1", "draft.f0"]], "dcp": 1},
     # Speculative decoding: the mamba group keeps 2 scratch blocks after its state.
     "full+mamba+spec": {
         "groups": [("full", BLOCK, None), ("mamba", None, None)],
@@ -134,10 +137,25 @@ def model_dir(root: Path) -> str:
     return str(path)
 
 
+def speculative(root: Path, k: int) -> SpeculativeConfig:
+    """A draft model proposing ``k`` tokens a step (the same hand-written config): vLLM reserves
+    ``k`` lookahead slots per request, as for EAGLE/MTP."""
+    model = ModelConfig(model=model_dir(root), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32")
+    return SpeculativeConfig(
+        model=model_dir(root),
+        method="draft_model",
+        num_speculative_tokens=k,
+        target_model_config=model,
+        target_parallel_config=ParallelConfig(),
+    )
+
+
 BLOCK_OUTERMOST = ("BLHNC", "BLNHC")
 
 
-def kv_cache_config(layout: str, num_blocks: int, kv_layout: str = "LBHNC") -> KVCacheConfig:
+def kv_cache_config(
+    layout: str, num_blocks: int, kv_layout: str = "LBHNC", speculative_blocks: int | None = None
+) -> KVCacheConfig:
     """A hand-built ``KVCacheConfig`` as vLLM 0.33 builds them: one backing allocation, one
     ``KVCacheTensor`` per group placing its layers, groups overlaid at the same offsets (equal
     page sizes; a block id belongs to one group at a time). ``kv_layout`` decides whether layers
@@ -159,7 +177,9 @@ def kv_cache_config(layout: str, num_blocks: int, kv_layout: str = "LBHNC") -> K
                 dtypes=(torch.int32, torch.int32),
                 page_size_padded=attention_page,
                 mamba_cache_mode="align" if kind == "mamba_align" else "none",
-                num_speculative_blocks=spec.get("speculative_blocks", 0),
+                num_speculative_blocks=(
+                    spec.get("speculative_blocks", 0) if speculative_blocks is None else speculative_blocks
+                ),
             )
         if not is_state(kind):
             attention_page = kv.page_size_bytes
@@ -227,6 +247,7 @@ class Leg:
         layout: str,
         num_blocks: int = 96,
         lookahead: int = 0,
+        speculative_tokens: int | None = None,
         extra: dict | None = None,
         prefix_caching: bool = False,
         kv_layout: str = "LBHNC",
@@ -236,7 +257,9 @@ class Leg:
         self.role = role
         self.spec = LAYOUTS[layout]
         dcp = self.spec["dcp"]
-        self.config = kv_cache_config(layout, num_blocks, kv_layout)
+        # A speculative config (a draft model proposing k tokens) sets vLLM's own lookahead and
+        # mamba scratch blocks (one per draft token), as vLLM sizes them.
+        self.config = kv_cache_config(layout, num_blocks, kv_layout, speculative_tokens)
         settings = {"node": node, "certs": str(root / "certs"), "peers": peers}
         settings.update(extra or {})
         vllm_config = VllmConfig(
@@ -257,6 +280,7 @@ class Leg:
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp),
             device_config=DeviceConfig("cpu"),
+            speculative_config=None if speculative_tokens is None else speculative(root, speculative_tokens),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PdkvConnector",
                 kv_connector_module_path="pdkv_vllm",
@@ -275,7 +299,10 @@ class Leg:
             block_size=block_size,
             hash_block_size=hash_block_size,
         )
-        self.scheduler.num_lookahead_tokens = lookahead
+        if speculative_tokens is None:
+            self.scheduler.num_lookahead_tokens = lookahead
+        else:
+            assert self.scheduler.num_lookahead_tokens == speculative_tokens, "vLLM reserves k draft slots"
         # vLLM takes the scheduler side's stats every step; keep a running sum, as its metrics do.
         self.scheduler_stats = PdkvStats()
         take_stats = self.scheduler.connector.get_kv_connector_stats
