@@ -75,6 +75,10 @@ struct Oracle {
 
 impl Oracle {
     fn start(python: &Path, model: &Path, dir: &Path) -> Oracle {
+        Self::start_with(python, model, dir, ENGINE_ARGS)
+    }
+
+    fn start_with(python: &Path, model: &Path, dir: &Path, args: &[&str]) -> Oracle {
         use std::os::unix::process::CommandExt;
         let port = support::free_ports(1)[0];
         let log = std::fs::File::create(dir.join("oracle.log")).unwrap();
@@ -90,7 +94,7 @@ impl Oracle {
                 &port.to_string(),
             ])
             .arg("--no-enable-prefix-caching")
-            .args(ENGINE_ARGS)
+            .args(args)
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("HF_HUB_OFFLINE", "1")
             .env("VLLM_CPU_OMP_THREADS_BIND", "0")
@@ -137,7 +141,15 @@ impl Drop for Oracle {
 
 /// The cluster.toml of a 1P1D pair of vLLM legs serving `model`.
 fn vllm_cluster(python: &Path, model: &Path) -> String {
-    let args: Vec<String> = ENGINE_ARGS.iter().map(|arg| format!("{arg:?}")).collect();
+    vllm_cluster_with(python, model, ENGINE_ARGS, None)
+}
+
+/// The same with the engines' `args` and the legs' prefix caching (`None`: vLLM's default).
+fn vllm_cluster_with(python: &Path, model: &Path, args: &[&str], prefix_caching: Option<bool>) -> String {
+    let args: Vec<String> = args.iter().map(|arg| format!("{arg:?}")).collect();
+    let prefix_caching = prefix_caching
+        .map(|on| format!("prefix_caching = {on}\n"))
+        .unwrap_or_default();
     format!(
         r#"[engines.vllm]
 python = "{}"
@@ -163,13 +175,13 @@ name = "prefill-0"
 role = "prefill"
 engine = "vllm"
 cpus = "0"
-
+{prefix_caching}
 [[nodes]]
 name = "decode-0"
 role = "decode"
 engine = "vllm"
 cpus = "1"
-"#,
+{prefix_caching}"#,
         python.display(),
         model.display(),
         args.join(", ")
@@ -599,4 +611,127 @@ fn a_sliding_window_model_serves_pd_equal_to_a_plain_instance() {
 #[test]
 fn a_hybrid_full_and_window_model_serves_pd_equal_to_a_plain_instance() {
     suite("gemma3", true);
+}
+
+/// The hybrid's engine flags: vLLM's CPU backend runs gated delta-net linear attention in
+/// bfloat16 only, and sizes the attention block to the recurrent state's page itself.
+const HYBRID_ARGS: &[&str] = &[
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "2048",
+    "--enforce-eager",
+    "--seed",
+    "0",
+    "--disable-access-log-for-endpoints",
+    "/health,/metrics",
+];
+
+/// Prompt lengths of the hybrid's sweep: around the attention block vLLM picks (512 without
+/// prefix caching, 640 with it) and the prefix cache's 16-token hash blocks. Not 1 or 2:
+/// vllm-cpu 0.32's linear attention kills its engine on a one-token prefill (a plain instance
+/// too), and the prefill leg computes N - 1 tokens.
+const HYBRID_LENGTHS: &str =
+    "3,4,5,16,17,31,32,33,100,511,512,513,639,640,641,642,700,1023,1024,1025,1279,1280,1281,1500,2000";
+
+/// A hybrid of recurrent-state layers (Qwen3.5's gated delta-net, vLLM's mamba group) and full
+/// attention through P/D, with prefix caching (vLLM keeps the state with
+/// `mamba_cache_mode = "align"`: position-indexed checkpoints) and without (one state, "none"):
+/// every length reads the N - 1 tokens it does not recompute, the READ completes, and the first
+/// token equals a plain instance's, its logprob within 0.1 (bfloat16: the state computed in one
+/// chunked pass and the one loaded plus a recurrent step round differently, by up to 0.04
+/// here). A state read from the wrong position, or not at all, is a different distribution.
+fn hybrid(prefix_caching: bool) {
+    let Some(python) = vllm_python() else {
+        return;
+    };
+    let _one = ONE_MODEL_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = temp_dir(&format!("vllm-hybrid-{prefix_caching}"));
+    let model = dir.join("model");
+    let made = Command::new(&python)
+        .args(["-m", "pdkv_vllm.tiny", "qwen3_5"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let config = dir.join("cluster.toml");
+    std::fs::write(
+        &config,
+        vllm_cluster_with(&python, &model, HYBRID_ARGS, Some(prefix_caching)),
+    )
+    .unwrap();
+    let mut oracle = Oracle::start_with(&python, &model, &dir, HYBRID_ARGS);
+    let run = dir.join("run");
+    let launched = Launched::start_within(&config, &run, &[], START_BOUND);
+    oracle.wait_healthy(&dir);
+    let legs = format!(
+        "prefill-0={},decode-0={}",
+        launched.admin("prefill-0"),
+        launched.admin("decode-0")
+    );
+    let output = pdkv()
+        .args(["sweep", "--config"])
+        .arg(run.join("cluster.toml"))
+        .args([
+            "--router",
+            &launched.router,
+            "--legs",
+            &legs,
+            "--oracle",
+            &oracle.url,
+            "--json",
+        ])
+        .args([
+            "--lengths",
+            HYBRID_LENGTHS,
+            "--max-tokens",
+            "1",
+            "--logprobs",
+            "0",
+        ])
+        .args(["--logprob-tolerance", "0.1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut rows: Vec<Value> = stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let summary = rows.pop().expect("a summary line")["summary"].clone();
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(rows.len(), HYBRID_LENGTHS.split(',').count());
+    assert_eq!(summary["matched"], rows.len(), "{summary}");
+    for row in &rows {
+        let n = row["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(
+            row["read_tokens"],
+            n - 1,
+            "prefix caching {prefix_caching}: {row}"
+        );
+        assert_eq!(
+            row["loaded"],
+            json!(true),
+            "prefix caching {prefix_caching}: {row}"
+        );
+    }
+    assert_eq!(summary["legs_idle"], true, "{summary}");
+    assert_eq!(launched.interrupt(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_hybrid_recurrent_state_model_serves_pd_with_prefix_caching() {
+    hybrid(true);
+}
+
+#[test]
+fn a_hybrid_recurrent_state_model_serves_pd_without_prefix_caching() {
+    hybrid(false);
 }

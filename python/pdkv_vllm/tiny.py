@@ -12,7 +12,11 @@ Kinds (one per KV layout pdkv must pair):
 
 - ``llama``: full attention only (one KV group);
 - ``mistral``: every layer a sliding window of 48 tokens (one window group);
-- ``gemma3``: layers alternating window (48) and full attention (two KV groups).
+- ``gemma3``: layers alternating window (48) and full attention (two KV groups);
+- ``qwen3_5``: layers alternating gated delta-net linear attention (a recurrent state, vLLM's
+  mamba group) and full attention, Qwen3.5's hybrid. vLLM's CPU backend runs its linear
+  attention in bfloat16 only, with key/value heads of 128: serve it with ``--dtype bfloat16``;
+  with prefix caching on, vLLM keeps its state in ``mamba_cache_mode = "align"``.
 
 Run as ``python -m pdkv_vllm.tiny KIND DIR [--seed S]``.
 """
@@ -78,6 +82,19 @@ CONFIGS = {
         "rope_local_base_freq": 10000.0,
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
+    },
+    "qwen3_5": {
+        **_COMMON,
+        "model_type": "qwen3_5_text",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "partial_rotary_factor": 0.25,
     },
 }
 
