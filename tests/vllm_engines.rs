@@ -286,6 +286,17 @@ fn wait_idle(name: &str, url: &str) {
 
 /// `pdkv sweep` of the running cluster against the oracle; its JSON rows and summary.
 fn sweep(run: &Path, launched: &Launched, oracle: &str, extra: &[&str]) -> (Vec<Value>, Value) {
+    sweep_lengths(run, launched, oracle, LENGTHS, extra)
+}
+
+/// The same over `lengths`.
+fn sweep_lengths(
+    run: &Path,
+    launched: &Launched,
+    oracle: &str,
+    lengths: &str,
+    extra: &[&str],
+) -> (Vec<Value>, Value) {
     let legs = format!(
         "prefill-0={},decode-0={}",
         launched.admin("prefill-0"),
@@ -303,7 +314,7 @@ fn sweep(run: &Path, launched: &Launched, oracle: &str, extra: &[&str]) -> (Vec<
             oracle,
             "--json",
         ])
-        .args(["--lengths", LENGTHS])
+        .args(["--lengths", lengths])
         .args(extra)
         .output()
         .unwrap();
@@ -666,46 +677,15 @@ fn hybrid(prefix_caching: bool) {
     let run = dir.join("run");
     let launched = Launched::start_within(&config, &run, &[], START_BOUND);
     oracle.wait_healthy(&dir);
-    let legs = format!(
-        "prefill-0={},decode-0={}",
-        launched.admin("prefill-0"),
-        launched.admin("decode-0")
-    );
-    let output = pdkv()
-        .args(["sweep", "--config"])
-        .arg(run.join("cluster.toml"))
-        .args([
-            "--router",
-            &launched.router,
-            "--legs",
-            &legs,
-            "--oracle",
-            &oracle.url,
-            "--json",
-        ])
-        .args([
-            "--lengths",
-            HYBRID_LENGTHS,
-            "--max-tokens",
-            "1",
-            "--logprobs",
-            "0",
-        ])
-        .args(["--logprob-tolerance", "0.1"])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let mut rows: Vec<Value> = stdout
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap())
-        .collect();
-    let summary = rows.pop().expect("a summary line")["summary"].clone();
-    assert_eq!(
-        output.status.code(),
-        Some(0),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let extra = [
+        "--max-tokens",
+        "1",
+        "--logprobs",
+        "0",
+        "--logprob-tolerance",
+        "0.1",
+    ];
+    let (rows, summary) = sweep_lengths(&run, &launched, &oracle.url, HYBRID_LENGTHS, &extra);
     assert_eq!(rows.len(), HYBRID_LENGTHS.split(',').count());
     assert_eq!(summary["matched"], rows.len(), "{summary}");
     for row in &rows {
@@ -734,4 +714,68 @@ fn a_hybrid_recurrent_state_model_serves_pd_with_prefix_caching() {
 #[test]
 fn a_hybrid_recurrent_state_model_serves_pd_without_prefix_caching() {
     hybrid(false);
+}
+
+/// Speculative decoding on both legs with a different `k` on each (a draft model proposing 2
+/// tokens on the prefill leg, 5 on the decode leg; the tiny model drafts for itself): vLLM
+/// reserves `k` lookahead slots per request and the drafter's layers keep KV of their own, which
+/// pdkv reads with the target's. Greedy speculative decoding is lossless, so every length equals
+/// a plain instance without speculation (token ids, top-5 logprobs within 1e-4) and reads N - 1
+/// tokens, and the decode leg's drafts were proposed and accepted.
+#[test]
+fn speculative_decoding_with_a_different_k_on_each_leg_serves_pd_equal_to_a_plain_instance() {
+    let Some(python) = vllm_python() else {
+        return;
+    };
+    let _one = ONE_MODEL_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = temp_dir("vllm-speculative");
+    let model = dir.join("model");
+    let made = Command::new(&python)
+        .args(["-m", "pdkv_vllm.tiny", "llama"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let speculative = |k: u32| {
+        let config = json!({"method": "draft_model", "model": model, "num_speculative_tokens": k});
+        json!(["--speculative-config", config.to_string()]).to_string()
+    };
+    let config = vllm_cluster(&python, &model)
+        .replacen(
+            "cpus = \"0\"\n",
+            &format!("cpus = \"0\"\nengine_args = {}\n", speculative(2)),
+            1,
+        )
+        .replacen(
+            "cpus = \"1\"\n",
+            &format!("cpus = \"1\"\nengine_args = {}\n", speculative(5)),
+            1,
+        );
+    assert_eq!(config.matches("--speculative-config").count(), 2, "{config}");
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, config).unwrap();
+    let mut oracle = Oracle::start(&python, &model, &dir);
+    let run = dir.join("run");
+    let launched = Launched::start_within(&path, &run, &[], START_BOUND);
+    oracle.wait_healthy(&dir);
+    let decode = launched.admin("decode-0").to_string();
+    let lengths = "1,2,3,31,32,33,34,63,64,65,100,255,256,257,500,1000,1500,1999";
+    let (rows, summary) = sweep_lengths(&run, &launched, &oracle.url, lengths, &["--max-tokens", "8"]);
+    assert_eq!(rows.len(), lengths.split(',').count());
+    assert_eq!(summary["matched"], rows.len(), "{summary}");
+    for row in &rows {
+        let n = row["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(row["read_tokens"], n - 1, "{row}");
+    }
+    assert_eq!(summary["legs_idle"], true, "{summary}");
+    let drafts = counter(&decode, "vllm:spec_decode_num_draft_tokens_total");
+    let accepted = counter(&decode, "vllm:spec_decode_num_accepted_tokens_total");
+    assert!(
+        drafts > 0.0 && accepted > 0.0,
+        "the decode leg speculated: {drafts} drafts, {accepted} accepted"
+    );
+    assert_eq!(launched.interrupt(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
 }
