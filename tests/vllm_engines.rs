@@ -139,6 +139,18 @@ impl Drop for Oracle {
     }
 }
 
+/// Writes tiny model `kind` (`pdkv_vllm.tiny`) into `dir/model`; returns its path.
+fn tiny_model(python: &Path, dir: &Path, kind: &str) -> PathBuf {
+    let model = dir.join("model");
+    let made = Command::new(python)
+        .args(["-m", "pdkv_vllm.tiny", kind])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    model
+}
+
 /// The cluster.toml of a 1P1D pair of vLLM legs serving `model`.
 fn vllm_cluster(python: &Path, model: &Path) -> String {
     vllm_cluster_with(python, model, ENGINE_ARGS, None)
@@ -343,13 +355,7 @@ fn suite(kind: &str, restart: bool) {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir(&format!("vllm-{kind}"));
-    let model = dir.join("model");
-    let made = Command::new(&python)
-        .args(["-m", "pdkv_vllm.tiny", kind])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let model = tiny_model(&python, &dir, kind);
     let config = dir.join("cluster.toml");
     std::fs::write(&config, vllm_cluster(&python, &model)).unwrap();
     let mut oracle = Oracle::start(&python, &model, &dir);
@@ -552,13 +558,7 @@ fn chaos_against_vllm_legs_gives_no_wrong_answer_and_leaves_nothing_held() {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir("vllm-chaos");
-    let model = dir.join("model");
-    let made = Command::new(&python)
-        .args(["-m", "pdkv_vllm.tiny", "gemma3"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let model = tiny_model(&python, &dir, "gemma3");
     let config = dir.join("cluster.toml");
     std::fs::write(&config, vllm_cluster(&python, &model)).unwrap();
     let output = pdkv()
@@ -660,13 +660,7 @@ fn hybrid(prefix_caching: bool) {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir(&format!("vllm-hybrid-{prefix_caching}"));
-    let model = dir.join("model");
-    let made = Command::new(&python)
-        .args(["-m", "pdkv_vllm.tiny", "qwen3_5"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let model = tiny_model(&python, &dir, "qwen3_5");
     let config = dir.join("cluster.toml");
     std::fs::write(
         &config,
@@ -731,13 +725,7 @@ fn speculative_decoding_with_a_different_k_on_each_leg_serves_pd_equal_to_a_plai
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir("vllm-speculative");
-    let model = dir.join("model");
-    let made = Command::new(&python)
-        .args(["-m", "pdkv_vllm.tiny", "llama"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let model = tiny_model(&python, &dir, "llama");
     let speculative = |k: u32| {
         let config = json!({"method": "draft_model", "model": model, "num_speculative_tokens": k});
         json!(["--speculative-config", config.to_string()]).to_string()

@@ -73,6 +73,20 @@ class Pd:
         self.decode.shutdown()
         self.prefill.shutdown()
 
+    def record_decoder_hits(self) -> dict:
+        """The tokens the decoder's prefix cache held when vLLM asked the connector about each
+        request (its ``num_computed_tokens``), filled in as requests arrive."""
+        hits = {}
+        scheduler_side = self.decode.scheduler.connector
+        original = scheduler_side.get_num_new_matched_tokens
+
+        def spy(request, num_computed_tokens):
+            hits[request.request_id] = num_computed_tokens
+            return original(request, num_computed_tokens)
+
+        scheduler_side.get_num_new_matched_tokens = spy
+        return hits
+
     def check_loaded(self, did):
         if did not in self.expected:
             return  # a request the test drives by hand
@@ -418,15 +432,7 @@ def test_forged_and_foreign_transfers_are_refused_and_recomputed(certs):
 @pytest.mark.parametrize("layout", ["full", "full+window"])
 def test_prefix_hits_on_either_leg_are_read_around(certs, layout):
     pd = Pd(certs, layout, p_lookahead=2, d_lookahead=3, prefix_caching=True)
-    hits = {}
-    scheduler_side = pd.decode.scheduler.connector
-    original = scheduler_side.get_num_new_matched_tokens
-
-    def spy(request, num_computed_tokens):
-        hits[request.request_id] = num_computed_tokens
-        return original(request, num_computed_tokens)
-
-    scheduler_side.get_num_new_matched_tokens = spy
+    hits = pd.record_decoder_hits()
     try:
         first = pd.run("short", 70, seed=21)
         assert hits[first] == 0 and first in pd.checked
@@ -811,15 +817,7 @@ def test_mamba_prefix_caching_reads_the_state_past_prefix_hits_on_either_leg(cer
     checkpoint (checked byte for byte and against the definition in ``Pd.check_loaded``)."""
     layout = "full+window+mamba-align"
     pd = Pd(certs, layout, p_lookahead=2, d_lookahead=3, prefix_caching=True)
-    hits = {}
-    scheduler_side = pd.decode.scheduler.connector
-    original = scheduler_side.get_num_new_matched_tokens
-
-    def spy(request, num_computed_tokens):
-        hits[request.request_id] = num_computed_tokens
-        return original(request, num_computed_tokens)
-
-    scheduler_side.get_num_new_matched_tokens = spy
+    hits = pd.record_decoder_hits()
     try:
         seed = 31
         # The decoder computes a 70-token prompt itself (no P/D): vLLM splits its prefill at the
