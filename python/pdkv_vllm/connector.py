@@ -313,8 +313,9 @@ def speculative_fields(vllm_config: "VllmConfig") -> dict | None:
 def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int | None = None) -> dict:
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
     name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
-    sizes, windows), the layers holding KV, a drafter's KV-relevant config and the parallel layout (a decode rank reads the prefill rank of its own
-    index, so TP, PP and DCP must match today). Equal on two legs serving the same model the
+    sizes, windows), the layers holding KV, a drafter's KV-relevant config and the parallel
+    layout (a decode rank reads the prefill rank of its own index, so TP, PP and DCP must match
+    today). Equal on two legs serving the same model the
     same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
     refuses another model's offer before allocating anything) and in every worker's handshake
     (a decode worker and a prefill worker that differ refuse each other before a byte moves:
@@ -525,8 +526,9 @@ class _SchedulerSide:
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         """vLLM's per-step summary of every worker's transfers (a request once, whatever its
         rank count): a failed load is a request vLLM recomputes, under the recompute policy."""
-        if not self.is_prefill and self.recomputes_failed_loads and output.failed_recving:
-            self.stats.count("recomputed_requests", len(output.failed_recving))
+        failed = getattr(output, "failed_recving", None)
+        if not self.is_prefill and self.recomputes_failed_loads and failed:
+            self.stats.count("recomputed_requests", len(failed))
 
     def on_new_request(self, request: "Request") -> None:
         params = request.kv_transfer_params
