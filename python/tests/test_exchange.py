@@ -3,7 +3,9 @@ exchange"), not from the code under test.
 
 The decode leg recomputes the last prompt token (N-1) itself, so it reads the KV of tokens
 0 ..= N-2 (full groups) or max(0, N-W) ..= N-2 (window groups), each block of B*dcp tokens
-holding positions p*B*dcp .. (p+1)*B*dcp - 1; a mamba group reads its state (position 0).
+holding positions p*B*dcp .. (p+1)*B*dcp - 1; a mamba group reads its state (position 0); an
+aligned mamba group (vLLM's prefix caching) keeps the state after t tokens at position
+(t-1) // B, so it reads the state after N-1 tokens at (N-2) // B (nothing when N = 1).
 """
 
 import itertools
@@ -27,6 +29,7 @@ LAYOUTS = {
     ],
     # pdkv (like vLLM) supports decode context parallelism on full-attention groups only.
     "dcp2": [{"kind": "full", "block_size": 16, "dcp": 2}, {"kind": "mamba"}],
+    "full+mamba_align": [{"kind": "full", "block_size": 16}, {"kind": "mamba_align", "block_size": 32}],
 }
 
 
@@ -34,6 +37,8 @@ def oracle_positions(group: dict, n: int) -> list[int]:
     """Block positions the decode leg reads, token by token from the definition."""
     if group["kind"] == "mamba":
         return [0]
+    if group["kind"] == "mamba_align":
+        return [(n - 2) // group["block_size"]] if n >= 2 else []
     block_tokens = group["block_size"] * group.get("dcp", 1)
     first = max(0, n - group["window"]) if group["kind"] == "sliding_window" else 0
     return sorted({token // block_tokens for token in range(first, n - 1)})
@@ -55,6 +60,10 @@ def leg_blocks(groups: list[dict], n: int, lookahead: int, rng: random.Random) -
         if group["kind"] == "sliding_window" and needed:
             for position in range(needed[0]):
                 ids[position] = 0
+        if group["kind"] == "mamba_align":
+            # Below the running state: null, or now and then a cached checkpoint.
+            for position in range(needed[0] if needed else 0):
+                ids[position] = ids[position] if rng.random() < 0.3 else 0
         lists.append(ids)
     return lists
 
