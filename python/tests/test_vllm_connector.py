@@ -87,6 +87,16 @@ class Pd:
         scheduler_side.get_num_new_matched_tokens = spy
         return hits
 
+    def run_longer_prompts_past_prefix_hits(self, hits: dict, seed: int) -> None:
+        """Prompts of 100, 131 and 150 tokens sharing their first 70 with a prompt both legs
+        cached: the decoder hits at least 64 tokens, reads the rest byte-exact and recomputes
+        only the last prompt token."""
+        for n in (100, 131, 150):
+            did = self.run(f"long{n}", n, seed=seed)
+            assert hits[did] >= 64, f"n={n}: the decoder should hit its cached prefix, hit {hits[did]}"
+            assert did in self.checked and did not in self.decode.failed_loads
+            assert self.decode.computed[did] == 1
+
     def check_loaded(self, did):
         if did not in self.expected:
             return  # a request the test drives by hand
@@ -439,11 +449,7 @@ def test_prefix_hits_on_either_leg_are_read_around(certs, layout):
         # The same prompt, longer: both legs hold its first blocks in their prefix caches. The
         # decoder reads only the blocks past its hit; every needed block still holds the
         # prefill's bytes for its position.
-        for n in (100, 131, 150):
-            did = pd.run(f"long{n}", n, seed=21)
-            assert hits[did] >= 64, f"n={n}: the decoder should hit its cached prefix, hit {hits[did]}"
-            assert did in pd.checked and did not in pd.decode.failed_loads
-            assert pd.decode.computed[did] == 1
+        pd.run_longer_prompts_past_prefix_hits(hits, seed=21)
         pd.assert_no_leaks_with_cache()
     finally:
         pd.close()
@@ -833,11 +839,7 @@ def test_mamba_prefix_caching_reads_the_state_past_prefix_hits_on_either_leg(cer
         assert pd.decode.computed[first] == 1
         # Longer prompts sharing the prefix: both legs hit their caches, the decoder reads the
         # rest and the state after N - 1 tokens.
-        for n in (100, 131, 150):
-            did = pd.run(f"long{n}", n, seed=seed)
-            assert hits[did] >= 64, f"n={n}: the decoder should hit its cached prefix, hit {hits[did]}"
-            assert did in pd.checked and did not in pd.decode.failed_loads
-            assert pd.decode.computed[did] == 1
+        pd.run_longer_prompts_past_prefix_hits(hits, seed=seed)
         pd.assert_no_leaks_with_cache()
     finally:
         pd.close()
