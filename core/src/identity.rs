@@ -63,11 +63,6 @@ impl ModelFields {
             .map(|index| self.0[index].1.as_str())
     }
 
-    /// Every field, sorted by name.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.0.iter().map(|(name, value)| (name.as_str(), value.as_str()))
-    }
-
     /// Whether the node described no field (a peer that makes or reads no KV, like a router).
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()

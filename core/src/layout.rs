@@ -52,11 +52,6 @@ impl GroupKind {
         }
     }
 
-    /// Whether the group holds a recurrent state rather than per-token KV.
-    pub fn is_state(&self) -> bool {
-        matches!(self, GroupKind::Mamba | GroupKind::MambaAlign)
-    }
-
     /// The window in tokens, for sliding-window groups.
     pub fn window(&self) -> Option<u32> {
         match self {
