@@ -23,9 +23,14 @@ pub struct Grant {
     pub id: GrantId,
     /// The request whose blocks it covers.
     pub request: RequestId,
-    /// The only peer allowed to read under it; `None` until the first claim of a grant issued
-    /// to whoever claims it first ([`GrantTable::issue_unclaimed`]).
-    pub holder: Option<NodeId>,
+    /// The peers allowed to read under it that have not released it; empty until the first
+    /// claim of a grant issued to whoever claims it first ([`GrantTable::issue_unclaimed`]).
+    pub holders: Vec<NodeId>,
+    /// How many peers it admits, fixed by the first claim (0 while unclaimed): a hand-off whose
+    /// heads several decode ranks read ends after the last of them releases it.
+    pub readers: u32,
+    /// Holders that released it so far.
+    pub released: u32,
     /// Pinned blocks per group (the null block is never granted).
     pub blocks: Vec<Vec<BlockId>>,
     /// Lease length, re-applied on every renewal.
@@ -39,7 +44,12 @@ pub struct Grant {
 impl Grant {
     /// Whether `peer` holds the grant.
     pub fn is_held_by(&self, peer: &NodeId) -> bool {
-        self.holder.as_ref() == Some(peer)
+        self.holders.contains(peer)
+    }
+
+    /// Whether nobody claimed it yet.
+    pub fn is_unclaimed(&self) -> bool {
+        self.readers == 0
     }
 
     /// Whether the grant covers `block` in any group (a block id names one block in every group
@@ -143,14 +153,46 @@ impl GrantTable {
     /// every claim by the holder renews the lease as [`renew`](Self::renew) does. Returns the
     /// lease's new end.
     pub fn claim(&mut self, id: GrantId, peer: &NodeId, now_ms: u64) -> Result<u64, GrantError> {
+        self.claim_shared(id, peer, 1, now_ms)
+    }
+
+    /// `peer` claims grant `id` as one of `readers` peers: the first claim of an unclaimed grant
+    /// fixes how many peers it admits, each further peer takes one of the places left, and every
+    /// claim by a holder renews the lease. The grant ends when all `readers` released it (or its
+    /// lease lapses). Every claim must name the same `readers`.
+    pub fn claim_shared(
+        &mut self,
+        id: GrantId,
+        peer: &NodeId,
+        readers: u32,
+        now_ms: u64,
+    ) -> Result<u64, GrantError> {
+        if readers == 0 {
+            return Err(GrantError::NoReaders(id));
+        }
         let missing = self.missing(id);
         let grant = self.grants.get_mut(&id).ok_or(missing)?;
         if now_ms >= grant.expires_at_ms {
             // Lapsed but not yet swept: too late to claim.
             return Err(GrantError::Expired(id));
         }
-        if grant.holder.is_none() {
-            grant.holder = Some(peer.clone());
+        if !grant.is_held_by(peer) {
+            if grant.is_unclaimed() {
+                grant.readers = readers;
+            } else if grant.readers != readers {
+                return Err(GrantError::ReadersMismatch {
+                    id,
+                    asked: readers,
+                    admitted: grant.readers,
+                });
+            }
+            if grant.holders.len() as u32 + grant.released >= grant.readers {
+                return Err(GrantError::WrongPeer {
+                    id,
+                    peer: peer.clone(),
+                });
+            }
+            grant.holders.push(peer.clone());
         }
         self.renew(id, peer, now_ms)
     }
@@ -188,7 +230,9 @@ impl GrantTable {
             Grant {
                 id,
                 request,
-                holder,
+                readers: u32::from(holder.is_some()),
+                holders: holder.into_iter().collect(),
+                released: 0,
                 blocks,
                 lease_ms,
                 expires_at_ms,
@@ -218,20 +262,26 @@ impl GrantTable {
         Ok(grant.expires_at_ms)
     }
 
-    /// Ends a grant; the caller unpins the returned blocks. Only its holder may release it (any
-    /// peer, while nobody claimed it).
-    pub fn release(&mut self, id: GrantId, peer: &NodeId) -> Result<Grant, GrantError> {
-        match self.grants.get(&id) {
-            None => return Err(self.missing(id)),
-            Some(grant) if grant.holder.as_ref().is_some_and(|holder| holder != peer) => {
+    /// `peer` is done with a grant: the grant ends, and is returned for the caller to unpin
+    /// its blocks, when this was the last of its readers (any peer ends it while nobody claimed
+    /// it); `None` while other readers still hold it. Only a holder may release it.
+    pub fn release(&mut self, id: GrantId, peer: &NodeId) -> Result<Option<Grant>, GrantError> {
+        let missing = self.missing(id);
+        let grant = self.grants.get_mut(&id).ok_or(missing)?;
+        if !grant.is_unclaimed() {
+            let Some(index) = grant.holders.iter().position(|holder| holder == peer) else {
                 return Err(GrantError::WrongPeer {
                     id,
                     peer: peer.clone(),
                 });
+            };
+            grant.holders.remove(index);
+            grant.released += 1;
+            if grant.released < grant.readers {
+                return Ok(None);
             }
-            Some(_) => {}
         }
-        self.remove(id, Ending::Released).ok_or(GrantError::Unknown(id))
+        Ok(self.remove(id, Ending::Released))
     }
 
     /// Ends a grant regardless of peer (local failure handling, shutdown).
@@ -402,6 +452,19 @@ pub enum GrantError {
     /// A lease must last.
     #[error("lease_ms must be at least 1")]
     ZeroLease,
+    /// A claim for no readers at all.
+    #[error("a claim of grant {} must admit at least one reader", .0.0)]
+    NoReaders(GrantId),
+    /// A claim disagrees with the first claim on how many peers read the grant.
+    #[error("grant {} admits {admitted} readers, a claim asked for {asked}", id.0)]
+    ReadersMismatch {
+        /// Grant id.
+        id: GrantId,
+        /// Readers the claim named.
+        asked: u32,
+        /// Readers the first claim fixed.
+        admitted: u32,
+    },
 }
 
 #[cfg(test)]
@@ -555,7 +618,10 @@ mod tests {
                 .to_string(),
             "grant table full (1 live grants)"
         );
-        assert_eq!(table.release(id, &peer("d0")).unwrap().request, RequestId(1));
+        assert_eq!(
+            table.release(id, &peer("d0")).unwrap().unwrap().request,
+            RequestId(1)
+        );
         assert!(table.release(id, &peer("d0")).is_err());
     }
 
@@ -567,7 +633,7 @@ mod tests {
         let id = table
             .issue_unclaimed(RequestId(1), vec![vec![3, 4]], 100, 0)
             .unwrap();
-        assert_eq!(table.get(id).unwrap().holder, None);
+        assert!(table.get(id).unwrap().holders.is_empty());
         assert_eq!(
             table.check_read(id, &peer("d0"), 0, 3, 10),
             Err(GrantError::WrongPeer { id, peer: peer("d0") }),
@@ -599,9 +665,8 @@ mod tests {
             table.claim(lapsed, &peer("d0"), 100),
             Err(GrantError::Expired(lapsed))
         );
-        assert_eq!(
-            table.get(lapsed).unwrap().holder,
-            None,
+        assert!(
+            table.get(lapsed).unwrap().is_unclaimed(),
             "a refused claim binds nobody"
         );
 
@@ -611,8 +676,8 @@ mod tests {
         assert_eq!(
             table
                 .release(unclaimed, &peer("anyone"))
-                .map(|grant| grant.blocks),
-            Ok(vec![vec![6]]),
+                .map(|grant| grant.map(|grant| grant.blocks)),
+            Ok(Some(vec![vec![6]])),
             "an unclaimed grant has no holder to protect it"
         );
         let all = table.revoke_all();
@@ -622,5 +687,52 @@ mod tests {
         );
         assert!(table.is_empty());
         assert_eq!(table.claim(id, &peer("d0"), 130), Err(GrantError::Revoked(id)));
+    }
+
+    /// A hand-off read by several decode ranks: the first claim fixes the readers, each takes a
+    /// place, a stranger beyond them is refused, and only the last release ends the grant.
+    #[test]
+    fn a_shared_grant_ends_with_its_last_readers_release() {
+        let mut table = GrantTable::new(4);
+        let id = table
+            .issue_unclaimed(RequestId(1), vec![vec![3, 4]], 100, 0)
+            .unwrap();
+        assert_eq!(
+            table.claim_shared(id, &peer("d0"), 0, 10),
+            Err(GrantError::NoReaders(id))
+        );
+        assert_eq!(table.claim_shared(id, &peer("d0"), 2, 10), Ok(110));
+        assert_eq!(
+            table.claim_shared(id, &peer("d1"), 3, 20),
+            Err(GrantError::ReadersMismatch {
+                id,
+                asked: 3,
+                admitted: 2
+            })
+        );
+        assert_eq!(table.claim_shared(id, &peer("d1"), 2, 20), Ok(120));
+        assert_eq!(table.check_read(id, &peer("d1"), 0, 4, 30), Ok(()));
+        assert_eq!(table.check_read(id, &peer("d0"), 0, 3, 30), Ok(()));
+        assert_eq!(
+            table.claim_shared(id, &peer("d2"), 2, 30),
+            Err(GrantError::WrongPeer { id, peer: peer("d2") }),
+            "two readers admitted, both places taken"
+        );
+        assert_eq!(table.release(id, &peer("d0")), Ok(None), "d1 still reads");
+        assert_eq!(
+            table.check_read(id, &peer("d0"), 0, 3, 40),
+            Err(GrantError::WrongPeer { id, peer: peer("d0") }),
+            "a reader that released reads no more"
+        );
+        assert_eq!(
+            table.claim_shared(id, &peer("d0"), 2, 40),
+            Err(GrantError::WrongPeer { id, peer: peer("d0") }),
+            "nor claims again"
+        );
+        assert_eq!(table.check_read(id, &peer("d1"), 0, 4, 40), Ok(()));
+        let ended = table.release(id, &peer("d1")).unwrap().unwrap();
+        assert_eq!(ended.blocks, vec![vec![3, 4]]);
+        assert!(table.is_empty());
+        assert_eq!(table.release(id, &peer("d1")), Err(GrantError::Released(id)));
     }
 }

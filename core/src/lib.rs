@@ -9,7 +9,8 @@
 //! - [`codec`]: the one bincode encoding of wire messages, bounded.
 //! - [`exchange`]: trim, clip, anchor and pair per-group block lists; the legacy pairing.
 //! - [`allocator`]: one leg's block pools, prefix cache, pins and generations.
-//! - [`grant`]: READ grants with leases.
+//! - [`grant`]: READ grants with leases, read by one peer or a known number of them.
+//! - [`heads`]: tensor-parallel KV heads: which prefill rank serves which heads of a decode rank.
 //! - [`identity`]: the model fields two nodes must agree on, compared by name at handshake.
 //! - [`leg`]: the leg protocol as sans-IO request machines (prefill, decode, router).
 //! - [`node`]: a leg as one sans-IO object: allocator, grant table, machines and the rules between them.
@@ -28,6 +29,7 @@ pub mod block;
 pub mod codec;
 pub mod exchange;
 pub mod grant;
+pub mod heads;
 pub mod identity;
 pub mod layout;
 pub mod leg;

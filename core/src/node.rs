@@ -640,8 +640,10 @@ impl LegNode {
             Body::Release { grant, issuer } => {
                 self.issued_here(issuer)?;
                 let released = self.table().release(grant, &from);
-                let grant = released.map_err(|error| self.grant_refusal(error))?;
-                self.unpin(&grant.blocks);
+                // A leg's grants admit one reader: its release ends the grant.
+                if let Some(grant) = released.map_err(|error| self.grant_refusal(error))? {
+                    self.unpin(&grant.blocks);
+                }
                 Ok(())
             }
             Body::Renewed { grant, lease_ms } => {
@@ -920,7 +922,7 @@ impl LegNode {
             self.outputs.push_back(NodeOutput::LeaseExpired {
                 grant: grant.id,
                 request: grant.request,
-                peer: grant.holder,
+                peer: grant.holders.into_iter().next(),
             });
         }
         let due: Vec<RequestId> = self

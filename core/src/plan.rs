@@ -95,6 +95,19 @@ pub struct ReadRun {
     pub len_bytes: u64,
 }
 
+/// Part of a block to READ: `len` bytes at `remote_offset` within a prefill block, into
+/// `local_offset` within the paired decode block. A whole block is one slice; legs sharding heads
+/// over different tensor-parallel sizes read some heads of each block ([`crate::heads`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockSlice {
+    /// Offset within the prefill block.
+    pub remote_offset: u64,
+    /// Offset within the decode block.
+    pub local_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// The runs of one layer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayerPlan {
@@ -160,7 +173,7 @@ fn coalesce(pairs: &[BlockPair]) -> Vec<BlockRun> {
     runs
 }
 
-/// Turns a pairing into per-layer byte ranges.
+/// Turns a pairing into per-layer byte ranges, each paired block read whole.
 ///
 /// Both legs must place the same number of layers with the same bytes per block; every block id
 /// must lie inside its layer's region.
@@ -170,6 +183,115 @@ pub fn plan(
     local: &RegionLayout,
     remote: &RegionLayout,
 ) -> Result<TransferPlan, PlanError> {
+    check_shapes(layout, pairing, local, remote)?;
+    let mut slices = Vec::with_capacity(local.layers.len());
+    for (layer, (local_layer, remote_layer)) in local.layers.iter().zip(&remote.layers).enumerate() {
+        if local_layer.bytes_per_block != remote_layer.bytes_per_block {
+            return Err(PlanError::BlockBytesMismatch {
+                layer,
+                local: local_layer.bytes_per_block,
+                remote: remote_layer.bytes_per_block,
+            });
+        }
+        slices.push(vec![BlockSlice {
+            remote_offset: 0,
+            local_offset: 0,
+            len: local_layer.bytes_per_block,
+        }]);
+    }
+    plan_slices(layout, pairing, local, remote, &slices)
+}
+
+/// Turns a pairing into per-layer byte ranges reading `slices[l]` of every paired block of layer
+/// `l` (blocks may differ in size between the legs, as when they shard heads differently).
+/// Consecutive blocks merge into one run only where a layer's slice is the whole block on both
+/// legs.
+pub fn plan_slices(
+    layout: &KvLayout,
+    pairing: &Pairing,
+    local: &RegionLayout,
+    remote: &RegionLayout,
+    slices: &[Vec<BlockSlice>],
+) -> Result<TransferPlan, PlanError> {
+    check_shapes(layout, pairing, local, remote)?;
+    let layers = layout.num_layers();
+    if slices.len() != layers {
+        return Err(PlanError::SliceCountMismatch {
+            given: slices.len(),
+            layers,
+        });
+    }
+    let group_runs: Vec<Vec<BlockRun>> = pairing.groups.iter().map(|pairs| coalesce(pairs)).collect();
+    let mut plan = TransferPlan {
+        layers: Vec::with_capacity(layers),
+    };
+    for (layer, &group) in layout.layer_groups().iter().enumerate() {
+        let runs = &group_runs[group];
+        let layer_slices = &slices[layer];
+        if runs.is_empty() || layer_slices.is_empty() {
+            continue;
+        }
+        let (local_layer, remote_layer) = (local.layers[layer], remote.layers[layer]);
+        for slice in layer_slices {
+            let fits = |offset: u64, block: u64| {
+                slice.len > 0 && offset.checked_add(slice.len).is_some_and(|end| end <= block)
+            };
+            if !fits(slice.local_offset, local_layer.bytes_per_block)
+                || !fits(slice.remote_offset, remote_layer.bytes_per_block)
+            {
+                return Err(PlanError::SliceOutsideBlock {
+                    layer,
+                    slice: *slice,
+                    local: local_layer.bytes_per_block,
+                    remote: remote_layer.bytes_per_block,
+                });
+            }
+        }
+        let whole = matches!(layer_slices.as_slice(), [only]
+            if only.len == local_layer.bytes_per_block && only.len == remote_layer.bytes_per_block);
+        let mut layer_runs = Vec::with_capacity(runs.len() * layer_slices.len());
+        for run in runs {
+            let local_offset = byte_offset(Role::Decode, layer, &local_layer, run.local, run.count)?;
+            let remote_offset = byte_offset(Role::Prefill, layer, &remote_layer, run.remote, run.count)?;
+            if whole {
+                layer_runs.push(ReadRun {
+                    local_offset,
+                    remote_offset,
+                    // byte_offset proved `(id + count) * bytes` fits in u64.
+                    len_bytes: u64::from(run.count) * local_layer.bytes_per_block,
+                });
+                continue;
+            }
+            for index in 0..u64::from(run.count) {
+                let local_block = local_offset + index * local_layer.bytes_per_block;
+                let remote_block = remote_offset + index * remote_layer.bytes_per_block;
+                for slice in layer_slices {
+                    // Inside the block, which byte_offset proved addressable.
+                    layer_runs.push(ReadRun {
+                        local_offset: local_block + slice.local_offset,
+                        remote_offset: remote_block + slice.remote_offset,
+                        len_bytes: slice.len,
+                    });
+                }
+            }
+        }
+        plan.layers.push(LayerPlan {
+            layer: layer as u32,
+            local_region: local_layer.region,
+            remote_region: remote_layer.region,
+            runs: layer_runs,
+        });
+    }
+    Ok(plan)
+}
+
+/// Checks that the pairing and both legs' placements describe the layout.
+fn check_shapes(
+    layout: &KvLayout,
+    pairing: &Pairing,
+    local: &RegionLayout,
+    remote: &RegionLayout,
+) -> Result<(), PlanError> {
     let layers = layout.num_layers();
     if pairing.groups.len() != layout.groups().len() {
         return Err(PlanError::GroupCountMismatch {
@@ -186,43 +308,7 @@ pub fn plan(
             });
         }
     }
-    let group_runs: Vec<Vec<BlockRun>> = pairing.groups.iter().map(|pairs| coalesce(pairs)).collect();
-    let mut plan = TransferPlan {
-        layers: Vec::with_capacity(layers),
-    };
-    for (layer, &group) in layout.layer_groups().iter().enumerate() {
-        let runs = &group_runs[group];
-        if runs.is_empty() {
-            continue;
-        }
-        let (local_layer, remote_layer) = (local.layers[layer], remote.layers[layer]);
-        if local_layer.bytes_per_block != remote_layer.bytes_per_block {
-            return Err(PlanError::BlockBytesMismatch {
-                layer,
-                local: local_layer.bytes_per_block,
-                remote: remote_layer.bytes_per_block,
-            });
-        }
-        let bytes = local_layer.bytes_per_block;
-        let mut layer_runs = Vec::with_capacity(runs.len());
-        for run in runs {
-            let local_offset = byte_offset(Role::Decode, layer, &local_layer, run.local, run.count)?;
-            let remote_offset = byte_offset(Role::Prefill, layer, &remote_layer, run.remote, run.count)?;
-            layer_runs.push(ReadRun {
-                local_offset,
-                remote_offset,
-                // byte_offset proved `(id + count) * bytes` fits in u64.
-                len_bytes: u64::from(run.count) * bytes,
-            });
-        }
-        plan.layers.push(LayerPlan {
-            layer: layer as u32,
-            local_region: local_layer.region,
-            remote_region: remote_layer.region,
-            runs: layer_runs,
-        });
-    }
-    Ok(plan)
+    Ok(())
 }
 
 /// Offset of block `first` in `region`, checking that blocks `first .. first + count` fit.
@@ -277,6 +363,28 @@ pub enum PlanError {
         /// Local bytes per block.
         local: u64,
         /// Remote bytes per block.
+        remote: u64,
+    },
+    /// The slices name a different number of layers than the layout has.
+    #[error("slices for {given} layers, the model has {layers}")]
+    SliceCountMismatch {
+        /// Layers given slices.
+        given: usize,
+        /// Layers in the model.
+        layers: usize,
+    },
+    /// A slice is empty or reaches past a block on either leg.
+    #[error(
+        "layer {layer}: slice {slice:?} does not fit a decode block of {local} bytes and a prefill block of {remote} bytes"
+    )]
+    SliceOutsideBlock {
+        /// Layer index.
+        layer: usize,
+        /// The slice.
+        slice: BlockSlice,
+        /// Decode bytes per block.
+        local: u64,
+        /// Prefill bytes per block.
         remote: u64,
     },
     /// A pair names a block beyond the layer's region.

@@ -85,6 +85,7 @@ MAX_HANDOFFS = 1 << 20
 
 #: Most loads a decode worker may be set to run at once (each is a thread).
 MAX_LOAD_THREADS = 256
+MAX_PEER_TP = 1024
 
 
 class ConnectorConfigError(ValueError):
@@ -113,10 +114,11 @@ class Settings:
     max_handoffs: int
     load_threads: int
     rank: int | None
+    peer_tp: int | None
 
     KNOWN = {
         "node", "certs", "peers", "listen", "data_listen", "advertise", "data_advertise", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
-        "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank",
+        "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank", "peer_tp",
     }
 
     @classmethod
@@ -185,6 +187,7 @@ class Settings:
             max_handoffs=positive("max_handoffs", 4096, MAX_HANDOFFS),
             load_threads=positive("load_threads", 4, MAX_LOAD_THREADS),
             rank=rank,
+            peer_tp=None if extra.get("peer_tp") is None else positive("peer_tp", 1, MAX_PEER_TP),
         )
 
 
@@ -250,6 +253,9 @@ class LoadSpec:
     remote_request: str
     workers: list[dict]
     pairs: list[list[tuple[int, int, int, int]]]
+    # Spreads heads every prefill rank replicates (MLA, TP beyond the KV heads) over the prefill
+    # ranks, request by request; the same on every decode rank.
+    rotation: int = 0
 
 
 @dataclasses.dataclass
@@ -314,9 +320,8 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int |
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
     name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
     sizes, windows), the layers holding KV, a drafter's KV-relevant config and the parallel
-    layout (a decode rank reads the prefill rank of its own index, so TP, PP and DCP must match
-    today). Equal on two legs serving the same model the
-    same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
+    layout (PP and DCP must match; TP may differ where attention KV is resharded by heads, see
+    :func:`resharded_by_heads`). Equal on two legs serving the same model the same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
     refuses another model's offer before allocating anything) and in every worker's handshake
     (a decode worker and a prefill worker that differ refuse each other before a byte moves:
     the load fails and vLLM recomputes); either refusal names each differing field with both
@@ -338,12 +343,36 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int |
         # Layers with KV pages (drafter layers included): a decoder reads them plane by plane.
         "kv_layers": kv_layers,
         "speculative": speculative_fields(vllm_config),
-        "tensor_parallel_size": parallel.tensor_parallel_size,
         "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
     }
+    # Attention KV is resharded by heads between legs of different TP sizes (each decode rank
+    # reads the heads it holds from the prefill ranks holding them); a recurrent state, and KV
+    # interleaved over DCP ranks, are not: there the TP sizes must match.
+    if not resharded_by_heads(groups):
+        fields["tensor_parallel_size"] = parallel.tensor_parallel_size
     # Plain JSON values: the fields travel in kv_transfer_params through HTTP.
     return json.loads(json.dumps(fields, default=str))
+
+
+def resharded_by_heads(groups: list[dict]) -> bool:
+    """Whether legs of different tensor-parallel sizes can exchange this layout's KV: attention
+    groups only, none sharded over DCP ranks."""
+    return all(group["kind"] in ("full", "sliding_window") and group.get("dcp", 1) == 1 for group in groups)
+
+
+def page_order(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]) -> str | None:
+    """How an attention block orders its heads and tokens in memory, read off the strides of a
+    layer's ``[blocks, heads, tokens, content]`` view: ``"heads_outer"`` (vLLM's ``..HNC``
+    layouts) or ``"tokens_outer"`` (``..NHC``); None without such a view."""
+    for group in kv_cache_config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            continue
+        for layer in group.layer_names:
+            tensor = _tensor_of(kv_caches.get(layer))
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
+                return "heads_outer" if tensor.stride(1) > tensor.stride(2) else "tokens_outer"
+    return None
 
 
 def model_identity(fields: dict) -> str:
@@ -516,6 +545,7 @@ class _SchedulerSide:
             connector._vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
         )
         self.stats = PdkvStats()
+        self.loads_planned = 0
 
     def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         self.workers = [
@@ -619,7 +649,9 @@ class _SchedulerSide:
             remote_request=ours["request"],
             workers=list(ours["workers"]),
             pairs=[[tuple(p) for p in group] for group in pairs],
+            rotation=self.loads_planned,
         )
+        self.loads_planned += 1
 
     def take_stats(self) -> PdkvStats | None:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
@@ -778,6 +810,8 @@ class _WorkerSide:
         self.settings = connector.settings
         self.is_prefill = connector.leg == "prefill"
         self.rank = self._rank()
+        self.tp = connector._vllm_config.parallel_config.tensor_parallel_size
+        self.order: str | None = None
         self.agent: KvAgent | None = None
         self.lock = threading.Lock()
         self.sent: set[str] = set()
@@ -807,6 +841,11 @@ class _WorkerSide:
         regions, planes = kv_memory(config, kv_caches)
         # The agent reads and writes this memory in place: keep it alive as long as the agent.
         self.kv_caches = kv_caches
+        # Blocks are copied whole between equal ranks and cut by heads between legs of different
+        # TP sizes: either way both legs must lay a block out alike, so the handshake compares it.
+        self.order = page_order(config, kv_caches)
+        self.packed = len(planes) < sum(len(group.layer_names) for group in config.kv_cache_groups)
+        fields = dict(self.connector.model_fields, kv_page_order=self.order, kv_block_outermost=self.packed)
         listen = data_listen = advertise = data_advertise = None
         if self.is_prefill:
             listen = self._rank_address(self.settings.listen)
@@ -820,7 +859,7 @@ class _WorkerSide:
             self.node(),
             self.connector.leg,
             self.settings.certs,
-            [peer if self.rank == 0 else f"{peer}-{self.rank}" for peer in self.settings.peers],
+            self._peer_names(),
             json.dumps(self.connector.groups),
             regions,
             planes,
@@ -838,8 +877,16 @@ class _WorkerSide:
             connect_timeout_ms=self.settings.connect_timeout_ms,
             request_timeout_ms=self.settings.request_timeout_ms,
             read_timeout_ms=self.settings.read_timeout_ms,
-            model_json=json.dumps(self.connector.model_fields),
+            model_json=json.dumps(fields),
         )
+
+    def _peer_names(self) -> list[str]:
+        """The other leg's workers this one talks to: rank r of leg ``peer`` is ``peer`` (r = 0)
+        or ``peer-r``. The same rank only when the legs' TP sizes match; every rank of the other
+        leg (``peer_tp`` of them) when they differ, as each decode rank may read any prefill rank."""
+        peer_tp = self.settings.peer_tp or self.tp
+        ranks = [self.rank] if peer_tp == self.tp else list(range(peer_tp))
+        return [peer if rank == 0 else f"{peer}-{rank}" for peer in self.settings.peers for rank in ranks]
 
     def _rank_port(self, port: int) -> int:
         # Rank r of a fixed port p listens on p + r; port 0 picks a free one per rank.
@@ -881,18 +928,18 @@ class _WorkerSide:
     def _load(self, request_id: str, spec: LoadSpec) -> None:
         ok = False
         try:
-            if self.rank >= len(spec.workers):
-                raise LoadError(
-                    f"the prefill leg has {len(spec.workers)} workers; decode rank {self.rank} has "
-                    "no peer (heterogeneous TP is not supported)"
-                )
-            worker = spec.workers[self.rank]
-            if not worker.get("address"):
-                raise LoadError(f"prefill worker {worker.get('node')} serves no hand-offs")
+            for worker in spec.workers:
+                if not worker.get("address"):
+                    raise LoadError(f"prefill worker {worker.get('node')} serves no hand-offs")
             started = time.monotonic()
-            num_bytes, runs = self.agent.load(
-                spec.remote_request, worker["node"], worker["address"], worker["incarnation"], spec.pairs
-            )
+            if len(spec.workers) == self.tp:
+                # Equal TP: decode rank r reads prefill rank r's blocks whole.
+                worker = spec.workers[self.rank]
+                num_bytes, runs = self.agent.load(
+                    spec.remote_request, worker["node"], worker["address"], worker["incarnation"], spec.pairs
+                )
+            else:
+                num_bytes, runs = self._load_heads(spec)
             with self.lock:
                 self.stats.record_load(time.monotonic() - started, num_bytes, runs)
             ok = True
@@ -907,15 +954,42 @@ class _WorkerSide:
                 self.failed.add(request_id)
                 self.stats.count("failed_loads")
 
+    def _load_heads(self, spec: LoadSpec) -> tuple[int, int]:
+        """Prefill and decode legs of different TP sizes: this rank READs the KV heads it holds
+        from the prefill ranks holding them (``pdkv_core::heads``)."""
+        if not resharded_by_heads(self.connector.groups):
+            raise LoadError(
+                f"the prefill leg runs {len(spec.workers)} tensor-parallel ranks, this leg {self.tp}: "
+                "only attention KV without DCP is resharded by heads (a recurrent state or DCP needs "
+                "equal TP sizes)"
+            )
+        if self.order is None or self.packed:
+            raise LoadError(
+                "KV is resharded by heads only in a layer-outermost layout whose blocks are "
+                "[heads, tokens, ...] or [tokens, heads, ...] (LBHNC, LBNHC)"
+            )
+        sources = [(worker["node"], worker["address"], worker["incarnation"]) for worker in spec.workers]
+        return self.agent.load_heads(
+            spec.remote_request,
+            sources,
+            self.connector.model_fields["kv_heads"],
+            self.tp,
+            self.rank,
+            spec.rotation,
+            self.order,
+            spec.pairs,
+        )
+
     def _release(self, request_id: str, spec: ReleaseSpec) -> None:
-        """Gives back a hand-off this leg needs nothing of; when that fails its lease ends it."""
+        """Gives back a hand-off this leg needs nothing of; when that fails its lease ends it.
+        Prefill rank p's falls to decode rank p mod this leg's TP size (rank p when they match)."""
         try:
-            if self.rank >= len(spec.workers) or not spec.workers[self.rank].get("address"):
-                return
-            worker = spec.workers[self.rank]
-            self.agent.release(spec.remote_request, worker["node"], worker["address"], worker["incarnation"])
-            with self.lock:
-                self.stats.count("released_unread")
+            for index, worker in enumerate(spec.workers):
+                if index % self.tp != self.rank or not worker.get("address"):
+                    continue
+                self.agent.release(spec.remote_request, worker["node"], worker["address"], worker["incarnation"])
+                with self.lock:
+                    self.stats.count("released_unread")
         except LoadError as error:
             logger.info("request %s: hand-off not given back (%s); its lease will end it", request_id, error)
         except Exception:  # never let a bug escape a pool thread unseen

@@ -21,10 +21,11 @@ use std::time::{Duration, Instant};
 
 use pdkv_core::block::BlockId;
 use pdkv_core::exchange::{BlockPair, Pairing};
+use pdkv_core::heads::{HeadMap, HeadOrder, HeadRead, HeadSharding, head_slices};
 use pdkv_core::identity::ModelFields;
-use pdkv_core::layout::{GroupSpec, KvLayout};
+use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
 use pdkv_core::leg::GenerationCheck;
-use pdkv_core::plan::{self, LayerRegion, RegionLayout};
+use pdkv_core::plan::{self, BlockSlice, LayerRegion, RegionLayout};
 use pdkv_core::wire::{GrantId, Incarnation, NodeId, Role};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::codec::PROTOCOL_VERSION;
@@ -221,9 +222,9 @@ impl ControlService for HandoffService {
     async fn handle(&self, peer: &NodeId, request: HandoffRequest) -> Result<HandoffResponse, String> {
         let serving = &self.serving;
         match request {
-            HandoffRequest::Claim { request } => {
+            HandoffRequest::Claim { request, readers } => {
                 let now = serving.clock.now_ms();
-                let claimed = lock(&serving.handoffs).claim(&request, peer, now);
+                let claimed = lock(&serving.handoffs).claim(&request, peer, readers, now);
                 match claimed {
                     Ok(claim) => {
                         let generations = claim
@@ -250,8 +251,10 @@ impl ControlService for HandoffService {
             }
             HandoffRequest::Release { request } => {
                 let released = lock(&serving.handoffs).release(&request, peer);
-                let ended = released.map_err(|error| error.to_string())?;
-                serving.finish(ended);
+                // The hand-off ends with its last reader's release.
+                if let Some(ended) = released.map_err(|error| error.to_string())? {
+                    serving.finish(ended);
+                }
                 Ok(HandoffResponse::Released)
             }
         }
@@ -379,6 +382,34 @@ pub struct Agent {
     runtime: TransportRuntime,
     /// Keeps the adopted memory mapped as long as the engine may touch it.
     _memory: Vec<Arc<Region>>,
+}
+
+/// A prefill worker a decode worker reads from, as a request's transfer params name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    /// Its node name.
+    pub node: String,
+    /// Its control address.
+    pub address: String,
+    /// The incarnation that computed the KV.
+    pub incarnation: u64,
+}
+
+/// How a decode worker's leg and the prefill leg shard KV heads when their tensor-parallel sizes
+/// differ: which heads this worker holds, and how a block orders heads and tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadLoad {
+    /// The prefill leg's sharding (its TP size is the number of sources).
+    pub prefill: HeadSharding,
+    /// The decode leg's sharding.
+    pub decode: HeadSharding,
+    /// This worker's tensor-parallel rank.
+    pub rank: u32,
+    /// Spreads replicated heads over prefill ranks (any per-request number, the same on every
+    /// decode rank).
+    pub rotation: u64,
+    /// How a block orders heads and tokens (the same on both legs: the handshake compares it).
+    pub order: HeadOrder,
 }
 
 /// What one load moved.
@@ -859,13 +890,177 @@ impl Agent {
             let peer = self
                 .peer(remote_node, address, Incarnation(remote_incarnation))
                 .await?;
-            let claimed = self.claim(&peer, remote_node, request).await?;
-            let result = self.read(&peer, request, claimed, pairs).await;
+            let claimed = self.claim(&peer, remote_node, request, 1).await?;
+            let result = self.read(&peer, request, claimed, pairs, None).await;
             if let Err(error) = self.release_claimed(&peer, remote_node, request).await {
                 tracing::warn!(request, node = remote_node, %error, "release not acknowledged; the lease will lapse");
             }
             result
         })
+    }
+
+    /// Decode, prefill and decode legs of different tensor-parallel sizes: READs the heads this
+    /// worker holds of request `request`'s KV from the prefill workers holding them (`sources`,
+    /// one per prefill rank), as `pairs` say, each source's hand-off claimed as one of the decode
+    /// ranks that read it; gives back the hand-offs of prefill ranks nobody reads that fall to
+    /// this rank. Every source claimed is released, also on failure. Attention groups only: a
+    /// recurrent state is not sharded by heads.
+    pub fn load_heads(
+        &self,
+        request: &str,
+        sources: Vec<Source>,
+        heads: HeadLoad,
+        pairs: Vec<Vec<BlockPair>>,
+    ) -> Result<Loaded, AgentError> {
+        self.require(Role::Decode, "load KV")?;
+        if pairs.len() != self.layout.groups().len() {
+            return Err(config(format!(
+                "request {request}: pairs for {} groups, the model has {}",
+                pairs.len(),
+                self.layout.groups().len()
+            )));
+        }
+        if sources.len() != heads.prefill.tp() as usize {
+            return Err(config(format!(
+                "request {request}: {} prefill workers for a prefill tensor-parallel size of {}",
+                sources.len(),
+                heads.prefill.tp()
+            )));
+        }
+        let map = HeadMap::new(heads.prefill, heads.decode, heads.rotation).map_err(config)?;
+        let reads = map.reads(heads.rank).map_err(config)?;
+        let mut by_source: Vec<(u32, Vec<HeadRead>)> = Vec::new();
+        for read in reads {
+            match by_source.last_mut() {
+                Some((rank, list)) if *rank == read.prefill_rank => list.push(*read),
+                _ => by_source.push((read.prefill_rank, vec![*read])),
+            }
+        }
+        let unread = map.releases(heads.rank).map_err(config)?;
+        self.runtime.block_on(async {
+            let mut loaded = Loaded { bytes: 0, runs: 0 };
+            let mut failure = None;
+            for (rank, reads) in &by_source {
+                let source = &sources[*rank as usize];
+                // `readers` cannot fail: `rank` came from the map.
+                let readers = map.readers(*rank).unwrap_or(1);
+                if failure.is_some() {
+                    // The load failed already: take this reader's place and give it back, so
+                    // the hand-off ends with its other readers instead of its lease.
+                    self.give_back(request, source, readers).await.ok();
+                    continue;
+                }
+                match self.load_source(request, source, readers, reads, heads, &pairs).await {
+                    Ok(part) => {
+                        loaded.bytes += part.bytes;
+                        loaded.runs += part.runs;
+                    }
+                    Err(error) => failure = Some(error),
+                }
+            }
+            for rank in unread {
+                let source = &sources[rank as usize];
+                if let Err(error) = self.give_back(request, source, 1).await {
+                    tracing::info!(request, node = %source.node, %error, "unread hand-off not given back; its lease will end it");
+                }
+            }
+            match failure {
+                Some(error) => Err(error),
+                None => Ok(loaded),
+            }
+        })
+    }
+
+    /// Claims one source's hand-off as one of `readers`, READs `reads`' heads of the paired
+    /// blocks, and releases it.
+    async fn load_source(
+        &self,
+        request: &str,
+        source: &Source,
+        readers: u32,
+        reads: &[HeadRead],
+        heads: HeadLoad,
+        pairs: &[Vec<BlockPair>],
+    ) -> Result<Loaded, AgentError> {
+        let peer = self.source_peer(source).await?;
+        let claimed = self.claim(&peer, &source.node, request, readers).await?;
+        let result = match self.head_slices(&peer, reads, heads) {
+            Ok(slices) => {
+                self.read(&peer, request, claimed, pairs.to_vec(), Some(&slices))
+                    .await
+            }
+            Err(error) => Err(AgentError::Read {
+                request: request.to_string(),
+                reason: error,
+            }),
+        };
+        if let Err(error) = self.release_claimed(&peer, &source.node, request).await {
+            tracing::warn!(request, node = %source.node, %error, "release not acknowledged; the lease will lapse");
+        }
+        result
+    }
+
+    /// Claims a source's hand-off as one of `readers` and releases it unread.
+    async fn give_back(&self, request: &str, source: &Source, readers: u32) -> Result<(), AgentError> {
+        let peer = self.source_peer(source).await?;
+        self.claim(&peer, &source.node, request, readers).await?;
+        self.release_claimed(&peer, &source.node, request).await
+    }
+
+    async fn source_peer(&self, source: &Source) -> Result<Peer, AgentError> {
+        let address: SocketAddr = source
+            .address
+            .parse()
+            .map_err(|error| config(format!("prefill address {:?}: {error}", source.address)))?;
+        self.peer(&source.node, address, Incarnation(source.incarnation))
+            .await
+    }
+
+    /// Per plane, the byte ranges of a block holding `reads`' heads. Planes of a recurrent state
+    /// or of a DCP-sharded group cannot be cut by heads.
+    fn head_slices(
+        &self,
+        peer: &Peer,
+        reads: &[HeadRead],
+        heads: HeadLoad,
+    ) -> Result<Vec<Vec<BlockSlice>>, String> {
+        let (remote_heads, local_heads) = (heads.prefill.heads_per_rank(), heads.decode.heads_per_rank());
+        let mut slices = Vec::with_capacity(self.regions.layers.len());
+        for (plane, &group) in self.layout.layer_groups().iter().enumerate() {
+            let spec = self.layout.groups()[group];
+            let attention = matches!(spec.kind(), GroupKind::Full | GroupKind::SlidingWindow { .. });
+            if !attention || spec.dcp() != 1 {
+                return Err(format!(
+                    "group {group} ({}, dcp {}) cannot be read across different tensor-parallel sizes: \
+                     only attention groups without DCP are sharded by KV heads",
+                    spec.kind(),
+                    spec.dcp()
+                ));
+            }
+            let (Some(local), Some(remote)) =
+                (self.regions.layers.get(plane), peer.regions.layers.get(plane))
+            else {
+                return Err(format!(
+                    "plane {plane}: this worker places {} planes, the prefill worker {}",
+                    self.regions.layers.len(),
+                    peer.regions.layers.len()
+                ));
+            };
+            let mut plane_slices = Vec::new();
+            for read in reads {
+                let cut = head_slices(
+                    read,
+                    heads.order,
+                    spec.block_size(),
+                    (remote_heads, remote.bytes_per_block),
+                    (local_heads, local.bytes_per_block),
+                )
+                .map_err(|error| format!("plane {plane}: {error}"))?;
+                plane_slices.extend(cut);
+            }
+            slices.push(plane_slices);
+        }
+        Ok(slices)
     }
 
     /// Decode: gives back request `request`'s hand-off at prefill worker `remote_node` without
@@ -887,7 +1082,7 @@ impl Agent {
             let peer = self
                 .peer(remote_node, address, Incarnation(remote_incarnation))
                 .await?;
-            self.claim(&peer, remote_node, request).await?;
+            self.claim(&peer, remote_node, request, 1).await?;
             self.release_claimed(&peer, remote_node, request).await
         })
     }
@@ -1075,8 +1270,15 @@ impl Agent {
         Ok(peer)
     }
 
-    /// Claims the hand-off, asking again (bounded) while the prefill worker has not announced it.
-    async fn claim(&self, peer: &Peer, node: &str, request: &str) -> Result<Claimed, AgentError> {
+    /// Claims the hand-off as one of `readers` decode workers, asking again (bounded) while the
+    /// prefill worker has not announced it.
+    async fn claim(
+        &self,
+        peer: &Peer,
+        node: &str,
+        request: &str,
+        readers: u32,
+    ) -> Result<Claimed, AgentError> {
         let started = Instant::now();
         let mut backoff = Duration::from_millis(1);
         loop {
@@ -1085,6 +1287,7 @@ impl Agent {
                 .request::<_, HandoffResponse>(
                     HandoffRequest::Claim {
                         request: request.to_string(),
+                        readers,
                     },
                     self.limits.request,
                 )
@@ -1138,6 +1341,7 @@ impl Agent {
         request: &str,
         claimed: Claimed,
         pairs: Vec<Vec<BlockPair>>,
+        slices: Option<&[Vec<BlockSlice>]>,
     ) -> Result<Loaded, AgentError> {
         let read_error = |reason: String| AgentError::Read {
             request: request.to_string(),
@@ -1164,8 +1368,11 @@ impl Agent {
             }
         }
         let pairing = Pairing { groups: pairs };
-        let plan = plan::plan(&self.layout, &pairing, &self.regions, &peer.regions)
-            .map_err(|error| read_error(error.to_string()))?;
+        let plan = match slices {
+            None => plan::plan(&self.layout, &pairing, &self.regions, &peer.regions),
+            Some(slices) => plan::plan_slices(&self.layout, &pairing, &self.regions, &peer.regions, slices),
+        }
+        .map_err(|error| read_error(error.to_string()))?;
         let read = KvRead {
             engine: peer.reader.as_ref(),
             remote: &peer.engine,
@@ -1581,10 +1788,13 @@ mod tests {
         let incarnation = Incarnation(prefill.agent.incarnation());
         let result = decode.agent.runtime.block_on(async {
             let peer = decode.agent.peer("p0", address, incarnation).await?;
-            let claimed = decode.agent.claim(&peer, "p0", "r2").await?;
+            let claimed = decode.agent.claim(&peer, "p0", "r2", 1).await?;
             // The prefill side gives the blocks up between the claim and the READ.
             assert!(prefill.agent.revoke("r2"));
-            decode.agent.read(&peer, "r2", claimed, pairs(&[(4, 1)])).await
+            decode
+                .agent
+                .read(&peer, "r2", claimed, pairs(&[(4, 1)]), None)
+                .await
         });
         match engine {
             // One-sided: the bytes arrive; the generation check after the copy catches them.
@@ -1725,7 +1935,7 @@ mod tests {
         };
         let claimed = owner.agent.runtime.block_on(async {
             let peer = owner.agent.peer("p0", address, incarnation).await.unwrap();
-            owner.agent.claim(&peer, "p0", "r4").await.unwrap()
+            owner.agent.claim(&peer, "p0", "r4", 1).await.unwrap()
         });
         assert!(
             read(&owner.agent, claimed.grant, 3).is_ok(),

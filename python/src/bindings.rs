@@ -7,13 +7,16 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use pdkv_core::exchange::BlockPair;
+use pdkv_core::heads::{HeadOrder, HeadSharding};
 use pdkv_core::identity::ModelFields;
 use pdkv_core::wire::Role;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::agent::{Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, Memory, MoriSetup, Plane};
+use crate::agent::{
+    Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, HeadLoad, Memory, MoriSetup, Plane, Source,
+};
 use crate::exchange::parse_groups;
 
 create_exception!(
@@ -289,25 +292,68 @@ impl KvAgent {
         remote_incarnation: u64,
         pairs: Vec<Vec<PairTuple>>,
     ) -> PyResult<(u64, usize)> {
-        let pairs = pairs
-            .into_iter()
-            .map(|group| {
-                group
-                    .into_iter()
-                    .map(|(remote_position, local_position, remote, local)| BlockPair {
-                        remote_position,
-                        local_position,
-                        remote,
-                        local,
-                    })
-                    .collect()
-            })
-            .collect();
+        let pairs = to_pairs(pairs);
         let loaded = py
             .detach(|| {
                 self.agent
                     .load(request, remote_node, remote_address, remote_incarnation, pairs)
             })
+            .map_err(to_python)?;
+        Ok((loaded.bytes, loaded.runs))
+    }
+
+    /// Decode, legs of different tensor-parallel sizes: READs the KV heads this worker (rank
+    /// `rank` of `decode_tp`) holds of request `request` from the prefill workers holding them.
+    /// `sources` lists every prefill worker as `(node, address, incarnation)` in rank order;
+    /// `kv_heads` is the model's KV head count; `rotation` spreads replicated heads over prefill
+    /// ranks (the same on every decode rank); `order` is `"heads_outer"` or `"tokens_outer"`.
+    /// Returns `(bytes, runs)`; raises a `LoadError` subclass naming why the KV must be
+    /// recomputed.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request, sources, kv_heads, decode_tp, rank, rotation, order, pairs))]
+    fn load_heads(
+        &self,
+        py: Python<'_>,
+        request: &str,
+        sources: Vec<(String, String, u64)>,
+        kv_heads: u32,
+        decode_tp: u32,
+        rank: u32,
+        rotation: u64,
+        order: &str,
+        pairs: Vec<Vec<PairTuple>>,
+    ) -> PyResult<(u64, usize)> {
+        let order = match order {
+            "heads_outer" => HeadOrder::HeadsOuter,
+            "tokens_outer" => HeadOrder::TokensOuter,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "order must be \"heads_outer\" or \"tokens_outer\", not {other:?}"
+                )));
+            }
+        };
+        let sharding = |tp: usize| {
+            let tp = u32::try_from(tp).map_err(|_| PyValueError::new_err(format!("{tp} ranks")))?;
+            HeadSharding::new(kv_heads, tp).map_err(|error| PyValueError::new_err(error.to_string()))
+        };
+        let heads = HeadLoad {
+            prefill: sharding(sources.len())?,
+            decode: sharding(decode_tp as usize)?,
+            rank,
+            rotation,
+            order,
+        };
+        let sources = sources
+            .into_iter()
+            .map(|(node, address, incarnation)| Source {
+                node,
+                address,
+                incarnation,
+            })
+            .collect();
+        let pairs = to_pairs(pairs);
+        let loaded = py
+            .detach(|| self.agent.load_heads(request, sources, heads, pairs))
             .map_err(to_python)?;
         Ok((loaded.bytes, loaded.runs))
     }
@@ -338,6 +384,24 @@ impl KvAgent {
 
 /// Writes a cluster CA and one certificate per node into `dir` (as `pdkv certs init` does):
 /// `ca.pem`, `<node>.pem`, `<node>.key` (keys 0600). Refuses to overwrite existing files.
+/// Python's pair tuples as the exchange's pairs.
+fn to_pairs(pairs: Vec<Vec<PairTuple>>) -> Vec<Vec<BlockPair>> {
+    pairs
+        .into_iter()
+        .map(|group| {
+            group
+                .into_iter()
+                .map(|(remote_position, local_position, remote, local)| BlockPair {
+                    remote_position,
+                    local_position,
+                    remote,
+                    local,
+                })
+                .collect()
+        })
+        .collect()
+}
+
 #[pyfunction]
 fn write_cluster_certs(dir: std::path::PathBuf, nodes: Vec<String>) -> PyResult<()> {
     let names: Vec<&str> = nodes.iter().map(String::as_str).collect();

@@ -163,15 +163,23 @@ impl Handoffs {
         Ok(())
     }
 
-    /// `peer` claims `request`: the first claim makes it the owner; every claim by the owner
-    /// renews the lease. Returns the grant its READs name, the blocks and the lease's new end.
-    pub fn claim(&mut self, request: &str, peer: &NodeId, now_ms: u64) -> Result<Claim, HandoffError> {
+    /// `peer` claims `request` as one of `readers` decode workers (several when the legs shard
+    /// KV heads over different tensor-parallel sizes): the first claim fixes the readers, each
+    /// reader takes a place, and every claim by a reader renews the lease. Returns the grant its
+    /// READs name, the blocks and the lease's new end.
+    pub fn claim(
+        &mut self,
+        request: &str,
+        peer: &NodeId,
+        readers: u32,
+        now_ms: u64,
+    ) -> Result<Claim, HandoffError> {
         let Some(&grant) = self.live.get(request) else {
             return Err(self.missing(request));
         };
         let expires_at_ms = self
             .table
-            .claim(grant, peer, now_ms)
+            .claim_shared(grant, peer, readers, now_ms)
             .map_err(|error| self.refusal(request, grant, peer, error))?;
         let blocks = self
             .table
@@ -212,8 +220,9 @@ impl Handoffs {
         }
     }
 
-    /// `peer` is done reading `request` (its owner, or anyone if nobody claimed it).
-    pub fn release(&mut self, request: &str, peer: &NodeId) -> Result<Ended, HandoffError> {
+    /// `peer` is done reading `request` (a reader, or anyone if nobody claimed it). The hand-off
+    /// ends, and is returned, when this was its last reader; `None` while others still read.
+    pub fn release(&mut self, request: &str, peer: &NodeId) -> Result<Option<Ended>, HandoffError> {
         let Some(&grant) = self.live.get(request) else {
             return Err(self.missing(request));
         };
@@ -221,7 +230,7 @@ impl Handoffs {
             .table
             .release(grant, peer)
             .map_err(|error| self.refusal(request, grant, peer, error))?;
-        Ok(self.ended(released, Ending::Released))
+        Ok(released.map(|released| self.ended(released, Ending::Released)))
     }
 
     /// Ends `request`'s hand-off from the prefill side, if it is live.
@@ -283,16 +292,19 @@ impl Handoffs {
         match error {
             GrantError::WrongPeer { .. } => HandoffError::ClaimedByOther {
                 request: request.to_string(),
-                owner: self
-                    .table
-                    .get(grant)
-                    .and_then(|live| live.holder.as_ref())
-                    .map_or_else(String::new, |owner| owner.to_string()),
+                owner: self.table.get(grant).map_or_else(String::new, |live| {
+                    let holders: Vec<String> = live.holders.iter().map(ToString::to_string).collect();
+                    holders.join(", ")
+                }),
                 peer: peer.to_string(),
             },
             GrantError::Expired(_) => HandoffError::Ended {
                 request: request.to_string(),
                 how: Ending::Expired,
+            },
+            source @ (GrantError::ReadersMismatch { .. } | GrantError::NoReaders(_)) => HandoffError::Grant {
+                request: request.to_string(),
+                source,
             },
             _ => self.missing(request),
         }
@@ -332,7 +344,7 @@ mod tests {
         let mut table = Handoffs::new(100, 8).unwrap();
         table.announce("r1", vec![vec![3, 0, 4], vec![9]], 1_000).unwrap();
         assert_eq!(table.poll_timeout(), Some(1_100));
-        let claim = table.claim("r1", &node("d0"), 1_050).unwrap();
+        let claim = table.claim("r1", &node("d0"), 1, 1_050).unwrap();
         assert_eq!(
             claim.blocks,
             vec![vec![3, 4], vec![9]],
@@ -369,7 +381,7 @@ mod tests {
         assert_eq!(table.check_word(grant, &node("d0"), 0), Err(null));
         assert_eq!(table.poll_timeout(), Some(1_150));
         assert_eq!(
-            table.claim("r1", &node("d1"), 1_060),
+            table.claim("r1", &node("d1"), 1, 1_060),
             Err(HandoffError::ClaimedByOther {
                 request: "r1".into(),
                 owner: "d0".into(),
@@ -381,7 +393,7 @@ mod tests {
             Err(HandoffError::ClaimedByOther { .. })
         ));
         assert!(table.expire(1_149).is_empty(), "the claim moved the deadline");
-        let ended = table.release("r1", &node("d0")).unwrap();
+        let ended = table.release("r1", &node("d0")).unwrap().unwrap();
         assert_eq!(ended.how, Ending::Released);
         assert_eq!(
             table.check_word(grant, &node("d0"), 9),
@@ -392,7 +404,7 @@ mod tests {
         assert_eq!(table.len(), 0);
         assert_eq!(table.poll_timeout(), None);
         assert_eq!(
-            table.claim("r1", &node("d0"), 1_100),
+            table.claim("r1", &node("d0"), 1, 1_100),
             Err(HandoffError::Ended {
                 request: "r1".into(),
                 how: Ending::Released
@@ -410,14 +422,14 @@ mod tests {
         assert_eq!(ended.len(), 1);
         assert_eq!((ended[0].request.as_str(), ended[0].how), ("a", Ending::Expired));
         assert_eq!(
-            table.claim("a", &node("d"), 51),
+            table.claim("a", &node("d"), 1, 51),
             Err(HandoffError::Ended {
                 request: "a".into(),
                 how: Ending::Expired
             })
         );
         assert_eq!(
-            table.claim("zzz", &node("d"), 51),
+            table.claim("zzz", &node("d"), 1, 51),
             Err(HandoffError::Unknown("zzz".into()))
         );
         assert_eq!(table.expire(60).len(), 1);
@@ -449,7 +461,7 @@ mod tests {
         assert!(table.expire(u64::MAX).is_empty(), "nothing left to expire");
         // A request id may be handed off again once its earlier hand-off ended.
         table.announce("a", vec![vec![5]], 20).unwrap();
-        let again = table.claim("a", &node("d"), 21).unwrap();
+        let again = table.claim("a", &node("d"), 1, 21).unwrap();
         assert_eq!(again.blocks, vec![vec![5]]);
         assert_eq!(
             table.check_read(again.grant, &node("d"), 0, 5, 22),

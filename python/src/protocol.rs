@@ -13,8 +13,12 @@ pub enum HandoffRequest {
     Claim {
         /// The prefill side's request id.
         request: String,
+        /// How many decode workers read this hand-off (1, or more when the legs shard KV heads
+        /// over different tensor-parallel sizes): it ends after the last one's release.
+        readers: u32,
     },
-    /// Reading is over (done or given up): the prefill side may free the blocks.
+    /// Reading is over (done or given up): once every reader released it, the prefill side may
+    /// free the blocks.
     Release {
         /// The prefill side's request id.
         request: String,

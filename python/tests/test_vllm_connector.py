@@ -22,7 +22,7 @@ if os.environ.get("PDKV_REQUIRE_VLLM") != "1":
 import torch  # noqa: E402
 
 import pdkv_vllm  # noqa: E402
-from vllm_harness import BLOCK, LAYOUTS, Leg, leg_state, run_prefill, tag  # noqa: E402
+from vllm_harness import BLOCK, LAYOUTS, Leg, global_head, leg_state, run_prefill, tag  # noqa: E402
 
 # Prompt lengths: around block edges, (N-1) % B == 0, and lengths where a lookahead tail of k
 # blocks exists on one leg only ((N-1) % B >= B - k), the seed's failing class.
@@ -33,7 +33,7 @@ STEP_BUDGET = 400
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pdkv")
-    nodes = ["p0", "p0-1", "d0", "d0-1", "p1", "d1", "intruder"]
+    nodes = ["p0", "p0-1", "p0-2", "p0-3", "d0", "d0-1", "d0-2", "d0-3", "p1", "d1", "intruder"]
     pdkv_vllm.write_cluster_certs(str(root / "certs"), nodes)
     return root
 
@@ -54,15 +54,25 @@ class Pd:
     checks at every load."""
 
     def __init__(self, root, layout, p_lookahead=0, d_lookahead=0, p_extra=None, d_extra=None, nodes=("p0", "d0"),
-                 prefill=None, prefix_caching=False, kv_layout="LBHNC", alloc="memfd", p_spec=None, d_spec=None):
+                 prefill=None, prefix_caching=False, kv_layout="LBHNC", alloc="memfd", p_spec=None, d_spec=None,
+                 p_tp=None, d_tp=None, kv_heads=None):
         p, d = nodes
-        memory = {"prefix_caching": prefix_caching, "kv_layout": kv_layout, "alloc": alloc}
+        memory = {"prefix_caching": prefix_caching, "kv_layout": kv_layout, "alloc": alloc, "kv_heads": kv_heads}
+        if (p_tp or 1) != (d_tp or 1):
+            # Legs of different TP sizes: every worker talks to every rank of the other leg.
+            p_extra = dict(p_extra or {}, peer_tp=d_tp or 1)
+            d_extra = dict(d_extra or {}, peer_tp=p_tp or 1)
         self.prefill = prefill or LocalPrefill(
-            Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, speculative_tokens=p_spec, **memory)
+            Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, speculative_tokens=p_spec,
+                tp=p_tp, **memory)
         )
         self.decode = Leg(
-            root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, speculative_tokens=d_spec, **memory
+            root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, speculative_tokens=d_spec,
+            tp=d_tp, **memory
         )
+        # Legs of equal TP copy each rank's blocks whole; otherwise each decode rank's heads come
+        # from other ranks' blocks, and only the definition says what they hold.
+        self.same_ranks = (p_tp or 0) == (d_tp or 0)
         self.decode.on_loaded = self.check_loaded
         self.layout = layout
         self.expected = {}  # decode request id -> (n, seed, prefill pages per rank/plane/position)
@@ -118,7 +128,7 @@ class Pd:
                     block = ids[plane.group][position]
                     got = plane.view[block]
                     # Byte-exact against what the prefill wrote for this position ...
-                    assert torch.equal(got, pages[rank, plane.index][position]), (
+                    assert not self.same_ranks or torch.equal(got, pages[rank, plane.index][position]), (
                         f"{self.layout} n={n} rank {rank} plane {plane.index} position {position}"
                     )
                     # ... and against the definition, token by token.
@@ -126,13 +136,15 @@ class Pd:
                         assert int(got.flatten()[0]) == tag(seed, plane.index, n - 1), "mamba state not after N-1"
                         continue
                     first = max(0, n - window) if kind == "sliding_window" else 0
-                    slots = got.shape[0]
+                    slots, heads = got.shape[0], got.shape[1]
                     for slot in range(slots):
-                        token = position * block_tokens + slot * dcp + rank
+                        token = position * block_tokens + slot * dcp + rank % dcp
                         if first <= token <= n - 2:
-                            assert bool((got[slot] == tag(seed, plane.index, token)).all()), (
-                                f"{self.layout} n={n} token {token} plane {plane.index}"
-                            )
+                            for local in range(heads):
+                                head = global_head(self.decode.kv_heads, self.decode.tp, rank, local)
+                                assert bool((got[slot, local] == tag(seed, plane.index, token, head)).all()), (
+                                    f"{self.layout} n={n} token {token} plane {plane.index} rank {rank} head {head}"
+                                )
                 # Nothing but the paired blocks changed in the decode's memory.
                 before = self.snapshots[did][rank, plane.index]
                 changed = {
@@ -853,3 +865,46 @@ def test_speculative_decoding_with_a_different_k_on_each_leg_loads_byte_exact_kv
     mamba state is read, never a scratch block."""
     for seed, (p_spec, d_spec) in ((1300, (1, 4)), (1350, (5, 2))):
         sweep(certs, layout, LENGTHS, seed, "shm", p_spec=p_spec, d_spec=d_spec)
+
+
+# (KV heads, prefill TP, decode TP): GQA heads split, merged and regrouped, and a single latent
+# every rank replicates (MLA-like), read from one prefill rank per decode rank.
+HETEROGENEOUS_TP = [(4, 1, 2), (4, 2, 1), (4, 4, 2), (2, 1, 4), (1, 1, 2), (1, 2, 1), (1, 4, 2)]
+
+
+@pytest.mark.parametrize("kv_heads,p_tp,d_tp", HETEROGENEOUS_TP)
+@pytest.mark.parametrize("kv_layout", ["LBHNC", "LBNHC"])
+def test_legs_of_different_tensor_parallel_sizes_load_each_rank_its_heads(certs, kv_heads, p_tp, d_tp, kv_layout):
+    """Each decode rank ends with exactly the KV heads vLLM gives it (checked per head against
+    the definition), read from the prefill ranks holding them; every hand-off ends (the shared
+    ones after their last reader, unread replicas given back) and nothing leaks."""
+    layout = "full+window"
+    pd = Pd(certs, layout, p_tp=p_tp, d_tp=d_tp, kv_heads=kv_heads, kv_layout=kv_layout, p_lookahead=1, d_lookahead=2)
+    try:
+        assert len(pd.decode.workers) == d_tp and len(pd.prefill.leg.workers) == p_tp
+        for index, n in enumerate((2, 17, 33, 70, 129)):
+            did = pd.run(f"tp{kv_heads}-{p_tp}-{d_tp}-{kv_layout}-{n}", n, seed=300 + index)
+            assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
+            assert pd.decode.computed[did] == 1, "only the last prompt token is computed"
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+def test_a_recurrent_state_across_tensor_parallel_sizes_is_refused_naming_them(certs):
+    """A mamba state is not resharded by heads: its legs must run one TP size, so the offer of a
+    prefill with another is refused by the model check, naming both sizes, and recomputed."""
+    pd = Pd(certs, "full+window+mamba", p_tp=2, d_tp=1, kv_heads=2)
+    try:
+        n = 40
+        prompt = [(9 * 7 + i) % 997 + 1 for i in range(n)]
+        params, _ = pd.prefill.prefill("p-tp-mamba", prompt, 9, n)
+        fields = params["pdkv"]["model_fields"]
+        assert fields["tensor_parallel_size"] == 2
+        pd.decode.add("d-tp-mamba", prompt, 2, params, 9)
+        pd.drive("d-tp-mamba", unclaimed="p-tp-mamba")
+        assert "d-tp-mamba" not in pd.decode.loaded and pd.decode.computed["d-tp-mamba"] == n
+        assert pd.decode.scheduler_stats.data["refused_offers"] == 1
+        pd.assert_no_leaks()
+    finally:
+        pd.close()

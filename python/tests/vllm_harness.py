@@ -66,9 +66,21 @@ BLOCK = 16
 MASK = (1 << 31) - 1
 
 
-def tag(seed: int, plane: int, position: int) -> int:
-    """The value a leg writes for token (or state length) ``position`` of ``plane``."""
-    return (seed * 1_000_003 + plane * 10_007 + position * 31 + 7) & MASK
+def tag(seed: int, plane: int, position: int, head: int = 0) -> int:
+    """The value a leg writes for token (or state length) ``position`` of ``plane``, in KV head
+    ``head`` (the model's head number, whichever rank holds it)."""
+    return (seed * 1_000_003 + plane * 10_007 + position * 31 + head * 7_919 + 7) & MASK
+
+
+def global_head(kv_heads: int | None, tp: int, rank: int, local: int) -> int:
+    """The model's KV head that local head ``local`` of TP rank ``rank`` holds, as vLLM shards
+    them: contiguous ranges when ``tp <= kv_heads``, each head replicated on ``tp / kv_heads``
+    consecutive ranks beyond. Without ``kv_heads`` (legs of equal TP) every rank numbers its own."""
+    if kv_heads is None:
+        return local
+    if tp <= kv_heads:
+        return rank * (kv_heads // tp) + local
+    return rank // (tp // kv_heads)
 
 
 # Layouts: groups as (kind, block_size, window) with layer names; the DCP layout runs two ranks.
@@ -117,16 +129,17 @@ HEADS, HEAD = 2, 8  # per token: K and V of 2 heads x 8 floats = 32 words
 MAMBA_SHAPES = ((4, 6), (3, 5))
 
 
-def model_dir(root: Path) -> str:
+def model_dir(root: Path, kv_heads: int | None = None) -> str:
     """A directory holding only a hand-written config.json (no weights, no tokenizer)."""
-    path = root / "model"
+    path = root / ("model" if kv_heads is None else f"model-{kv_heads}-kv-heads")
     path.mkdir(exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,  # DCP 2 needs more TP ranks than KV heads
+        "num_attention_heads": 8,
+        # DCP 2 needs more TP ranks than KV heads.
+        "num_key_value_heads": 1 if kv_heads is None else kv_heads,
         "num_hidden_layers": 2,
         "intermediate_size": 128,
         "vocab_size": 1000,
@@ -154,7 +167,7 @@ BLOCK_OUTERMOST = ("BLHNC", "BLNHC")
 
 
 def kv_cache_config(
-    layout: str, num_blocks: int, kv_layout: str = "LBHNC", speculative_blocks: int | None = None
+    layout: str, num_blocks: int, kv_layout: str = "LBHNC", speculative_blocks: int | None = None, heads: int = HEADS
 ) -> KVCacheConfig:
     """A hand-built ``KVCacheConfig`` as vLLM 0.33 builds them: one backing allocation, one
     ``KVCacheTensor`` per group placing its layers, groups overlaid at the same offsets (equal
@@ -165,10 +178,10 @@ def kv_cache_config(
     attention_page = None
     for (kind, block_size, window), layers in zip(spec["groups"], spec["layers"]):
         if kind == "full":
-            kv = FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+            kv = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32)
         elif kind == "sliding_window":
             kv = SlidingWindowSpec(
-                block_size=block_size, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, sliding_window=window
+                block_size=block_size, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32, sliding_window=window
             )
         else:
             kv = MambaSpec(
@@ -194,7 +207,7 @@ def kv_cache_config(
         if kv_layout in BLOCK_OUTERMOST:
             strides = {"layer_stride": page, "block_stride": most * page}
         elif kv_layout == "LHBNC":  # heads outside blocks: a block is HEADS separate pieces
-            strides = {"layer_stride": num_blocks * page, "block_stride": page // HEADS}
+            strides = {"layer_stride": num_blocks * page, "block_stride": page // heads}
         else:
             strides = {"layer_stride": num_blocks * page, "block_stride": page}
         tensors.append(KVCacheTensor(size=size, layers=list(layers), offset=0, **strides))
@@ -252,19 +265,26 @@ class Leg:
         prefix_caching: bool = False,
         kv_layout: str = "LBHNC",
         alloc: str = "memfd",
+        tp: int | None = None,
+        kv_heads: int | None = None,
     ):
         self.layout = layout
         self.role = role
         self.spec = LAYOUTS[layout]
         dcp = self.spec["dcp"]
+        # TP ranks (the DCP layout's ranks are its TP ranks too); each holds its share of the
+        # model's KV heads, or HEADS of its own when the test does not model heads.
+        self.tp = tp or dcp
+        self.kv_heads = kv_heads
+        heads = HEADS if kv_heads is None else max(1, kv_heads // self.tp)
         # A speculative config (a draft model proposing k tokens) sets vLLM's own lookahead and
         # mamba scratch blocks (one per draft token), as vLLM sizes them.
-        self.config = kv_cache_config(layout, num_blocks, kv_layout, speculative_tokens)
+        self.config = kv_cache_config(layout, num_blocks, kv_layout, speculative_tokens, heads)
         settings = {"node": node, "certs": str(root / "certs"), "peers": peers}
         settings.update(extra or {})
         vllm_config = VllmConfig(
             model_config=ModelConfig(
-                model=model_dir(root), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32"
+                model=model_dir(root, kv_heads), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32"
             ),
             cache_config=CacheConfig(
                 block_size=BLOCK,
@@ -278,7 +298,7 @@ class Leg:
                 max_model_len=MAX_MODEL_LEN,
                 is_encoder_decoder=False,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tp, decode_context_parallel_size=dcp),
             device_config=DeviceConfig("cpu"),
             speculative_config=None if speculative_tokens is None else speculative(root, speculative_tokens),
             kv_transfer_config=KVTransferConfig(
@@ -319,7 +339,7 @@ class Leg:
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
         self.workers, self.planes = [], []
-        for rank in range(dcp):
+        for rank in range(self.tp):
             worker_settings = dict(settings, rank=rank)
             vllm_config.kv_transfer_config.kv_connector_extra_config = worker_settings
             worker = PdkvConnector(vllm_config, KVConnectorRole.WORKER, self.config)
@@ -368,14 +388,16 @@ class Leg:
                 if plane.kind == "mamba":
                     plane.view[ids[self.state_position(plane.group, end)]].fill_(tag(seed, plane.index, end))
                     continue
-                slots = plane.view.shape[1]
+                slots, heads = plane.view.shape[1], plane.view.shape[2]
                 for token in range(first, end):
-                    if token % dcp != rank:
+                    if token % dcp != rank % dcp:
                         continue
                     block = ids[token // (slots * dcp)]
                     if block == 0:
                         continue  # outside a window: vLLM gave it no block
-                    plane.view[block, (token // dcp) % slots].fill_(tag(seed, plane.index, token))
+                    for local in range(heads):
+                        head = global_head(self.kv_heads, self.tp, rank, local)
+                        plane.view[block, (token // dcp) % slots, local].fill_(tag(seed, plane.index, token, head))
 
     def step(self) -> list:
         """One engine step; returns the outputs of requests that finished in it."""

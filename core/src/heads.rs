@@ -1,0 +1,474 @@
+//! Tensor-parallel KV heads: which heads each rank of a leg holds, and where a decode rank reads
+//! each of its heads when the two legs run different tensor-parallel sizes.
+//!
+//! A model has `H` KV heads per layer. A leg with TP size `T` shards them the way vLLM does: with
+//! `T <= H` rank `r` holds heads `r·H/T .. (r+1)·H/T`; with `T > H` every head is replicated on
+//! `T/H` consecutive ranks (rank `r` holds head `r / (T/H)`). MLA keeps one latent per token that
+//! every rank replicates: `H = 1`.
+//!
+//! A [`HeadMap`] pairs a prefill sharding with a decode sharding. Every head a decode rank holds
+//! is read exactly once, from one prefill rank holding it; where several prefill ranks hold a
+//! head (replicated heads, MLA) the decode ranks needing it are spread over them round-robin,
+//! shifted by a per-request `rotation` so consecutive requests load different prefill ranks.
+//! Each prefill rank learns how many decode ranks read it ([`HeadMap::readers`]) so its hand-off
+//! ends only after the last of them; a prefill rank nobody reads is given back by one decode rank
+//! ([`HeadMap::releases`]).
+//!
+//! [`head_slices`] turns one [`HeadRead`] into byte ranges within a block, for the two orders a
+//! block's heads and tokens may take in memory.
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::BlockSlice;
+
+/// How a leg's ranks share a layer's KV heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadSharding {
+    total: u32,
+    tp: u32,
+}
+
+impl HeadSharding {
+    /// `total` KV heads over `tp` ranks; one must divide the other (as vLLM requires).
+    pub fn new(total: u32, tp: u32) -> Result<Self, HeadError> {
+        if total == 0 {
+            return Err(HeadError::NoHeads);
+        }
+        if tp == 0 {
+            return Err(HeadError::NoRanks);
+        }
+        let divides = if tp <= total {
+            total % tp == 0
+        } else {
+            tp % total == 0
+        };
+        if !divides {
+            return Err(HeadError::Indivisible { heads: total, tp });
+        }
+        Ok(HeadSharding { total, tp })
+    }
+
+    /// KV heads of the model.
+    pub fn total(&self) -> u32 {
+        self.total
+    }
+
+    /// Ranks the heads are spread over.
+    pub fn tp(&self) -> u32 {
+        self.tp
+    }
+
+    /// Heads one rank holds (1 when heads are replicated).
+    pub fn heads_per_rank(&self) -> u32 {
+        (self.total / self.tp).max(1)
+    }
+
+    /// The first (global) head rank `rank` holds.
+    pub fn first_head(&self, rank: u32) -> u32 {
+        if self.tp <= self.total {
+            rank * self.heads_per_rank()
+        } else {
+            rank / (self.tp / self.total)
+        }
+    }
+
+    /// The ranks holding global head `head`, consecutive.
+    pub fn holders(&self, head: u32) -> std::ops::Range<u32> {
+        if self.tp <= self.total {
+            let rank = head / self.heads_per_rank();
+            rank..rank + 1
+        } else {
+            let replicas = self.tp / self.total;
+            head * replicas..(head + 1) * replicas
+        }
+    }
+
+    fn check_rank(&self, rank: u32, side: &'static str) -> Result<(), HeadError> {
+        if rank < self.tp {
+            Ok(())
+        } else {
+            Err(HeadError::RankOutOfRange {
+                side,
+                rank,
+                tp: self.tp,
+            })
+        }
+    }
+}
+
+/// Heads one decode rank reads from one prefill rank: `count` heads starting at the prefill
+/// rank's local head `remote_first`, into the decode rank's local heads from `local_first`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadRead {
+    /// The prefill rank holding them.
+    pub prefill_rank: u32,
+    /// First head, counted within the prefill rank's heads.
+    pub remote_first: u32,
+    /// First head, counted within the decode rank's heads.
+    pub local_first: u32,
+    /// Consecutive heads.
+    pub count: u32,
+}
+
+/// Which prefill rank serves which heads of every decode rank, for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeadMap {
+    prefill: HeadSharding,
+    decode: HeadSharding,
+    /// `reads[d]`: the reads of decode rank `d`, in local head order.
+    reads: Vec<Vec<HeadRead>>,
+    /// `readers[p]`: how many decode ranks read prefill rank `p`.
+    readers: Vec<u32>,
+}
+
+impl HeadMap {
+    /// The map between two legs' shardings of the same heads; `rotation` (any number, e.g. a
+    /// request serial) picks which replica serves first.
+    pub fn new(prefill: HeadSharding, decode: HeadSharding, rotation: u64) -> Result<Self, HeadError> {
+        if prefill.total != decode.total {
+            return Err(HeadError::TotalMismatch {
+                prefill: prefill.total,
+                decode: decode.total,
+            });
+        }
+        let mut reads = Vec::with_capacity(decode.tp as usize);
+        let mut readers = vec![0u32; prefill.tp as usize];
+        for rank in 0..decode.tp {
+            let first = decode.first_head(rank);
+            let mut list: Vec<HeadRead> = Vec::new();
+            for local in 0..decode.heads_per_rank() {
+                let head = first + local;
+                let holders = prefill.holders(head);
+                let replicas = u64::from(holders.end - holders.start);
+                // This rank's place among the decode ranks holding the head.
+                let index = u64::from(rank - decode.holders(head).start);
+                let prefill_rank = holders.start + ((index + rotation) % replicas) as u32;
+                let remote_first = head - prefill.first_head(prefill_rank);
+                match list.last_mut() {
+                    Some(last)
+                        if last.prefill_rank == prefill_rank
+                            && last.remote_first + last.count == remote_first
+                            && last.local_first + last.count == local =>
+                    {
+                        last.count += 1
+                    }
+                    _ => list.push(HeadRead {
+                        prefill_rank,
+                        remote_first,
+                        local_first: local,
+                        count: 1,
+                    }),
+                }
+            }
+            let mut sources: Vec<u32> = list.iter().map(|read| read.prefill_rank).collect();
+            sources.sort_unstable();
+            sources.dedup();
+            for source in sources {
+                readers[source as usize] += 1;
+            }
+            reads.push(list);
+        }
+        Ok(HeadMap {
+            prefill,
+            decode,
+            reads,
+            readers,
+        })
+    }
+
+    /// The prefill sharding.
+    pub fn prefill(&self) -> HeadSharding {
+        self.prefill
+    }
+
+    /// The decode sharding.
+    pub fn decode(&self) -> HeadSharding {
+        self.decode
+    }
+
+    /// What decode rank `rank` reads, in local head order.
+    pub fn reads(&self, rank: u32) -> Result<&[HeadRead], HeadError> {
+        self.decode.check_rank(rank, "decode")?;
+        Ok(&self.reads[rank as usize])
+    }
+
+    /// How many decode ranks read prefill rank `rank` (its hand-off ends after that many
+    /// releases; 0: nobody reads it).
+    pub fn readers(&self, rank: u32) -> Result<u32, HeadError> {
+        self.prefill.check_rank(rank, "prefill")?;
+        Ok(self.readers[rank as usize])
+    }
+
+    /// The prefill ranks nobody reads whose hand-off decode rank `rank` gives back (prefill rank
+    /// `p` falls to decode rank `p mod decode TP`).
+    pub fn releases(&self, rank: u32) -> Result<Vec<u32>, HeadError> {
+        self.decode.check_rank(rank, "decode")?;
+        Ok((0..self.prefill.tp)
+            .filter(|&p| self.readers[p as usize] == 0 && p % self.decode.tp == rank)
+            .collect())
+    }
+}
+
+/// The order of a block's heads and tokens in memory (vLLM's `KVCacheLayout` inside a page).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadOrder {
+    /// `[H, N, C]`: a head's tokens are one run (vLLM's `..HNC` layouts).
+    HeadsOuter,
+    /// `[N, H, C]`: each token holds every head (vLLM's `..NHC` layouts).
+    TokensOuter,
+}
+
+/// The byte ranges within one block that carry `read`'s heads, for a block of `tokens` tokens
+/// holding `remote_heads` heads on the prefill rank (`remote_block_bytes` bytes) and
+/// `local_heads` on the decode rank (`local_block_bytes`). Both legs must store a token of a
+/// head in the same number of bytes.
+pub fn head_slices(
+    read: &HeadRead,
+    order: HeadOrder,
+    tokens: u32,
+    (remote_heads, remote_block_bytes): (u32, u64),
+    (local_heads, local_block_bytes): (u32, u64),
+) -> Result<Vec<BlockSlice>, HeadError> {
+    let unit = |heads: u32, bytes: u64| -> Option<u64> {
+        let cells = u64::from(heads) * u64::from(tokens);
+        (cells > 0 && bytes % cells == 0).then(|| bytes / cells)
+    };
+    let (Some(remote_unit), Some(local_unit)) = (
+        unit(remote_heads, remote_block_bytes),
+        unit(local_heads, local_block_bytes),
+    ) else {
+        return Err(HeadError::BlockNotHeads {
+            remote: (remote_heads, remote_block_bytes),
+            local: (local_heads, local_block_bytes),
+            tokens,
+        });
+    };
+    if remote_unit != local_unit {
+        return Err(HeadError::HeadBytesMismatch {
+            remote: remote_unit,
+            local: local_unit,
+        });
+    }
+    if read.remote_first + read.count > remote_heads || read.local_first + read.count > local_heads {
+        return Err(HeadError::ReadOutsideBlock(*read));
+    }
+    let unit = remote_unit;
+    let count = u64::from(read.count);
+    Ok(match order {
+        HeadOrder::HeadsOuter => {
+            let head = unit * u64::from(tokens);
+            vec![BlockSlice {
+                remote_offset: u64::from(read.remote_first) * head,
+                local_offset: u64::from(read.local_first) * head,
+                len: count * head,
+            }]
+        }
+        HeadOrder::TokensOuter => (0..u64::from(tokens))
+            .map(|token| BlockSlice {
+                remote_offset: (token * u64::from(remote_heads) + u64::from(read.remote_first)) * unit,
+                local_offset: (token * u64::from(local_heads) + u64::from(read.local_first)) * unit,
+                len: count * unit,
+            })
+            .collect(),
+    })
+}
+
+/// Why heads cannot be mapped.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum HeadError {
+    /// A model without KV heads.
+    #[error("a model needs at least one KV head")]
+    NoHeads,
+    /// A leg without ranks.
+    #[error("a tensor-parallel size must be at least 1")]
+    NoRanks,
+    /// Neither the heads nor the ranks divide the other.
+    #[error("{heads} KV heads cannot be sharded over {tp} tensor-parallel ranks (one must divide the other)")]
+    Indivisible {
+        /// KV heads.
+        heads: u32,
+        /// Ranks.
+        tp: u32,
+    },
+    /// The legs disagree on the model's KV heads.
+    #[error("the prefill leg has {prefill} KV heads, the decode leg {decode}")]
+    TotalMismatch {
+        /// Prefill's heads.
+        prefill: u32,
+        /// Decode's heads.
+        decode: u32,
+    },
+    /// A rank beyond the leg's TP size.
+    #[error("{side} rank {rank} is beyond its tensor-parallel size {tp}")]
+    RankOutOfRange {
+        /// Which leg.
+        side: &'static str,
+        /// The rank asked for.
+        rank: u32,
+        /// The leg's TP size.
+        tp: u32,
+    },
+    /// A block's bytes are not a whole number of per-token head cells.
+    #[error(
+        "a block of {tokens} tokens is not whole heads: prefill {} heads in {} bytes, decode {} heads in {} bytes",
+        remote.0, remote.1, local.0, local.1
+    )]
+    BlockNotHeads {
+        /// Prefill (heads, block bytes).
+        remote: (u32, u64),
+        /// Decode (heads, block bytes).
+        local: (u32, u64),
+        /// Tokens per block.
+        tokens: u32,
+    },
+    /// The legs store a token of a head in different sizes (another dtype or head size).
+    #[error("a head's token takes {remote} bytes on the prefill leg and {local} on the decode leg")]
+    HeadBytesMismatch {
+        /// Prefill bytes.
+        remote: u64,
+        /// Decode bytes.
+        local: u64,
+    },
+    /// A read names heads past a rank's heads.
+    #[error("head read {0:?} lies outside a rank's heads")]
+    ReadOutsideBlock(HeadRead),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sharding(total: u32, tp: u32) -> HeadSharding {
+        HeadSharding::new(total, tp).unwrap()
+    }
+
+    #[test]
+    fn shardings_follow_vllm() {
+        let split = sharding(8, 4);
+        assert_eq!(split.heads_per_rank(), 2);
+        assert_eq!(split.first_head(3), 6);
+        assert_eq!(split.holders(5), 2..3);
+        let replicated = sharding(2, 8);
+        assert_eq!(replicated.heads_per_rank(), 1);
+        assert_eq!(replicated.first_head(5), 1);
+        assert_eq!(replicated.holders(1), 4..8);
+        assert_eq!(
+            HeadSharding::new(6, 4),
+            Err(HeadError::Indivisible { heads: 6, tp: 4 })
+        );
+        assert_eq!(HeadSharding::new(0, 1), Err(HeadError::NoHeads));
+        assert_eq!(HeadSharding::new(4, 0), Err(HeadError::NoRanks));
+    }
+
+    #[test]
+    fn two_prefill_ranks_into_one_decode_rank_and_back() {
+        let merge = HeadMap::new(sharding(4, 2), sharding(4, 1), 0).unwrap();
+        assert_eq!(
+            merge.reads(0).unwrap(),
+            &[
+                HeadRead {
+                    prefill_rank: 0,
+                    remote_first: 0,
+                    local_first: 0,
+                    count: 2
+                },
+                HeadRead {
+                    prefill_rank: 1,
+                    remote_first: 0,
+                    local_first: 2,
+                    count: 2
+                },
+            ]
+        );
+        assert_eq!((merge.readers(0), merge.readers(1)), (Ok(1), Ok(1)));
+        let split = HeadMap::new(sharding(4, 1), sharding(4, 2), 0).unwrap();
+        assert_eq!(
+            split.reads(1).unwrap(),
+            &[HeadRead {
+                prefill_rank: 0,
+                remote_first: 2,
+                local_first: 0,
+                count: 2
+            }]
+        );
+        assert_eq!(
+            split.readers(0),
+            Ok(2),
+            "both decode ranks read the one prefill rank"
+        );
+        assert_eq!(
+            split.reads(2),
+            Err(HeadError::RankOutOfRange {
+                side: "decode",
+                rank: 2,
+                tp: 2
+            })
+        );
+    }
+
+    #[test]
+    fn a_replicated_latent_is_read_once_per_rank_spread_by_rotation() {
+        // MLA: one latent head replicated on 4 prefill ranks, 2 decode ranks.
+        let map = HeadMap::new(sharding(1, 4), sharding(1, 2), 1).unwrap();
+        assert_eq!(map.reads(0).unwrap()[0].prefill_rank, 1);
+        assert_eq!(map.reads(1).unwrap()[0].prefill_rank, 2);
+        assert_eq!(
+            (0..4).map(|p| map.readers(p).unwrap()).collect::<Vec<_>>(),
+            vec![0, 1, 1, 0]
+        );
+        // Unread prefill ranks 0 and 3 fall to decode ranks 0 and 1.
+        assert_eq!(map.releases(0), Ok(vec![0]));
+        assert_eq!(map.releases(1), Ok(vec![3]));
+        let next = HeadMap::new(sharding(1, 4), sharding(1, 1), 2).unwrap();
+        assert_eq!(next.reads(0).unwrap()[0].prefill_rank, 2);
+        assert_eq!(next.releases(0), Ok(vec![0, 1, 3]));
+    }
+
+    #[test]
+    fn slices_cut_a_head_range_out_of_either_order() {
+        // 4 tokens, 8 bytes per head-token; prefill holds 4 heads, decode 2 (heads 2, 3).
+        let read = HeadRead {
+            prefill_rank: 0,
+            remote_first: 2,
+            local_first: 0,
+            count: 2,
+        };
+        let outer = head_slices(&read, HeadOrder::HeadsOuter, 4, (4, 128), (2, 64)).unwrap();
+        assert_eq!(
+            outer,
+            vec![BlockSlice {
+                remote_offset: 64,
+                local_offset: 0,
+                len: 64
+            }]
+        );
+        let inner = head_slices(&read, HeadOrder::TokensOuter, 4, (4, 128), (2, 64)).unwrap();
+        assert_eq!(
+            inner,
+            (0..4)
+                .map(|t| BlockSlice {
+                    remote_offset: t * 32 + 16,
+                    local_offset: t * 16,
+                    len: 16
+                })
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            head_slices(&read, HeadOrder::HeadsOuter, 4, (4, 128), (2, 32)),
+            Err(HeadError::HeadBytesMismatch { remote: 8, local: 4 })
+        );
+        assert!(matches!(
+            head_slices(&read, HeadOrder::HeadsOuter, 3, (4, 128), (2, 64)),
+            Err(HeadError::BlockNotHeads { .. })
+        ));
+        let past = HeadRead {
+            remote_first: 3,
+            ..read
+        };
+        assert_eq!(
+            head_slices(&past, HeadOrder::HeadsOuter, 4, (4, 128), (2, 64)),
+            Err(HeadError::ReadOutsideBlock(past))
+        );
+    }
+}
