@@ -713,9 +713,9 @@ def test_kv_offered_for_another_prompt_or_model_is_refused_and_never_cached(cert
 
         fields = params["pdkv"]["model_fields"]
         assert model_identity(fields) == params["pdkv"]["model"], "the digest is of the fields sent"
-        assert fields["tensor_parallel_size"] == 1 and fields["groups"], fields
+        assert fields["pipeline_parallel_size"] == 1 and fields["groups"], fields
         forged = json.loads(json.dumps(params))
-        forged["pdkv"]["model_fields"]["tensor_parallel_size"] = 2
+        forged["pdkv"]["model_fields"]["pipeline_parallel_size"] = 2
         forged["pdkv"]["model"] = model_identity(forged["pdkv"]["model_fields"])
         pd.decode.add("d-model", ours, 2, forged, 12)
         pd.drive("d-model", unclaimed="p-model")
