@@ -38,9 +38,9 @@ impl HeadSharding {
             return Err(HeadError::NoRanks);
         }
         let divides = if tp <= total {
-            total % tp == 0
+            total.is_multiple_of(tp)
         } else {
-            tp % total == 0
+            tp.is_multiple_of(total)
         };
         if !divides {
             return Err(HeadError::Indivisible { heads: total, tp });
@@ -232,7 +232,7 @@ pub fn head_slices(
 ) -> Result<Vec<BlockSlice>, HeadError> {
     let unit = |heads: u32, bytes: u64| -> Option<u64> {
         let cells = u64::from(heads) * u64::from(tokens);
-        (cells > 0 && bytes % cells == 0).then(|| bytes / cells)
+        (cells > 0 && bytes.is_multiple_of(cells)).then(|| bytes / cells)
     };
     let (Some(remote_unit), Some(local_unit)) = (
         unit(remote_heads, remote_block_bytes),

@@ -25,7 +25,10 @@ How a request crosses (decode reads, "READ mode"):
    blocks' generations), READs the blocks one-sided through shared memory straight into its KV
    tensors, checks the generations again and releases the hand-off. Any failure (unreachable,
    restarted, lease lapsed, block freed under the READ) is reported as a failed receive: vLLM
-   recomputes the prompt, it never decodes from that KV.
+   recomputes the prompt, it never decodes from that KV. Decode worker (stage s, rank r) reads
+   the prefill workers of stage s: rank r's blocks whole when both legs run one TP size, else the
+   KV heads it holds from every prefill rank holding them (``pdkv_core::heads``), each such
+   hand-off claimed as one of its readers.
 5. **Prefill worker**: on release (or lease expiry) bumps the blocks' generations, then reports the
    request finished so vLLM frees them.
 
@@ -114,11 +117,12 @@ class Settings:
     max_handoffs: int
     load_threads: int
     rank: int | None
+    pp_rank: int | None
     peer_tp: int | None
 
     KNOWN = {
         "node", "certs", "peers", "listen", "data_listen", "advertise", "data_advertise", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
-        "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank", "peer_tp",
+        "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank", "pp_rank", "peer_tp",
     }
 
     @classmethod
@@ -165,9 +169,10 @@ class Settings:
         ):
             if value is not None and (not isinstance(value, str) or not value.rpartition(":")[2].isdigit()):
                 raise ConnectorConfigError(f"kv_connector_extra_config.{key} must be \"host:port\", not {value!r}")
-        rank = extra.get("rank")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-            raise ConnectorConfigError(f"kv_connector_extra_config.rank must be >= 0, not {rank!r}")
+        rank, pp_rank = extra.get("rank"), extra.get("pp_rank")
+        for key, value in (("rank", rank), ("pp_rank", pp_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConnectorConfigError(f"kv_connector_extra_config.{key} must be >= 0, not {value!r}")
         return cls(
             node=extra["node"],
             certs=extra["certs"],
@@ -187,6 +192,7 @@ class Settings:
             max_handoffs=positive("max_handoffs", 4096, MAX_HANDOFFS),
             load_threads=positive("load_threads", 4, MAX_LOAD_THREADS),
             rank=rank,
+            pp_rank=pp_rank,
             peer_tp=None if extra.get("peer_tp") is None else positive("peer_tp", 1, MAX_PEER_TP),
         )
 
@@ -244,6 +250,7 @@ class PdkvHandshake(KVConnectorHandshakeMetadata):
     address: str | None
     incarnation: int
     rank: int
+    pp_rank: int = 0
 
 
 @dataclasses.dataclass
@@ -452,6 +459,12 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._scheduler.set_handshake({(0, rank): meta for rank, meta in metadata.items()})
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        # Every pipeline stage's workers: a decode stage reads the prefill stage holding its layers.
         self._scheduler.set_handshake(metadata)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
@@ -521,6 +534,9 @@ def malformed(ours: Any) -> str | None:
             return f"workers[{index}] has no incarnation"
         if worker.get("address") is not None and not isinstance(worker["address"], str):
             return f"workers[{index}].address is not a string"
+        pp = worker.get("pp", 0)
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 0:
+            return f"workers[{index}].pp is not a pipeline stage"
     return None
 
 
@@ -547,10 +563,11 @@ class _SchedulerSide:
         self.stats = PdkvStats()
         self.loads_planned = 0
 
-    def set_handshake(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+    def set_handshake(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        """Every worker of this leg, keyed by (pipeline stage, tensor-parallel rank), in that order."""
         self.workers = [
-            {"node": meta.node, "address": meta.address, "incarnation": meta.incarnation}
-            for _, meta in sorted(metadata.items())
+            {"node": meta.node, "address": meta.address, "incarnation": meta.incarnation, "pp": pp_rank}
+            for (pp_rank, _), meta in sorted(metadata.items())
         ]
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
@@ -810,7 +827,11 @@ class _WorkerSide:
         self.settings = connector.settings
         self.is_prefill = connector.leg == "prefill"
         self.rank = self._rank()
+        self.pp_rank = self._pp_rank()
         self.tp = connector._vllm_config.parallel_config.tensor_parallel_size
+        # This worker's place among its leg's workers (stage-major, as the handshake keys them):
+        # its node name and ports follow it.
+        self.index = self.pp_rank * self.tp + self.rank
         self.order: str | None = None
         self.agent: KvAgent | None = None
         self.lock = threading.Lock()
@@ -833,8 +854,17 @@ class _WorkerSide:
             return parallel_state.get_tensor_model_parallel_rank()
         return 0
 
+    def _pp_rank(self) -> int:
+        if self.settings.pp_rank is not None:
+            return self.settings.pp_rank
+        from vllm.distributed import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_pp_group().rank_in_group
+        return 0
+
     def node(self) -> str:
-        return self.settings.node if self.rank == 0 else f"{self.settings.node}-{self.rank}"
+        return self.settings.node if self.index == 0 else f"{self.settings.node}-{self.index}"
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         config = self.connector._kv_cache_config
@@ -886,11 +916,14 @@ class _WorkerSide:
         leg (``peer_tp`` of them) when they differ, as each decode rank may read any prefill rank."""
         peer_tp = self.settings.peer_tp or self.tp
         ranks = [self.rank] if peer_tp == self.tp else list(range(peer_tp))
-        return [peer if rank == 0 else f"{peer}-{rank}" for peer in self.settings.peers for rank in ranks]
+        # The other leg's workers of this pipeline stage (legs run one PP size: the handshake
+        # compares it), numbered stage-major as this leg's are.
+        indices = [self.pp_rank * peer_tp + rank for rank in ranks]
+        return [peer if index == 0 else f"{peer}-{index}" for peer in self.settings.peers for index in indices]
 
     def _rank_port(self, port: int) -> int:
         # Rank r of a fixed port p listens on p + r; port 0 picks a free one per rank.
-        return port + self.rank if port else 0
+        return port + self.index if port else 0
 
     def _rank_address(self, address: str) -> str:
         host, _, port = address.rpartition(":")
@@ -899,7 +932,7 @@ class _WorkerSide:
     def handshake(self) -> PdkvHandshake | None:
         if self.agent is None:
             return None
-        return PdkvHandshake(self.agent.node, self.agent.address, self.agent.incarnation, self.rank)
+        return PdkvHandshake(self.agent.node, self.agent.address, self.agent.incarnation, self.rank, self.pp_rank)
 
     def start(self, meta: PdkvMetadata) -> None:
         if self.agent is None:
@@ -928,18 +961,19 @@ class _WorkerSide:
     def _load(self, request_id: str, spec: LoadSpec) -> None:
         ok = False
         try:
-            for worker in spec.workers:
+            workers = self._stage(spec.workers)
+            for worker in workers:
                 if not worker.get("address"):
                     raise LoadError(f"prefill worker {worker.get('node')} serves no hand-offs")
             started = time.monotonic()
-            if len(spec.workers) == self.tp:
+            if len(workers) == self.tp:
                 # Equal TP: decode rank r reads prefill rank r's blocks whole.
-                worker = spec.workers[self.rank]
+                worker = workers[self.rank]
                 num_bytes, runs = self.agent.load(
                     spec.remote_request, worker["node"], worker["address"], worker["incarnation"], spec.pairs
                 )
             else:
-                num_bytes, runs = self._load_heads(spec)
+                num_bytes, runs = self._load_heads(spec, workers)
             with self.lock:
                 self.stats.record_load(time.monotonic() - started, num_bytes, runs)
             ok = True
@@ -954,12 +988,19 @@ class _WorkerSide:
                 self.failed.add(request_id)
                 self.stats.count("failed_loads")
 
-    def _load_heads(self, spec: LoadSpec) -> tuple[int, int]:
+    def _stage(self, workers: list[dict]) -> list[dict]:
+        """The prefill workers of this worker's pipeline stage: they hold the layers it holds."""
+        stage = [worker for worker in workers if worker.get("pp", 0) == self.pp_rank]
+        if not stage:
+            raise LoadError(f"the prefill leg has no worker in pipeline stage {self.pp_rank}")
+        return stage
+
+    def _load_heads(self, spec: LoadSpec, workers: list[dict]) -> tuple[int, int]:
         """Prefill and decode legs of different TP sizes: this rank READs the KV heads it holds
         from the prefill ranks holding them (``pdkv_core::heads``)."""
         if not resharded_by_heads(self.connector.groups):
             raise LoadError(
-                f"the prefill leg runs {len(spec.workers)} tensor-parallel ranks, this leg {self.tp}: "
+                f"the prefill leg runs {len(workers)} tensor-parallel ranks, this leg {self.tp}: "
                 "only attention KV without DCP is resharded by heads (a recurrent state or DCP needs "
                 "equal TP sizes)"
             )
@@ -968,7 +1009,7 @@ class _WorkerSide:
                 "KV is resharded by heads only in a layer-outermost layout whose blocks are "
                 "[heads, tokens, ...] or [tokens, heads, ...] (LBHNC, LBNHC)"
             )
-        sources = [(worker["node"], worker["address"], worker["incarnation"]) for worker in spec.workers]
+        sources = [(worker["node"], worker["address"], worker["incarnation"]) for worker in workers]
         return self.agent.load_heads(
             spec.remote_request,
             sources,
@@ -984,7 +1025,7 @@ class _WorkerSide:
         """Gives back a hand-off this leg needs nothing of; when that fails its lease ends it.
         Prefill rank p's falls to decode rank p mod this leg's TP size (rank p when they match)."""
         try:
-            for index, worker in enumerate(spec.workers):
+            for index, worker in enumerate(self._stage(spec.workers)):
                 if index % self.tp != self.rank or not worker.get("address"):
                     continue
                 self.agent.release(spec.remote_request, worker["node"], worker["address"], worker["incarnation"])

@@ -55,7 +55,7 @@ class Pd:
 
     def __init__(self, root, layout, p_lookahead=0, d_lookahead=0, p_extra=None, d_extra=None, nodes=("p0", "d0"),
                  prefill=None, prefix_caching=False, kv_layout="LBHNC", alloc="memfd", p_spec=None, d_spec=None,
-                 p_tp=None, d_tp=None, kv_heads=None):
+                 p_tp=None, d_tp=None, kv_heads=None, p_pp=1, d_pp=1):
         p, d = nodes
         memory = {"prefix_caching": prefix_caching, "kv_layout": kv_layout, "alloc": alloc, "kv_heads": kv_heads}
         if (p_tp or 1) != (d_tp or 1):
@@ -64,11 +64,11 @@ class Pd:
             d_extra = dict(d_extra or {}, peer_tp=p_tp or 1)
         self.prefill = prefill or LocalPrefill(
             Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, speculative_tokens=p_spec,
-                tp=p_tp, **memory)
+                tp=p_tp, pp=p_pp, **memory)
         )
         self.decode = Leg(
             root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, speculative_tokens=d_spec,
-            tp=d_tp, **memory
+            tp=d_tp, pp=d_pp, **memory
         )
         # Legs of equal TP copy each rank's blocks whole; otherwise each decode rank's heads come
         # from other ranks' blocks, and only the definition says what they hold.
@@ -119,7 +119,7 @@ class Pd:
         for group, (kind, _, window) in enumerate(LAYOUTS[self.layout]["groups"]):
             positions = oracle_positions(kind, self.decode.block_tokens(group), window, n)
             touched |= {ids[group][position] for position in positions}
-        for rank, planes in enumerate(self.decode.planes):
+        for index, ((_, rank), planes) in enumerate(zip(self.decode.ranks, self.decode.planes)):
             for plane in planes:
                 kind, _, window = LAYOUTS[self.layout]["groups"][plane.group]
                 block_tokens = self.decode.block_tokens(plane.group)
@@ -128,8 +128,8 @@ class Pd:
                     block = ids[plane.group][position]
                     got = plane.view[block]
                     # Byte-exact against what the prefill wrote for this position ...
-                    assert not self.same_ranks or torch.equal(got, pages[rank, plane.index][position]), (
-                        f"{self.layout} n={n} rank {rank} plane {plane.index} position {position}"
+                    assert not self.same_ranks or torch.equal(got, pages[index, plane.index][position]), (
+                        f"{self.layout} n={n} worker {index} plane {plane.index} position {position}"
                     )
                     # ... and against the definition, token by token.
                     if kind in ("mamba", "mamba_align"):
@@ -146,7 +146,7 @@ class Pd:
                                     f"{self.layout} n={n} token {token} plane {plane.index} rank {rank} head {head}"
                                 )
                 # Nothing but the paired blocks changed in the decode's memory.
-                before = self.snapshots[did][rank, plane.index]
+                before = self.snapshots[did][index, plane.index]
                 changed = {
                     b for b in range(before.shape[0]) if not torch.equal(before[b], plane.view[b])
                 }
@@ -904,6 +904,53 @@ def test_a_recurrent_state_across_tensor_parallel_sizes_is_refused_naming_them(c
         pd.decode.add("d-tp-mamba", prompt, 2, params, 9)
         pd.drive("d-tp-mamba", unclaimed="p-tp-mamba")
         assert "d-tp-mamba" not in pd.decode.loaded and pd.decode.computed["d-tp-mamba"] == n
+        assert pd.decode.scheduler_stats.data["refused_offers"] == 1
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+@pytest.mark.parametrize("layout,p_tp,d_tp,kv_heads", [
+    ("full", None, None, None),
+    ("full+window", None, None, None),
+    ("full+window", 2, 1, 4),
+    ("full+window", 1, 2, 2),
+])
+def test_pipeline_stages_read_their_own_layers_from_the_prefill_stage_holding_them(certs, layout, p_tp, d_tp, kv_heads):
+    """PP = 2 on both legs (each stage holds half of every group's layers, and with TP the stage's
+    ranks reshard heads): each decode stage's planes end with the tags of its own layers (planes
+    are numbered by their place in the whole model, so a layer read from the other stage fails the
+    definition check), and every stage's hand-offs end."""
+    pd = Pd(certs, layout, p_pp=2, d_pp=2, p_tp=p_tp, d_tp=d_tp, kv_heads=kv_heads, d_lookahead=1)
+    try:
+        assert [stage for stage, _ in pd.decode.ranks].count(1) == (d_tp or 1)
+        stages = [
+            {plane.index for (stage, _), planes in zip(pd.decode.ranks, pd.decode.planes) if stage == s for plane in planes}
+            for s in (0, 1)
+        ]
+        assert stages[0] and stages[1] and not stages[0] & stages[1], f"stages hold disjoint layers: {stages}"
+        for index, n in enumerate((2, 17, 40, 97)):
+            did = pd.run(f"pp-{layout}-{p_tp}-{d_tp}-{n}", n, seed=500 + index)
+            assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
+            assert pd.decode.computed[did] == 1
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+def test_legs_of_different_pipeline_sizes_are_refused_naming_them(certs):
+    """A decode stage's layers would span several prefill stages; pdkv reads stage to stage, so
+    the model check refuses the offer, naming both PP sizes, and the prompt is computed here."""
+    pd = Pd(certs, "full", p_pp=2, d_pp=1)
+    try:
+        n = 40
+        prompt = [(10 * 7 + i) % 997 + 1 for i in range(n)]
+        params, _ = pd.prefill.prefill("p-pp", prompt, 10, n)
+        assert params["pdkv"]["model_fields"]["pipeline_parallel_size"] == 2
+        assert [worker["pp"] for worker in params["pdkv"]["workers"]] == [0, 1]
+        pd.decode.add("d-pp", prompt, 2, params, 10)
+        pd.drive("d-pp", unclaimed="p-pp")
+        assert "d-pp" not in pd.decode.loaded and pd.decode.computed["d-pp"] == n
         assert pd.decode.scheduler_stats.data["refused_offers"] == 1
         pd.assert_no_leaks()
     finally:

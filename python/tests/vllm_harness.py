@@ -166,14 +166,29 @@ def speculative(root: Path, k: int) -> SpeculativeConfig:
 BLOCK_OUTERMOST = ("BLHNC", "BLNHC")
 
 
+def stage_layers(layers: list[str], stage: int, pp: int) -> list[str]:
+    """The layers of a group pipeline stage ``stage`` of ``pp`` holds: a contiguous share, as
+    vLLM splits a model's layers over stages."""
+    share = layers[stage * len(layers) // pp : (stage + 1) * len(layers) // pp]
+    assert share, f"{len(layers)} layers cannot fill {pp} stages"
+    return share
+
+
 def kv_cache_config(
-    layout: str, num_blocks: int, kv_layout: str = "LBHNC", speculative_blocks: int | None = None, heads: int = HEADS
+    layout: str,
+    num_blocks: int,
+    kv_layout: str = "LBHNC",
+    speculative_blocks: int | None = None,
+    heads: int = HEADS,
+    stage: tuple[int, int] = (0, 1),
 ) -> KVCacheConfig:
     """A hand-built ``KVCacheConfig`` as vLLM 0.33 builds them: one backing allocation, one
     ``KVCacheTensor`` per group placing its layers, groups overlaid at the same offsets (equal
     page sizes; a block id belongs to one group at a time). ``kv_layout`` decides whether layers
     (``LB..``) or blocks (``BL..``) are outermost."""
-    spec = LAYOUTS[layout]
+    spec = dict(LAYOUTS[layout])
+    # A pipeline stage's worker holds its stage's layers of every group (the scheduler: all).
+    spec["layers"] = [stage_layers(layers, *stage) for layers in spec["layers"]]
     groups, specs = [], []
     attention_page = None
     for (kind, block_size, window), layers in zip(spec["groups"], spec["layers"]):
@@ -226,10 +241,11 @@ class Plane:
     view: torch.Tensor
 
 
-def allocate(config: KVCacheConfig, kv_layout: str, alloc: str):
+def allocate(config: KVCacheConfig, kv_layout: str, alloc: str, numbers: dict[str, int] | None = None):
     """KV caches as a vLLM worker allocates them: in shared memory (``pdkv_vllm.memory``, READ
     through shared memory or the network), or with vLLM's own ``allocate_kv_cache`` (plain
-    memory: network only). Returns the caches and the harness's planes, in layer order."""
+    memory: network only). Returns the caches and the harness's planes, in layer order, each
+    numbered by ``numbers`` (a layer's place in the whole model; default: in this config)."""
     layout = KVCacheLayout[kv_layout]
     if alloc == "memfd":
         caches = memory.allocate_kv_caches(config, layout)
@@ -242,9 +258,11 @@ def allocate(config: KVCacheConfig, kv_layout: str, alloc: str):
             group = group_of[layer]
             cache = caches[layer]
             if isinstance(config.kv_cache_groups[group].kv_cache_spec, MambaSpec):
-                planes.append(Plane(len(planes), group, "mamba", cache.view(torch.int32)))
+                number = len(planes) if numbers is None else numbers[layer]
+                planes.append(Plane(number, group, "mamba", cache.view(torch.int32)))
             else:  # [B, H, N, C] -> [B, N, H, C]: a block's token slots
-                planes.append(Plane(len(planes), group, "attention", cache.view(torch.int32).permute(0, 2, 1, 3)))
+                number = len(planes) if numbers is None else numbers[layer]
+                planes.append(Plane(number, group, "attention", cache.view(torch.int32).permute(0, 2, 1, 3)))
     return caches, planes
 
 
@@ -267,6 +285,7 @@ class Leg:
         alloc: str = "memfd",
         tp: int | None = None,
         kv_heads: int | None = None,
+        pp: int = 1,
     ):
         self.layout = layout
         self.role = role
@@ -275,6 +294,7 @@ class Leg:
         # TP ranks (the DCP layout's ranks are its TP ranks too); each holds its share of the
         # model's KV heads, or HEADS of its own when the test does not model heads.
         self.tp = tp or dcp
+        self.pp = pp
         self.kv_heads = kv_heads
         heads = HEADS if kv_heads is None else max(1, kv_heads // self.tp)
         # A speculative config (a draft model proposing k tokens) sets vLLM's own lookahead and
@@ -298,7 +318,9 @@ class Leg:
                 max_model_len=MAX_MODEL_LEN,
                 is_encoder_decoder=False,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tp, decode_context_parallel_size=dcp),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp
+            ),
             device_config=DeviceConfig("cpu"),
             speculative_config=None if speculative_tokens is None else speculative(root, speculative_tokens),
             kv_transfer_config=KVTransferConfig(
@@ -338,19 +360,27 @@ class Leg:
         hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
-        self.workers, self.planes = [], []
-        for rank in range(self.tp):
-            worker_settings = dict(settings, rank=rank)
-            vllm_config.kv_transfer_config.kv_connector_extra_config = worker_settings
-            worker = PdkvConnector(vllm_config, KVConnectorRole.WORKER, self.config)
-            caches, planes = allocate(self.config, kv_layout, alloc)
-            worker.register_kv_caches(caches)
-            self.workers.append(worker)
-            self.planes.append(planes)
+        # Workers stage-major, as vLLM ranks them: (pp rank, tp rank) of each, its planes numbered
+        # by their layer's place in the whole model.
+        numbers = {layer: number for number, layer in enumerate(
+            layer for placement in self.config.kv_cache_tensors for layer in placement.layers
+        )}
+        self.workers, self.planes, self.ranks = [], [], []
+        for stage in range(pp):
+            stage_config = kv_cache_config(layout, num_blocks, kv_layout, speculative_tokens, heads, (stage, pp))
+            for rank in range(self.tp):
+                worker_settings = dict(settings, rank=rank, pp_rank=stage)
+                vllm_config.kv_transfer_config.kv_connector_extra_config = worker_settings
+                worker = PdkvConnector(vllm_config, KVConnectorRole.WORKER, stage_config)
+                caches, planes = allocate(stage_config, kv_layout, alloc, numbers)
+                worker.register_kv_caches(caches)
+                self.workers.append(worker)
+                self.planes.append(planes)
+                self.ranks.append((stage, rank))
         vllm_config.kv_transfer_config.kv_connector_extra_config = settings
         # As vLLM's engine core does: every worker's handshake, keyed by (pp rank, tp rank).
         self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(
-            {(0, rank): worker.get_handshake_metadata() for rank, worker in enumerate(self.workers)}
+            {place: worker.get_handshake_metadata() for place, worker in zip(self.ranks, self.workers)}
         )
         self.finished: dict[str, object] = {}
         self.loaded: set[str] = set()
@@ -382,7 +412,7 @@ class Leg:
         seed = self.seeds[request_id]
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request_id)
         dcp = self.spec["dcp"]
-        for rank, planes in enumerate(self.planes):
+        for (_, rank), planes in zip(self.ranks, self.planes):
             for plane in planes:
                 ids = block_ids[plane.group]
                 if plane.kind == "mamba":
