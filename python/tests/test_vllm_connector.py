@@ -896,16 +896,7 @@ def test_a_recurrent_state_across_tensor_parallel_sizes_is_refused_naming_them(c
     prefill with another is refused by the model check, naming both sizes, and recomputed."""
     pd = Pd(certs, "full+window+mamba", p_tp=2, d_tp=1, kv_heads=2)
     try:
-        n = 40
-        prompt = [(9 * 7 + i) % 997 + 1 for i in range(n)]
-        params, _ = pd.prefill.prefill("p-tp-mamba", prompt, 9, n)
-        fields = params["pdkv"]["model_fields"]
-        assert fields["tensor_parallel_size"] == 2
-        pd.decode.add("d-tp-mamba", prompt, 2, params, 9)
-        pd.drive("d-tp-mamba", unclaimed="p-tp-mamba")
-        assert "d-tp-mamba" not in pd.decode.loaded and pd.decode.computed["d-tp-mamba"] == n
-        assert pd.decode.scheduler_stats.data["refused_offers"] == 1
-        pd.assert_no_leaks()
+        assert_offer_refused_naming(pd, "tp-mamba", 9, "tensor_parallel_size", 2, 1)
     finally:
         pd.close()
 
@@ -943,15 +934,26 @@ def test_legs_of_different_pipeline_sizes_are_refused_naming_them(certs):
     the model check refuses the offer, naming both PP sizes, and the prompt is computed here."""
     pd = Pd(certs, "full", p_pp=2, d_pp=1)
     try:
-        n = 40
-        prompt = [(10 * 7 + i) % 997 + 1 for i in range(n)]
-        params, _ = pd.prefill.prefill("p-pp", prompt, 10, n)
-        assert params["pdkv"]["model_fields"]["pipeline_parallel_size"] == 2
-        assert [worker["pp"] for worker in params["pdkv"]["workers"]] == [0, 1]
-        pd.decode.add("d-pp", prompt, 2, params, 10)
-        pd.drive("d-pp", unclaimed="p-pp")
-        assert "d-pp" not in pd.decode.loaded and pd.decode.computed["d-pp"] == n
-        assert pd.decode.scheduler_stats.data["refused_offers"] == 1
-        pd.assert_no_leaks()
+        assert_offer_refused_naming(pd, "pp", 10, "pipeline_parallel_size", 2, 1)
     finally:
         pd.close()
+
+
+def assert_offer_refused_naming(pd, name, seed, field, prefill_value, decode_value):
+    """A 40-token prompt through ``pd`` whose offer the decoder refuses because the legs differ in
+    model field ``field``: nothing is loaded, the whole prompt is computed here, the refusal names
+    the field with both values, and nothing leaks."""
+    from pdkv_vllm.connector import identity_differences
+
+    n = 40
+    prompt = [(seed * 7 + i) % 997 + 1 for i in range(n)]
+    params, _ = pd.prefill.prefill(f"p-{name}", prompt, seed, n)
+    fields = params["pdkv"]["model_fields"]
+    assert fields[field] == prefill_value
+    named = identity_differences(fields, pd.decode.scheduler.connector.model_fields)
+    assert f"{field}: prefill {prefill_value}, this leg {decode_value}" in named, named
+    pd.decode.add(f"d-{name}", prompt, 2, params, seed)
+    pd.drive(f"d-{name}", unclaimed=f"p-{name}")
+    assert f"d-{name}" not in pd.decode.loaded and pd.decode.computed[f"d-{name}"] == n
+    assert pd.decode.scheduler_stats.data["refused_offers"] == 1
+    pd.assert_no_leaks()
