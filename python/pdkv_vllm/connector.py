@@ -833,6 +833,7 @@ class _WorkerSide:
         # its node name and ports follow it.
         self.index = self.pp_rank * self.tp + self.rank
         self.order: str | None = None
+        self.packed = False
         self.agent: KvAgent | None = None
         self.lock = threading.Lock()
         self.sent: set[str] = set()

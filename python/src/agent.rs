@@ -395,6 +395,15 @@ pub struct Source {
     pub incarnation: u64,
 }
 
+impl Source {
+    /// Its control address, parsed.
+    fn socket_address(&self) -> Result<SocketAddr, AgentError> {
+        self.address
+            .parse()
+            .map_err(|error| config(format!("prefill address {:?}: {error}", self.address)))
+    }
+}
+
 /// How a decode worker's leg and the prefill leg shard KV heads when their tensor-parallel sizes
 /// differ: which heads this worker holds, and how a block orders heads and tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -876,27 +885,28 @@ impl Agent {
         pairs: Vec<Vec<BlockPair>>,
     ) -> Result<Loaded, AgentError> {
         self.require(Role::Decode, "load KV")?;
-        let address: SocketAddr = remote_address
-            .parse()
-            .map_err(|error| config(format!("prefill address {remote_address:?}: {error}")))?;
-        if pairs.len() != self.layout.groups().len() {
-            return Err(config(format!(
-                "request {request}: pairs for {} groups, the model has {}",
-                pairs.len(),
-                self.layout.groups().len()
-            )));
+        let source = Source {
+            node: remote_node.to_string(),
+            address: remote_address.to_string(),
+            incarnation: remote_incarnation,
+        };
+        // Fails on a malformed address before anything else, as a bad setting.
+        source.socket_address()?;
+        self.check_pairs(request, &pairs)?;
+        self.runtime
+            .block_on(self.load_source(request, &source, 1, pairs, None))
+    }
+
+    /// Refuses pairs that do not name one list per KV group.
+    fn check_pairs(&self, request: &str, pairs: &[Vec<BlockPair>]) -> Result<(), AgentError> {
+        if pairs.len() == self.layout.groups().len() {
+            return Ok(());
         }
-        self.runtime.block_on(async {
-            let peer = self
-                .peer(remote_node, address, Incarnation(remote_incarnation))
-                .await?;
-            let claimed = self.claim(&peer, remote_node, request, 1).await?;
-            let result = self.read(&peer, request, claimed, pairs, None).await;
-            if let Err(error) = self.release_claimed(&peer, remote_node, request).await {
-                tracing::warn!(request, node = remote_node, %error, "release not acknowledged; the lease will lapse");
-            }
-            result
-        })
+        Err(config(format!(
+            "request {request}: pairs for {} groups, the model has {}",
+            pairs.len(),
+            self.layout.groups().len()
+        )))
     }
 
     /// Decode, prefill and decode legs of different tensor-parallel sizes: READs the heads this
@@ -913,13 +923,7 @@ impl Agent {
         pairs: Vec<Vec<BlockPair>>,
     ) -> Result<Loaded, AgentError> {
         self.require(Role::Decode, "load KV")?;
-        if pairs.len() != self.layout.groups().len() {
-            return Err(config(format!(
-                "request {request}: pairs for {} groups, the model has {}",
-                pairs.len(),
-                self.layout.groups().len()
-            )));
-        }
+        self.check_pairs(request, &pairs)?;
         if sources.len() != heads.prefill.tp() as usize {
             return Err(config(format!(
                 "request {request}: {} prefill workers for a prefill tensor-parallel size of {}",
@@ -950,7 +954,8 @@ impl Agent {
                     self.give_back(request, source, readers).await.ok();
                     continue;
                 }
-                match self.load_source(request, source, readers, reads, heads, &pairs).await {
+                let cut = Some((reads.as_slice(), heads));
+                match self.load_source(request, source, readers, pairs.clone(), cut).await {
                     Ok(part) => {
                         loaded.bytes += part.bytes;
                         loaded.runs += part.runs;
@@ -971,27 +976,27 @@ impl Agent {
         })
     }
 
-    /// Claims one source's hand-off as one of `readers`, READs `reads`' heads of the paired
-    /// blocks, and releases it.
+    /// Claims one source's hand-off as one of `readers`, READs the paired blocks (whole, or
+    /// only the given heads of each), verifies their generations and releases the hand-off (also
+    /// on failure).
     async fn load_source(
         &self,
         request: &str,
         source: &Source,
         readers: u32,
-        reads: &[HeadRead],
-        heads: HeadLoad,
-        pairs: &[Vec<BlockPair>],
+        pairs: Vec<Vec<BlockPair>>,
+        heads: Option<(&[HeadRead], HeadLoad)>,
     ) -> Result<Loaded, AgentError> {
         let peer = self.source_peer(source).await?;
         let claimed = self.claim(&peer, &source.node, request, readers).await?;
-        let result = match self.head_slices(&peer, reads, heads) {
-            Ok(slices) => {
-                self.read(&peer, request, claimed, pairs.to_vec(), Some(&slices))
-                    .await
-            }
-            Err(error) => Err(AgentError::Read {
+        let slices = heads
+            .map(|(reads, heads)| self.head_slices(&peer, reads, heads))
+            .transpose();
+        let result = match slices {
+            Ok(slices) => self.read(&peer, request, claimed, pairs, slices.as_deref()).await,
+            Err(reason) => Err(AgentError::Read {
                 request: request.to_string(),
-                reason: error,
+                reason,
             }),
         };
         if let Err(error) = self.release_claimed(&peer, &source.node, request).await {
@@ -1008,12 +1013,12 @@ impl Agent {
     }
 
     async fn source_peer(&self, source: &Source) -> Result<Peer, AgentError> {
-        let address: SocketAddr = source
-            .address
-            .parse()
-            .map_err(|error| config(format!("prefill address {:?}: {error}", source.address)))?;
-        self.peer(&source.node, address, Incarnation(source.incarnation))
-            .await
+        self.peer(
+            &source.node,
+            source.socket_address()?,
+            Incarnation(source.incarnation),
+        )
+        .await
     }
 
     /// Per plane, the byte ranges of a block holding `reads`' heads. Planes of a recurrent state
@@ -1075,16 +1080,12 @@ impl Agent {
         remote_incarnation: u64,
     ) -> Result<(), AgentError> {
         self.require(Role::Decode, "release a hand-off")?;
-        let address: SocketAddr = remote_address
-            .parse()
-            .map_err(|error| config(format!("prefill address {remote_address:?}: {error}")))?;
-        self.runtime.block_on(async {
-            let peer = self
-                .peer(remote_node, address, Incarnation(remote_incarnation))
-                .await?;
-            self.claim(&peer, remote_node, request, 1).await?;
-            self.release_claimed(&peer, remote_node, request).await
-        })
+        let source = Source {
+            node: remote_node.to_string(),
+            address: remote_address.to_string(),
+            incarnation: remote_incarnation,
+        };
+        self.runtime.block_on(self.give_back(request, &source, 1))
     }
 
     /// Ends a claimed hand-off.
