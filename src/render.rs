@@ -511,7 +511,8 @@ fn node_resources(config: &AnyCluster, names: &[&str]) -> Value {
                 .filter_map(|node| {
                     pdkv_actors::config::leg_memory_bytes(
                         &config.layout,
-                        config.model.d_model as u64,
+                        &config.model,
+                        node.kv_sharding,
                         node.blocks_per_group,
                     )
                 })

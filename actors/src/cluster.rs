@@ -469,11 +469,11 @@ fn in_process_parts(
     let mut more_engines = Vec::new();
     let (memory, engine) = match config.transport.read_engine {
         ReadEngineKind::Local => (
-            LegMemory::heap(model, &capacity),
+            LegMemory::heap(model, node.kv_sharding, &capacity),
             MappedEngine::local(key, fabric.clone())?,
         ),
         ReadEngineKind::Shm | ReadEngineKind::Net => (
-            LegMemory::shared(model, &capacity, &node.name.0).map_err(|source| StartError::Memory {
+            LegMemory::shared(model, node.kv_sharding, &capacity, &node.name.0).map_err(|source| StartError::Memory {
                 node: node.name.0.clone(),
                 source,
             })?,
@@ -560,10 +560,19 @@ pub(crate) fn start_leg(
     let (freed_tx, freed_rx) = watch::channel(0u64);
     let transfer = (node.role == Role::Decode).then(|| {
         let (layout, local_regions) = (config.layout.clone(), memory.regions.clone());
+        let heads = config.head_layout();
         let read_timeout = Duration::from_millis(limits.request_timeout_ms);
         let engines = engines.clone();
         TransferActor::start_in_arbiter(&arbiter, move |_| {
-            TransferActor::new(engines, host, layout, local_regions, read_timeout, limits.mailbox)
+            TransferActor::new(
+                engines,
+                host,
+                layout,
+                heads,
+                local_regions,
+                read_timeout,
+                limits.mailbox,
+            )
         })
     });
     let leg_config = LegConfig {

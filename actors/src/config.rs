@@ -8,6 +8,8 @@ use std::collections::HashSet;
 
 use pdkv_core::exchange::PairingMode;
 use pdkv_core::identity::ModelFields;
+use pdkv_core::heads::{HeadOrder, HeadSharding};
+use pdkv_core::plan::{HeadLayout, check_sharding};
 use pdkv_core::layout::{GroupEntry, GroupEntryError};
 use pdkv_core::layout::{GroupKind, KvLayout};
 
@@ -60,6 +62,10 @@ struct ModelSection {
     seed: u64,
     d_model: u32,
     vocab: u32,
+    #[serde(default)]
+    heads: Option<u32>,
+    #[serde(default)]
+    kv_heads: Option<u32>,
     layer_groups: Vec<usize>,
     groups: Vec<GroupEntry>,
 }
@@ -294,6 +300,8 @@ struct NodeSection {
     #[serde(default)]
     prefill_tokens: Option<PrefillTokens>,
     #[serde(default)]
+    tp: Option<u32>,
+    #[serde(default)]
     host: Option<String>,
     #[serde(default)]
     bind: Option<String>,
@@ -342,6 +350,9 @@ pub struct NodeConfig {
     pub launch: Launch,
     /// The AMD GPU (HIP device index) its KV lives on with `kv_memory = "gpu"`. Default 0.
     pub gpu: u32,
+    /// Its tensor-parallel size (`tp`) over the model's KV heads: the leg keeps each layer's
+    /// KV once per rank, each rank the heads vLLM would give it.
+    pub kv_sharding: HeadSharding,
 }
 
 /// A checked cluster description.
@@ -387,9 +398,20 @@ impl ClusterConfig {
             ("seed".to_string(), self.model.seed.to_string()),
             ("d_model".to_string(), self.model.d_model.to_string()),
             ("vocab".to_string(), self.model.vocab.to_string()),
+            ("heads".to_string(), self.model.heads.to_string()),
+            ("kv_heads".to_string(), self.model.kv_heads.to_string()),
         ];
         ModelFields::new(model.into_iter().chain(self.layout.identity_fields()))
             .expect("a handful of short fixed names")
+    }
+
+    /// How every leg's blocks hold the model's KV heads (heads outside tokens, as the reference
+    /// engine writes them).
+    pub fn head_layout(&self) -> HeadLayout {
+        HeadLayout {
+            kv_heads: self.model.kv_heads,
+            order: HeadOrder::HeadsOuter,
+        }
     }
 
     /// Parses and checks a `cluster.toml` of reference-engine legs; a cluster of vLLM legs is
@@ -853,6 +875,30 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
             format!("must be at least 2, got {}", model.vocab),
         ));
     }
+    let heads = model.heads.unwrap_or(1);
+    if heads == 0 || !model.d_model.is_multiple_of(heads) {
+        return Err(ConfigError::invalid(
+            "model.heads",
+            format!(
+                "must divide d_model ({}) into whole heads, got {heads}",
+                model.d_model
+            ),
+        ));
+    }
+    let kv_heads = model.kv_heads.unwrap_or(heads);
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(ConfigError::invalid(
+            "model.kv_heads",
+            format!("must divide heads ({heads}): each KV head serves a group of query heads, got {kv_heads}"),
+        ));
+    }
+    let params = ModelParams {
+        seed: model.seed,
+        d_model: model.d_model as usize,
+        vocab: model.vocab,
+        heads,
+        kv_heads,
+    };
     let weights = reference_weight_count(&layout, u64::from(model.d_model), u64::from(model.vocab));
     if weights.is_none_or(|count| count > MAX_REFERENCE_WEIGHTS) {
         return Err(ConfigError::invalid(
@@ -888,7 +934,19 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
             ));
         };
         let lookahead_tokens = node.lookahead_tokens.unwrap_or(0);
-        let leg_bytes = leg_memory_bytes(&layout, u64::from(model.d_model), blocks_per_group);
+        let tp = node.tp.unwrap_or(1);
+        if tp == 0 || tp > MAX_TP || !heads.is_multiple_of(tp) {
+            return Err(ConfigError::invalid(
+                format!("nodes[{index}].tp"),
+                format!(
+                    "must be 1..={MAX_TP} and divide model.heads ({heads}): each rank computes whole query heads, got {tp}"
+                ),
+            ));
+        }
+        let kv_sharding = HeadSharding::new(kv_heads, tp).map_err(|error| {
+            ConfigError::invalid(format!("nodes[{index}].tp"), format!("{error} (model.kv_heads)"))
+        })?;
+        let leg_bytes = leg_memory_bytes(&layout, &params, kv_sharding, blocks_per_group);
         if leg_bytes.is_none_or(|bytes| bytes > limits.max_leg_bytes) {
             return Err(ConfigError::invalid(
                 format!("nodes[{index}].blocks_per_group"),
@@ -937,8 +995,10 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
             address,
             launch,
             gpu: node.gpu.unwrap_or(0),
+            kv_sharding,
         });
     }
+    check_pairs_shard(&layout, kv_heads, &nodes)?;
     let transport = file.transport.unwrap_or_default();
     transport.mori.validate().map_err(|error| {
         ConfigError::invalid(
@@ -954,11 +1014,7 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
     }
     Ok(ClusterConfig {
         layout,
-        model: ModelParams {
-            seed: model.seed,
-            d_model: model.d_model as usize,
-            vocab: model.vocab,
-        },
+        model: params,
         exchange: file.exchange.unwrap_or_default(),
         transport,
         limits,
@@ -1017,6 +1073,7 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
         refuse_key(index, "blocks_per_group", &node.blocks_per_group, reference_only)?;
         refuse_key(index, "lookahead_tokens", &node.lookahead_tokens, reference_only)?;
         refuse_key(index, "prefill_tokens", &node.prefill_tokens, reference_only)?;
+        refuse_key(index, "tp", &node.tp, "a reference-engine leg's key; a vLLM leg takes its tensor-parallel size from engine_args (-tp)")?;
         refuse_key(
             index,
             "gpu",
@@ -1158,6 +1215,34 @@ const MAX_NODES: usize = 256;
 /// The reference engine's largest model: 256 Mi f32 weights (1 GiB).
 const MAX_REFERENCE_WEIGHTS: u64 = 256 << 20;
 
+/// The largest tensor-parallel size a reference leg takes.
+pub const MAX_TP: u32 = 64;
+
+/// Refuses a cluster where some prefill leg and some decode leg shard KV so differently that no
+/// READ could reshard it (a recurrent state across TP sizes), naming both nodes.
+fn check_pairs_shard(layout: &KvLayout, kv_heads: u32, nodes: &[NodeConfig]) -> Result<(), ConfigError> {
+    // The reference engine's order (as `ClusterConfig::head_layout`).
+    let heads = HeadLayout {
+        kv_heads,
+        order: HeadOrder::HeadsOuter,
+    };
+    for prefill in nodes.iter().filter(|node| node.role == Role::Prefill) {
+        for decode in nodes.iter().filter(|node| node.role == Role::Decode) {
+            let (prefill_tp, decode_tp) = (prefill.kv_sharding.tp(), decode.kv_sharding.tp());
+            check_sharding(layout, heads, prefill_tp, decode_tp).map_err(|error| {
+                ConfigError::invalid(
+                    "nodes",
+                    format!(
+                        "prefill node {:?} (tp {prefill_tp}) and decode node {:?} (tp {decode_tp}): {error}",
+                        prefill.name.0, decode.name.0
+                    ),
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Weights of the reference engine: embeddings and head (`vocab * d` each), four `d * d`
 /// matrices per attention layer, two (plus a vector) per mamba layer; `None` on overflow.
 fn reference_weight_count(layout: &KvLayout, d_model: u64, vocab: u64) -> Option<u64> {
@@ -1174,10 +1259,19 @@ fn reference_weight_count(layout: &KvLayout, d_model: u64, vocab: u64) -> Option
 /// block cached (the worst case); rounded up.
 pub const ALLOCATOR_BYTES_PER_BLOCK: u64 = 128;
 
-/// Memory a leg needs for `blocks` blocks per group: every layer's region of `blocks + 1` blocks
-/// (the same sizes as `engine::Model::bytes_per_block`), the generation tables, and the
-/// allocator's bookkeeping; `None` on overflow.
-pub fn leg_memory_bytes(layout: &KvLayout, d_model: u64, blocks: u32) -> Option<u64> {
+/// Memory a leg sharded as `sharding` needs for `blocks` blocks per group: every layer's region
+/// of `blocks + 1` blocks on every rank (the same sizes as `engine::Model::bytes_per_block`),
+/// the generation tables, and the allocator's bookkeeping; `None` on overflow.
+pub fn leg_memory_bytes(
+    layout: &KvLayout,
+    model: &ModelParams,
+    sharding: HeadSharding,
+    blocks: u32,
+) -> Option<u64> {
+    let tp = u64::from(sharding.tp());
+    let state_share = (model.d_model as u64).div_ceil(tp);
+    // K and V of one head for one token, in f32.
+    let head_cell = (model.head_dim() as u64).checked_mul(8)?;
     let blocks = u64::from(blocks) + 1;
     let per_group_block = 4 + ALLOCATOR_BYTES_PER_BLOCK;
     let mut total = blocks
@@ -1186,8 +1280,12 @@ pub fn leg_memory_bytes(layout: &KvLayout, d_model: u64, blocks: u32) -> Option<
     for &group in layout.layer_groups() {
         let spec = layout.groups()[group];
         let block_bytes = match spec.kind() {
-            GroupKind::Mamba => d_model.checked_mul(4)?,
-            _ => spec.effective_block_size().checked_mul(d_model)?.checked_mul(8)?,
+            GroupKind::Mamba | GroupKind::MambaAlign => state_share.checked_mul(4)?.checked_mul(tp)?,
+            _ => spec
+                .effective_block_size()
+                .checked_mul(head_cell)?
+                .checked_mul(u64::from(sharding.heads_per_rank()))?
+                .checked_mul(tp)?,
         };
         total = total.checked_add(blocks.checked_mul(block_bytes)?)?;
     }

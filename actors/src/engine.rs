@@ -17,6 +17,7 @@
 
 use pdkv_core::allocator::window_floor;
 use pdkv_core::block::{BlockId, NULL_BLOCK};
+use pdkv_core::heads::HeadSharding;
 use pdkv_core::layout::{GroupKind, KvLayout};
 use pdkv_transport::region::RegionError;
 
@@ -30,10 +31,22 @@ use sha2::{Digest, Sha256};
 pub struct ModelParams {
     /// Seed of the weight stream.
     pub seed: u64,
-    /// Hidden size (also the single attention head's size).
+    /// Hidden size: `heads` query heads of `d_model / heads` values each.
     pub d_model: usize,
     /// Vocabulary size.
     pub vocab: u32,
+    /// Query heads per attention layer (divides `d_model`).
+    pub heads: u32,
+    /// KV heads per attention layer (divides `heads`; fewer than `heads` is grouped-query
+    /// attention, one is multi-query attention or an MLA-like shared latent).
+    pub kv_heads: u32,
+}
+
+impl ModelParams {
+    /// Values per head.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.heads as usize
+    }
 }
 
 #[derive(Debug)]
@@ -68,6 +81,7 @@ impl Model {
     pub fn new(params: ModelParams, layout: KvLayout) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(params.seed);
         let d = params.d_model;
+        let kv_dim = params.kv_heads as usize * params.head_dim();
         let scale = 1.0 / (d as f32).sqrt();
         let mut matrix = |rows: usize, cols: usize, scale: f32| -> Vec<f32> {
             (0..rows * cols).map(|_| uniform(&mut rng) * scale).collect()
@@ -90,8 +104,8 @@ impl Model {
                     group,
                     // Sharper queries make attention depend visibly on every key.
                     wq: matrix(d, d, 4.0 * scale),
-                    wk: matrix(d, d, scale),
-                    wv: matrix(d, d, scale),
+                    wk: matrix(kv_dim, d, scale),
+                    wv: matrix(kv_dim, d, scale),
                     wo: matrix(d, d, scale),
                 },
             });
@@ -116,19 +130,36 @@ impl Model {
         self.params
     }
 
-    /// Bytes one block of `layer` takes: `B_eff` slots of K and V for attention layers, one
-    /// state vector for mamba layers.
-    pub fn bytes_per_block(&self, layer: usize) -> u64 {
-        let d = self.params.d_model as u64;
+    /// Bytes one block of `layer` takes on one rank of a leg sharded as `sharding`: for
+    /// attention, the rank's KV heads, each `B_eff` slots of K and V (heads outside tokens); for
+    /// mamba, the rank's share of the state vector ([`state_share`]).
+    pub fn bytes_per_block(&self, layer: usize, sharding: HeadSharding) -> u64 {
         let group = &self.layout.groups()[self.layout.layer_groups()[layer]];
         match group.kind() {
-            GroupKind::Mamba => d * 4,
-            _ => group.effective_block_size() * 2 * d * 4,
+            GroupKind::Mamba | GroupKind::MambaAlign => {
+                state_share(self.params.d_model, sharding.tp(), 0).len() as u64 * 4
+            }
+            _ => {
+                u64::from(sharding.heads_per_rank())
+                    * group.effective_block_size()
+                    * self.head_cell_bytes()
+            }
         }
     }
 
+    /// Bytes of one head's K and V for one token.
+    fn head_cell_bytes(&self) -> u64 {
+        2 * self.params.head_dim() as u64 * 4
+    }
+
     /// Computes token `token` at `position` for a request whose blocks are `lists`, writing its
-    /// K/V (and, with `commit_state`, its mamba state) into `memory`. Returns the logits.
+    /// K/V (and, with `commit_state`, its mamba state) into every rank of `memory`. Returns the
+    /// logits.
+    ///
+    /// Each query head attends over the KV head it is grouped with, read from the rank that
+    /// computes that query head (query heads are split evenly over the ranks), so every replica
+    /// of a replicated KV head is read by some query head. The arithmetic does not depend on
+    /// the leg's TP size: legs of any sizes compute the same logits from the same KV.
     ///
     /// Attention reads every position its window covers; a null block there is an error, never
     /// silently skipped.
@@ -147,11 +178,16 @@ impl Model {
                 vocab: self.params.vocab,
             });
         }
+        let sharding = memory.sharding;
+        let tp = sharding.tp();
+        let hd = self.params.head_dim();
+        let (heads, kv_heads) = (self.params.heads, self.params.kv_heads);
+        let cell = self.head_cell_bytes();
         let mut hidden = self.embed[token as usize * d..(token as usize + 1) * d].to_vec();
         let mut scratch = Vec::new();
+        let mut cell_values = vec![0.0f32; 2 * hd];
         for (layer, weights) in self.layers.iter().enumerate() {
-            let region = &memory.layers[layer];
-            let bytes_per_block = self.bytes_per_block(layer);
+            let bytes_per_block = self.bytes_per_block(layer, sharding);
             match weights {
                 LayerWeights::Attention {
                     group,
@@ -162,47 +198,65 @@ impl Model {
                 } => {
                     let spec = &self.layout.groups()[*group];
                     let block_tokens = spec.effective_block_size();
+                    let head_bytes = block_tokens * cell;
                     let list = &lists[*group];
                     let query = matvec(wq, &hidden);
                     let key = matvec(wk, &hidden);
                     let value = matvec(wv, &hidden);
-                    let slot_bytes = 2 * d as u64 * 4;
                     let block = block_at(list, *group, position / block_tokens)?;
-                    let offset = u64::from(block) * bytes_per_block + (position % block_tokens) * slot_bytes;
-                    region.write_f32s(offset, &key)?;
-                    region.write_f32s(offset + d as u64 * 4, &value)?;
+                    let slot = u64::from(block) * bytes_per_block + (position % block_tokens) * cell;
+                    for rank in 0..tp {
+                        let region = memory.layer(rank, layer);
+                        for local in 0..sharding.heads_per_rank() {
+                            let head = (sharding.first_head(rank) + local) as usize;
+                            cell_values[..hd].copy_from_slice(&key[head * hd..(head + 1) * hd]);
+                            cell_values[hd..].copy_from_slice(&value[head * hd..(head + 1) * hd]);
+                            region.write_f32s(slot + u64::from(local) * head_bytes, &cell_values)?;
+                        }
+                    }
                     let first = match spec.kind() {
                         GroupKind::SlidingWindow { window } => window_floor(position, window),
                         _ => 0,
                     };
-                    let scale = 1.0 / (d as f32).sqrt();
-                    let mut scores = Vec::with_capacity((position - first + 1) as usize);
-                    let mut values = Vec::with_capacity(scores.capacity() * d);
-                    let mut source = first;
-                    while source <= position {
-                        let block_position = source / block_tokens;
-                        let last_in_block = ((block_position + 1) * block_tokens - 1).min(position);
-                        let slots = (last_in_block - source + 1) as usize;
-                        let block = block_at(list, *group, block_position)?;
-                        scratch.resize(slots * 2 * d, 0.0);
-                        let start = u64::from(block) * bytes_per_block + (source % block_tokens) * slot_bytes;
-                        region.read_f32s(start, &mut scratch)?;
-                        for slot in scratch.chunks_exact(2 * d) {
-                            scores.push(dot(&query, &slot[..d]) * scale);
-                            values.extend_from_slice(&slot[d..]);
-                        }
-                        source = last_in_block + 1;
-                    }
-                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut total = 0.0f32;
-                    for score in &mut scores {
-                        *score = (*score - max).exp();
-                        total += *score;
-                    }
+                    let scale = 1.0 / (hd as f32).sqrt();
                     let mut attended = vec![0.0f32; d];
-                    for (weight, value) in scores.iter().zip(values.chunks_exact(d)) {
-                        for (out, v) in attended.iter_mut().zip(value) {
-                            *out += weight / total * v;
+                    for query_head in 0..heads {
+                        // Checked at load: tp divides heads, kv_heads divides heads.
+                        let rank = query_head / (heads / tp);
+                        let kv_head = query_head / (heads / kv_heads);
+                        let local = kv_head - sharding.first_head(rank);
+                        let region = memory.layer(rank, layer);
+                        let q = &query[query_head as usize * hd..(query_head as usize + 1) * hd];
+                        let mut scores = Vec::with_capacity((position - first + 1) as usize);
+                        let mut values = Vec::with_capacity(scores.capacity() * hd);
+                        let mut source = first;
+                        while source <= position {
+                            let block_position = source / block_tokens;
+                            let last_in_block = ((block_position + 1) * block_tokens - 1).min(position);
+                            let slots = (last_in_block - source + 1) as usize;
+                            let block = block_at(list, *group, block_position)?;
+                            scratch.resize(slots * 2 * hd, 0.0);
+                            let start = u64::from(block) * bytes_per_block
+                                + u64::from(local) * head_bytes
+                                + (source % block_tokens) * cell;
+                            region.read_f32s(start, &mut scratch)?;
+                            for slot in scratch.chunks_exact(2 * hd) {
+                                scores.push(dot(q, &slot[..hd]) * scale);
+                                values.extend_from_slice(&slot[hd..]);
+                            }
+                            source = last_in_block + 1;
+                        }
+                        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let mut total = 0.0f32;
+                        for score in &mut scores {
+                            *score = (*score - max).exp();
+                            total += *score;
+                        }
+                        let out = &mut attended[query_head as usize * hd..(query_head as usize + 1) * hd];
+                        for (weight, value) in scores.iter().zip(values.chunks_exact(hd)) {
+                            for (out, v) in out.iter_mut().zip(value) {
+                                *out += weight / total * v;
+                            }
                         }
                     }
                     add_assign(&mut hidden, &matvec(wo, &attended));
@@ -217,14 +271,20 @@ impl Model {
                     let offset = u64::from(block) * bytes_per_block;
                     let mut state = vec![0.0f32; d];
                     if position > 0 {
-                        region.read_f32s(offset, &mut state)?;
+                        for rank in 0..tp {
+                            let share = state_share(d, tp, rank);
+                            memory.layer(rank, layer).read_f32s(offset, &mut state[share])?;
+                        }
                     }
                     let input = matvec(w_in, &hidden);
                     for ((s, a), u) in state.iter_mut().zip(decay).zip(&input) {
                         *s = a * *s + u;
                     }
                     if commit_state {
-                        region.write_f32s(offset, &state)?;
+                        for rank in 0..tp {
+                            let share = state_share(d, tp, rank);
+                            memory.layer(rank, layer).write_f32s(offset, &state[share])?;
+                        }
                     }
                     add_assign(&mut hidden, &matvec(w_out, &state));
                 }
@@ -233,6 +293,14 @@ impl Model {
         }
         Ok(matvec(&self.head, &hidden))
     }
+}
+
+/// The values of a `d`-value recurrent state rank `rank` of `tp` holds: contiguous shares of
+/// `ceil(d / tp)` values, the last ones shorter (or empty) when `tp` does not divide `d`.
+pub fn state_share(d: usize, tp: u32, rank: u32) -> std::ops::Range<usize> {
+    let share = d.div_ceil(tp as usize);
+    let start = (rank as usize * share).min(d);
+    start..(start + share).min(d)
 }
 
 /// A running digest over every generated step's logits.
@@ -343,8 +411,8 @@ mod tests {
     use super::*;
     use crate::memory::LegMemory;
 
-    fn model() -> Model {
-        let layout = KvLayout::new(
+    fn layout() -> KvLayout {
+        KvLayout::new(
             vec![
                 GroupSpec::full(4, 1).unwrap(),
                 GroupSpec::sliding_window(4, 6, 1).unwrap(),
@@ -352,15 +420,28 @@ mod tests {
             ],
             vec![0, 1, 2, 0],
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    fn model_with(heads: u32, kv_heads: u32) -> Model {
         Model::new(
             ModelParams {
                 seed: 3,
                 d_model: 8,
                 vocab: 16,
+                heads,
+                kv_heads,
             },
-            layout,
+            layout(),
         )
+    }
+
+    fn model() -> Model {
+        model_with(1, 1)
+    }
+
+    fn one_rank() -> HeadSharding {
+        HeadSharding::new(1, 1).unwrap()
     }
 
     fn run(model: &Model, memory: &LegMemory, lists: &[Vec<BlockId>], prompt: &[u32]) -> Vec<Vec<f32>> {
@@ -374,7 +455,7 @@ mod tests {
     #[test]
     fn same_request_on_different_blocks_gives_identical_logits() {
         let model = model();
-        let memory = LegMemory::heap(&model, &[8, 8, 2]);
+        let memory = LegMemory::heap(&model, one_rank(), &[8, 8, 2]);
         let prompt = prompt_tokens(1, 11, 16);
         let a = run(&model, &memory, &[vec![1, 2, 3], vec![1, 2, 3], vec![1]], &prompt);
         let b = run(&model, &memory, &[vec![7, 5, 4], vec![8, 6, 4], vec![2]], &prompt);
@@ -384,13 +465,13 @@ mod tests {
     #[test]
     fn every_kv_byte_matters() {
         let model = model();
-        let memory = LegMemory::heap(&model, &[8, 8, 2]);
+        let memory = LegMemory::heap(&model, one_rank(), &[8, 8, 2]);
         let prompt = prompt_tokens(1, 11, 16);
         let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
         let clean = run(&model, &memory, &lists, &prompt);
         // Corrupt one K value of position 0 in the full group: the last token must change.
         memory.layers[0]
-            .write_f32s(4 * model.bytes_per_block(0), &[9.0])
+            .write_f32s(4 * model.bytes_per_block(0, one_rank()), &[9.0])
             .unwrap();
         let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
         assert_ne!(last, clean[10]);
@@ -399,7 +480,7 @@ mod tests {
     #[test]
     fn a_null_block_in_the_window_is_an_error() {
         let model = model();
-        let memory = LegMemory::heap(&model, &[8, 8, 2]);
+        let memory = LegMemory::heap(&model, one_rank(), &[8, 8, 2]);
         let error = model
             .step(&memory, &[vec![1, 2], vec![0, 2], vec![1]], 5, 1, true)
             .unwrap_err();
@@ -407,5 +488,126 @@ mod tests {
             error.to_string(),
             "group 1: no block at position 0 (null or beyond the list)"
         );
+    }
+
+    /// (query heads, KV heads): multi-head, grouped-query, one shared (MLA-like) head.
+    const SHAPES: [(u32, u32); 3] = [(4, 4), (4, 2), (4, 1)];
+
+    #[test]
+    fn logits_do_not_depend_on_the_tensor_parallel_size() {
+        let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
+        let prompt = prompt_tokens(5, 11, 16);
+        for (heads, kv_heads) in SHAPES {
+            let model = model_with(heads, kv_heads);
+            let one = run(
+                &model,
+                &LegMemory::heap(&model, HeadSharding::new(kv_heads, 1).unwrap(), &[8, 8, 2]),
+                &lists,
+                &prompt,
+            );
+            for tp in [2, 4] {
+                let sharding = HeadSharding::new(kv_heads, tp).unwrap();
+                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
+                assert_eq!(
+                    run(&model, &memory, &lists, &prompt),
+                    one,
+                    "{heads} heads, {kv_heads} KV heads, tp {tp}"
+                );
+            }
+        }
+    }
+
+    /// Rank `r` of a sharded leg holds, at local head `j`, the bytes one unsharded rank holds
+    /// for global head `first_head(r) + j` (vLLM's sharding, written out here): heads outside
+    /// tokens, `B_eff` slots of K then V per head.
+    #[test]
+    fn each_rank_holds_the_heads_vllm_gives_it() {
+        let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
+        let prompt = prompt_tokens(9, 10, 16);
+        for (heads, kv_heads) in SHAPES {
+            let model = model_with(heads, kv_heads);
+            let whole = LegMemory::heap(&model, HeadSharding::new(kv_heads, 1).unwrap(), &[8, 8, 2]);
+            run(&model, &whole, &lists, &prompt);
+            let head_bytes = 4 * 2 * (8 / heads as usize);
+            for tp in [2, 4] {
+                let sharding = HeadSharding::new(kv_heads, tp).unwrap();
+                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
+                run(&model, &memory, &lists, &prompt);
+                let held = (kv_heads / tp).max(1) as usize;
+                for rank in 0..tp {
+                    // Contiguous heads below kv_heads ranks, each head on tp / kv_heads ranks above.
+                    let first = if tp <= kv_heads {
+                        rank * kv_heads / tp
+                    } else {
+                        rank / (tp / kv_heads)
+                    } as usize;
+                    for layer in [0, 1, 3] {
+                        let block = head_bytes * 4 * held;
+                        let full_block = head_bytes * 4 * kv_heads as usize;
+                        let mut sharded = vec![0u8; 4 * block];
+                        let mut reference = vec![0u8; 4 * full_block];
+                        memory.layer(rank, layer).read(0, &mut sharded).unwrap();
+                        whole.layer(0, layer).read(0, &mut reference).unwrap();
+                        for block_id in 1..4 {
+                            for local in 0..held {
+                                let ours = block_id * block + local * head_bytes * 4;
+                                let theirs = block_id * full_block + (first + local) * head_bytes * 4;
+                                assert_eq!(
+                                    sharded[ours..ours + head_bytes * 4],
+                                    reference[theirs..theirs + head_bytes * 4],
+                                    "{heads}/{kv_heads} heads, tp {tp}, rank {rank}, layer {layer}, block {block_id}, local head {local}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every rank's copy is read: a replica of a KV head nobody else holds corrupted on any
+    /// one rank changes the logits, so a READ that filled only one replica would show.
+    #[test]
+    fn every_ranks_copy_of_the_kv_is_read() {
+        let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
+        let prompt = prompt_tokens(2, 11, 16);
+        for (heads, kv_heads) in SHAPES {
+            let model = model_with(heads, kv_heads);
+            let sharding = HeadSharding::new(kv_heads, 4).unwrap();
+            for rank in 0..4 {
+                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
+                let clean = run(&model, &memory, &lists, &prompt);
+                // Position 0's K, local head 0, block 1 of the full-attention layer 0.
+                memory
+                    .layer(rank, 0)
+                    .write_f32s(model.bytes_per_block(0, sharding), &[9.0])
+                    .unwrap();
+                let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
+                assert_ne!(last, clean[10], "{heads}/{kv_heads} heads, rank {rank} of 4");
+            }
+            // The state's share on each rank matters too.
+            for rank in 0..4 {
+                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
+                let clean = run(&model, &memory, &lists, &prompt);
+                memory
+                    .layer(rank, 2)
+                    .write_f32s(model.bytes_per_block(2, sharding), &[9.0])
+                    .unwrap();
+                let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
+                assert_ne!(last, clean[10], "mamba share of rank {rank} of 4");
+            }
+        }
+    }
+
+    #[test]
+    fn a_state_splits_into_contiguous_shares_covering_it_once() {
+        assert_eq!(state_share(8, 4, 3), 6..8);
+        assert_eq!(state_share(10, 4, 0), 0..3);
+        assert_eq!(state_share(10, 4, 3), 9..10);
+        assert_eq!(state_share(2, 4, 3), 2..2);
+        for (d, tp) in [(8, 1), (8, 3), (7, 4), (3, 8)] {
+            let covered: Vec<usize> = (0..tp).flat_map(|rank| state_share(d, tp, rank)).collect();
+            assert_eq!(covered, (0..d).collect::<Vec<_>>(), "d {d}, tp {tp}");
+        }
     }
 }

@@ -1,19 +1,26 @@
-//! One leg's KV memory: a region per layer (blocks `bytes_per_block` apart, block 0 the null
-//! block's slot) and a generation table per group, in heap, shared or GPU memory, with the placement
-//! the exchange plans READs against.
+//! One leg's KV memory: a region per layer and tensor-parallel rank (blocks `bytes_per_block`
+//! apart, block 0 the null block's slot) and a generation table per group, in heap, shared or GPU
+//! memory, with the placement the exchange plans READs against.
+//!
+//! A leg of TP size `T` keeps each layer once per rank, as `T` GPUs would: rank `r`'s region of
+//! an attention layer holds the KV heads [`HeadSharding`] gives it, a mamba layer's region a
+//! contiguous share of the state. All ranks share the leg's block table.
 
 use std::sync::Arc;
 
+use pdkv_core::heads::HeadSharding;
 use pdkv_core::plan::{LayerRegion, RegionLayout};
 use pdkv_transport::region::{Region, RegionError};
 
 use crate::engine::Model;
 
-/// One leg's KV memory: a region per layer and a generation table per group.
+/// One leg's KV memory: a region per layer and rank, and a generation table per group.
 #[derive(Debug)]
 pub struct LegMemory {
-    /// `layers[l]` holds layer `l`'s blocks.
+    /// `layers[r * L + l]` holds layer `l`'s blocks on rank `r` ([`Self::layer`]).
     pub layers: Vec<Arc<Region>>,
+    /// How the leg's ranks share the model's KV heads.
+    pub sharding: HeadSharding,
     /// `generations[g]` holds one `u32` per block id of group `g`.
     pub generations: Vec<Arc<Region>>,
     /// Placement of every layer and generation table (region ids, block stride, block count).
@@ -21,24 +28,35 @@ pub struct LegMemory {
 }
 
 impl LegMemory {
-    /// Heap memory for `capacity[g]` blocks per group (plus the null block, id 0).
-    pub fn heap(model: &Model, capacity: &[u32]) -> Self {
-        Self::allocate(model, capacity, |_, len| Ok(Region::heap(len)))
+    /// Heap memory for `capacity[g]` blocks per group (plus the null block, id 0) on the ranks
+    /// of `sharding`.
+    pub fn heap(model: &Model, sharding: HeadSharding, capacity: &[u32]) -> Self {
+        Self::allocate(model, sharding, capacity, |_, len| Ok(Region::heap(len)))
             .expect("heap regions cannot fail to allocate")
     }
 
     /// Shared memory (memfd) for `capacity[g]` blocks per group, so a peer on this host can map
     /// the regions; `leg` names the memfds.
-    pub fn shared(model: &Model, capacity: &[u32], leg: &str) -> Result<Self, RegionError> {
-        Self::allocate(model, capacity, |name, len| {
+    pub fn shared(
+        model: &Model,
+        sharding: HeadSharding,
+        capacity: &[u32],
+        leg: &str,
+    ) -> Result<Self, RegionError> {
+        Self::allocate(model, sharding, capacity, |name, len| {
             Region::shared(&format!("pdkv-{leg}-{name}"), len)
         })
     }
 
     /// KV blocks in the memory of AMD GPU `device` (HIP), generation tables in host memory
     /// (small, and written by the allocator through atomics).
-    pub fn gpu(model: &Model, capacity: &[u32], device: u32) -> Result<Self, RegionError> {
-        Self::allocate(model, capacity, |name, len| {
+    pub fn gpu(
+        model: &Model,
+        sharding: HeadSharding,
+        capacity: &[u32],
+        device: u32,
+    ) -> Result<Self, RegionError> {
+        Self::allocate(model, sharding, capacity, |name, len| {
             if name.starts_with("generations") {
                 Ok(Region::heap(len))
             } else {
@@ -49,23 +67,32 @@ impl LegMemory {
 
     fn allocate(
         model: &Model,
+        sharding: HeadSharding,
         capacity: &[u32],
         mut region: impl FnMut(&str, usize) -> Result<Region, RegionError>,
     ) -> Result<Self, RegionError> {
         let layout = model.layout();
-        let mut layers = Vec::with_capacity(layout.num_layers());
-        let mut placements = Vec::with_capacity(layout.num_layers());
-        for (layer, &group) in layout.layer_groups().iter().enumerate() {
-            let num_blocks = capacity[group] + 1;
-            let bytes_per_block = model.bytes_per_block(layer);
-            let len = (u64::from(num_blocks) * bytes_per_block) as usize;
-            layers.push(Arc::new(region(&format!("layer{layer}"), len)?));
-            placements.push(LayerRegion {
-                region: layer as u32,
-                base_offset: 0,
-                bytes_per_block,
-                num_blocks,
-            });
+        let count = layout.num_layers() * sharding.tp() as usize;
+        let mut layers = Vec::with_capacity(count);
+        let mut placements = Vec::with_capacity(count);
+        for rank in 0..sharding.tp() {
+            for (layer, &group) in layout.layer_groups().iter().enumerate() {
+                let num_blocks = capacity[group] + 1;
+                let bytes_per_block = model.bytes_per_block(layer, sharding);
+                let len = (u64::from(num_blocks) * bytes_per_block) as usize;
+                let name = if sharding.tp() == 1 {
+                    format!("layer{layer}")
+                } else {
+                    format!("rank{rank}-layer{layer}")
+                };
+                layers.push(Arc::new(region(&name, len)?));
+                placements.push(LayerRegion {
+                    region: placements.len() as u32,
+                    base_offset: 0,
+                    bytes_per_block,
+                    num_blocks,
+                });
+            }
         }
         let mut generations = Vec::with_capacity(capacity.len());
         for (group, &blocks) in capacity.iter().enumerate() {
@@ -76,13 +103,20 @@ impl LegMemory {
         }
         Ok(LegMemory {
             layers,
+            sharding,
             generations,
             regions: RegionLayout {
                 layers: placements,
                 generations: Vec::new(),
+                ranks: sharding.tp(),
             }
             .with_generation_tables(capacity.len()),
         })
+    }
+
+    /// Layer `layer`'s region on rank `rank`.
+    pub fn layer(&self, rank: u32, layer: usize) -> &Arc<Region> {
+        &self.layers[rank as usize * (self.layers.len() / self.sharding.tp() as usize) + layer]
     }
 
     /// Every region with the id [`Self::regions`] gives it: layers, then generation tables.

@@ -15,7 +15,7 @@ use actix::{Actor, Context, Handler, Message, ResponseFuture};
 use pdkv_core::exchange::Pairing;
 use pdkv_core::layout::KvLayout;
 use pdkv_core::leg::{GenerationCheck, ReadDone};
-use pdkv_core::plan::{self, RegionLayout};
+use pdkv_core::plan::{self, HeadLayout, RegionLayout};
 use pdkv_core::wire::{Failure, GrantId, NodeId, RequestId};
 use pdkv_transport::control::Hello;
 use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine};
@@ -30,20 +30,25 @@ pub struct TransferActor {
     /// The engine each prefill leg is read with, chosen at its hello.
     chosen: HashMap<NodeId, Arc<dyn ReadEngine>>,
     layout: KvLayout,
+    /// The model's KV heads, as every rank's blocks hold them.
+    heads: HeadLayout,
     local_regions: RegionLayout,
     /// Region layouts of the prefill legs this leg reads from, learned from their hellos.
     remote_regions: HashMap<NodeId, RegionLayout>,
     read_timeout: Duration,
     mailbox: usize,
+    /// READs planned so far: spreads reads of replicated KV heads over their prefill replicas.
+    reads: u64,
 }
 
 impl TransferActor {
     /// A transfer actor over `engines` (in preference order) for a leg on `host` whose memory
-    /// is placed as `local_regions`.
+    /// is placed as `local_regions`, its blocks holding KV heads as `heads` says.
     pub fn new(
         engines: Vec<Arc<dyn ReadEngine>>,
         host: String,
         layout: KvLayout,
+        heads: HeadLayout,
         local_regions: RegionLayout,
         read_timeout: Duration,
         mailbox: usize,
@@ -53,10 +58,12 @@ impl TransferActor {
             host,
             chosen: HashMap::new(),
             layout,
+            heads,
             local_regions,
             remote_regions: HashMap::new(),
             read_timeout,
             mailbox,
+            reads: 0,
         }
     }
 }
@@ -81,6 +88,14 @@ impl Handler<AddPeer> for TransferActor {
     type Result = Result<(), Failure>;
 
     fn handle(&mut self, msg: AddPeer, _ctx: &mut Self::Context) -> Self::Result {
+        // A pair whose KV cannot be resharded is refused when it meets, not at its first READ.
+        plan::check_sharding(
+            &self.layout,
+            self.heads,
+            msg.hello.regions.ranks,
+            self.local_regions.ranks,
+        )
+        .map_err(Failure::Plan)?;
         let kinds: Vec<EngineKind> = self
             .engines
             .iter()
@@ -131,12 +146,21 @@ impl Handler<Read> for TransferActor {
     type Result = ResponseFuture<Result<ReadDone, Failure>>;
 
     fn handle(&mut self, msg: Read, _ctx: &mut Self::Context) -> Self::Result {
+        let rotation = self.reads;
+        self.reads = self.reads.wrapping_add(1);
         let planned = match (
             self.remote_regions.get(&msg.prefill),
             self.chosen.get(&msg.prefill),
         ) {
             (Some(remote), Some(engine)) => {
-                plan::plan(&self.layout, &msg.pairing, &self.local_regions, remote)
+                plan::plan_sharded(
+                    &self.layout,
+                    &msg.pairing,
+                    &self.local_regions,
+                    remote,
+                    self.heads,
+                    rotation,
+                )
                     .map(|plan| (plan, remote.clone(), engine.clone()))
                     .map_err(Failure::Plan)
             }

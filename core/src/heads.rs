@@ -20,6 +20,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::plan::BlockSlice;
+use crate::wire::Role;
 
 /// How a leg's ranks share a layer's KV heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,7 +84,7 @@ impl HeadSharding {
         }
     }
 
-    fn check_rank(&self, rank: u32, side: &'static str) -> Result<(), HeadError> {
+    fn check_rank(&self, rank: u32, side: Role) -> Result<(), HeadError> {
         if rank < self.tp {
             Ok(())
         } else {
@@ -188,21 +189,21 @@ impl HeadMap {
 
     /// What decode rank `rank` reads, in local head order.
     pub fn reads(&self, rank: u32) -> Result<&[HeadRead], HeadError> {
-        self.decode.check_rank(rank, "decode")?;
+        self.decode.check_rank(rank, Role::Decode)?;
         Ok(&self.reads[rank as usize])
     }
 
     /// How many decode ranks read prefill rank `rank` (its hand-off ends after that many
     /// releases; 0: nobody reads it).
     pub fn readers(&self, rank: u32) -> Result<u32, HeadError> {
-        self.prefill.check_rank(rank, "prefill")?;
+        self.prefill.check_rank(rank, Role::Prefill)?;
         Ok(self.readers[rank as usize])
     }
 
     /// The prefill ranks nobody reads whose hand-off decode rank `rank` gives back (prefill rank
     /// `p` falls to decode rank `p mod decode TP`).
     pub fn releases(&self, rank: u32) -> Result<Vec<u32>, HeadError> {
-        self.decode.check_rank(rank, "decode")?;
+        self.decode.check_rank(rank, Role::Decode)?;
         Ok((0..self.prefill.tp)
             .filter(|&p| self.readers[p as usize] == 0 && p % self.decode.tp == rank)
             .collect())
@@ -303,7 +304,7 @@ pub enum HeadError {
     #[error("{side} rank {rank} is beyond its tensor-parallel size {tp}")]
     RankOutOfRange {
         /// Which leg.
-        side: &'static str,
+        side: Role,
         /// The rank asked for.
         rank: u32,
         /// The leg's TP size.
@@ -400,7 +401,7 @@ mod tests {
         assert_eq!(
             split.reads(2),
             Err(HeadError::RankOutOfRange {
-                side: "decode",
+                side: Role::Decode,
                 rank: 2,
                 tp: 2
             })

@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::exchange::{BlockPair, Pairing};
-use crate::layout::KvLayout;
+use crate::heads::{HeadError, HeadMap, HeadOrder, HeadSharding, head_slices};
+use crate::layout::{GroupKind, KvLayout};
 use crate::wire::Role;
 
 /// Where one layer's blocks live inside a leg's registered memory.
@@ -32,13 +33,29 @@ pub struct LayerRegion {
 /// Where a leg's KV blocks and generation tables sit in its registered regions: the one
 /// definition of region ids, sent to peers in the handshake so a reader plans against the
 /// placement the holder really uses.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+///
+/// A leg sharding its KV heads over `ranks` tensor-parallel ranks places every layer once per
+/// rank, rank-major; all ranks share one block table, so block ids and generation tables are
+/// the leg's, not a rank's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionLayout {
-    /// `layers[l]` places layer `l`.
+    /// `layers[r * L + l]` places layer `l` of rank `r` (`L` layers, `ranks` ranks).
     pub layers: Vec<LayerRegion>,
     /// `generations[g]` is the region id of group `g`'s generation table (one `u32` per block
     /// id, bumped whenever the block is freed).
     pub generations: Vec<u32>,
+    /// Tensor-parallel ranks the layers are placed for (1: an unsharded leg).
+    pub ranks: u32,
+}
+
+impl Default for RegionLayout {
+    fn default() -> Self {
+        RegionLayout {
+            layers: Vec::new(),
+            generations: Vec::new(),
+            ranks: 1,
+        }
+    }
 }
 
 impl RegionLayout {
@@ -57,7 +74,36 @@ impl RegionLayout {
                 })
                 .collect(),
             generations: Vec::new(),
+            ranks: 1,
         }
+    }
+
+    /// The placement of rank `rank` alone (its layers, the leg's generation tables), or `None`
+    /// beyond the ranks or when the layers do not split evenly over them.
+    pub fn rank(&self, rank: u32) -> Option<RegionLayout> {
+        let per_rank = self.layers_per_rank()?;
+        let first = (rank as usize).checked_mul(per_rank)?;
+        (rank < self.ranks).then(|| RegionLayout {
+            layers: self.layers[first..first + per_rank].to_vec(),
+            generations: self.generations.clone(),
+            ranks: 1,
+        })
+    }
+
+    /// Layers placed per rank, or `None` when the layers do not split evenly over the ranks.
+    pub fn layers_per_rank(&self) -> Option<usize> {
+        let ranks = self.ranks as usize;
+        (ranks > 0 && self.layers.len().is_multiple_of(ranks)).then(|| self.layers.len() / ranks)
+    }
+
+    /// The model layer region `region` holds, with its placement.
+    pub fn placement(&self, region: u32) -> Option<(usize, &LayerRegion)> {
+        let per_rank = self.layers_per_rank()?;
+        self.layers
+            .iter()
+            .enumerate()
+            .find(|(_, placement)| placement.region == region)
+            .map(|(index, placement)| (index % per_rank, placement))
     }
 
     /// The same with one generation table per group, in the ids after the last layer region.
@@ -285,6 +331,118 @@ pub fn plan_slices(
     Ok(plan)
 }
 
+/// How a model's attention KV sits in a rank's blocks: the KV heads per layer the ranks shard,
+/// and the order of heads and tokens inside a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadLayout {
+    /// KV heads per attention layer of the model (1 for MLA's latent).
+    pub kv_heads: u32,
+    /// Heads outside tokens (`[H, N, C]`) or inside them (`[N, H, C]`).
+    pub order: HeadOrder,
+}
+
+/// Turns a pairing into the READs of every decode rank, for legs whose KV heads may be sharded
+/// over different tensor-parallel sizes ([`RegionLayout::ranks`]).
+///
+/// Legs of equal size copy rank `r`'s blocks whole into rank `r`. Otherwise each decode rank
+/// reads exactly the heads it holds, each once, from a prefill rank holding them
+/// ([`HeadMap`]; `rotation` spreads reads of replicated heads over their replicas, so give each
+/// request its own). A recurrent state is not made of heads, so a layout with one is refused
+/// across different sizes.
+pub fn plan_sharded(
+    layout: &KvLayout,
+    pairing: &Pairing,
+    local: &RegionLayout,
+    remote: &RegionLayout,
+    heads: HeadLayout,
+    rotation: u64,
+) -> Result<TransferPlan, PlanError> {
+    check_sharding(layout, heads, remote.ranks, local.ranks)?;
+    let rank = |side: Role, regions: &RegionLayout, rank: u32| {
+        regions
+            .rank(rank)
+            .filter(|placed| placed.layers.len() == layout.num_layers())
+            .ok_or(PlanError::LayerCountMismatch {
+                side,
+                given: regions.layers.len(),
+                layers: layout.num_layers() * regions.ranks as usize,
+            })
+    };
+    let mut sharded = TransferPlan::default();
+    if local.ranks == remote.ranks {
+        for r in 0..local.ranks {
+            let (local_rank, remote_rank) = (rank(Role::Decode, local, r)?, rank(Role::Prefill, remote, r)?);
+            sharded
+                .layers
+                .extend(plan(layout, pairing, &local_rank, &remote_rank)?.layers);
+        }
+        return Ok(sharded);
+    }
+    let map = HeadMap::new(
+        HeadSharding::new(heads.kv_heads, remote.ranks)?,
+        HeadSharding::new(heads.kv_heads, local.ranks)?,
+        rotation,
+    )?;
+    let (remote_heads, local_heads) = (map.prefill().heads_per_rank(), map.decode().heads_per_rank());
+    for d in 0..local.ranks {
+        let local_rank = rank(Role::Decode, local, d)?;
+        for read in map.reads(d)? {
+            let remote_rank = rank(Role::Prefill, remote, read.prefill_rank)?;
+            let mut slices = Vec::with_capacity(layout.num_layers());
+            for (layer, &group) in layout.layer_groups().iter().enumerate() {
+                // A layout's effective block size is checked to fit in u32 when it is built.
+                let tokens = u32::try_from(layout.groups()[group].effective_block_size())
+                    .map_err(|_| PlanError::OffsetOverflow { side: Role::Decode, layer })?;
+                slices.push(head_slices(
+                    read,
+                    heads.order,
+                    tokens,
+                    (remote_heads, remote_rank.layers[layer].bytes_per_block),
+                    (local_heads, local_rank.layers[layer].bytes_per_block),
+                )?);
+            }
+            sharded
+                .layers
+                .extend(plan_slices(layout, pairing, &local_rank, &remote_rank, &slices)?.layers);
+        }
+    }
+    Ok(sharded)
+}
+
+/// Whether a decode leg of `decode_tp` ranks can read a prefill leg of `prefill_tp` ranks:
+/// equal sizes always can; different ones need every group to be attention KV sharded by heads
+/// (checked when two legs first meet, so a pair that cannot work is refused before any request).
+pub fn check_sharding(
+    layout: &KvLayout,
+    heads: HeadLayout,
+    prefill_tp: u32,
+    decode_tp: u32,
+) -> Result<(), PlanError> {
+    if prefill_tp == 0 || decode_tp == 0 {
+        return Err(PlanError::Heads(HeadError::NoRanks));
+    }
+    if prefill_tp == decode_tp {
+        return Ok(());
+    }
+    if let Some(group) = layout
+        .groups()
+        .iter()
+        .position(|spec| matches!(spec.kind(), GroupKind::Mamba | GroupKind::MambaAlign))
+    {
+        return Err(PlanError::StateAcrossRanks {
+            group,
+            prefill_tp,
+            decode_tp,
+        });
+    }
+    HeadMap::new(
+        HeadSharding::new(heads.kv_heads, prefill_tp)?,
+        HeadSharding::new(heads.kv_heads, decode_tp)?,
+        0,
+    )?;
+    Ok(())
+}
+
 /// Checks that the pairing and both legs' placements describe the layout.
 fn check_shapes(
     layout: &KvLayout,
@@ -398,6 +556,22 @@ pub enum PlanError {
         block: BlockId,
         /// Blocks in the region.
         num_blocks: u32,
+    },
+    /// The legs' KV heads cannot be mapped onto each other's ranks.
+    #[error(transparent)]
+    Heads(#[from] HeadError),
+    /// A recurrent state is split over ranks by its own rule, not by KV heads: legs of
+    /// different tensor-parallel sizes cannot reshard it.
+    #[error(
+        "group {group} is a recurrent state: a prefill leg of {prefill_tp} tensor-parallel ranks and a decode leg of {decode_tp} cannot reshard it (the sizes must be equal)"
+    )]
+    StateAcrossRanks {
+        /// The state group.
+        group: usize,
+        /// Prefill leg's TP size.
+        prefill_tp: u32,
+        /// Decode leg's TP size.
+        decode_tp: u32,
     },
     /// Offsets do not fit in 64 bits.
     #[error("layer {layer}: {side} byte offset overflows")]

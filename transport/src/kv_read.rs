@@ -287,6 +287,7 @@ mod tests {
                 num_blocks: 4,
             }],
             generations: vec![1],
+            ranks: 1,
         };
         // Prefill blocks 2 and 3 into decode blocks 0 and 1.
         let plan = TransferPlan {

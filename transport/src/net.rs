@@ -200,12 +200,13 @@ impl ReadAuthorizer for GrantAuthorizer {
     ) -> Result<(), ReadDenied> {
         let (layer, placement) = self
             .regions
-            .layers
-            .iter()
-            .enumerate()
-            .find(|(_, placement)| placement.region == region)
+            .placement(region)
             .ok_or(ReadDenied::NotKvRegion(region))?;
-        let group = self.layout.layer_groups()[layer];
+        let group = *self
+            .layout
+            .layer_groups()
+            .get(layer)
+            .ok_or(ReadDenied::NotKvRegion(region))?;
         if len == 0 || offset < placement.base_offset {
             return Err(ReadDenied::NotInsideBlock { region, offset, len });
         }
@@ -1298,6 +1299,7 @@ mod tests {
                 },
             ],
             generations: vec![2, 3],
+            ranks: 1,
         };
         let grants = Arc::new(Mutex::new(GrantTable::new(4)));
         // Block 2 of group 0 and block 5 of group 1.
