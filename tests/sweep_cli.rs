@@ -156,3 +156,117 @@ fn logs_to_a_pipe_are_plain_text() {
     assert!(stderr.contains("prefilled"), "debug logs reach stderr: {stderr}");
     assert!(!stderr.contains('\u{1b}'), "colour codes in {stderr:?}");
 }
+
+/// The shipped cluster.toml with `heads` query and `kv_heads` KV heads, the prefill leg at TP
+/// `prefill_tp` and the decode leg at `decode_tp`, written to a file of its own.
+fn sharded_config(
+    heads: u32,
+    kv_heads: u32,
+    prefill_tp: u32,
+    decode_tp: u32,
+    engine: &str,
+) -> std::path::PathBuf {
+    let shipped = include_str!("../cluster.toml");
+    let text = shipped
+        .replacen(
+            "vocab = 256\n",
+            &format!("vocab = 256\nheads = {heads}\nkv_heads = {kv_heads}\n"),
+            1,
+        )
+        .replacen(
+            "role = \"prefill\"\n",
+            &format!("role = \"prefill\"\ntp = {prefill_tp}\n"),
+            1,
+        )
+        .replacen(
+            "role = \"decode\"\n",
+            &format!("role = \"decode\"\ntp = {decode_tp}\n"),
+            1,
+        )
+        .replacen("read_engine = \"shm\"", &format!("read_engine = \"{engine}\""), 1);
+    assert_eq!(text.matches("tp = ").count(), 2, "one leg of each role");
+    let path = std::env::temp_dir().join(format!(
+        "pdkv-sweep-{}-h{heads}-kv{kv_heads}-p{prefill_tp}-d{decode_tp}-{engine}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Lengths around the block (64) and window (128) edges of the shipped layout.
+const EDGE_LENGTHS: &str = "1,2,63,64,65,127,128,129,130,191,192,193,255,256,257,377,440,511,640";
+
+/// Legs of different tensor-parallel sizes (`[[nodes]] tp`) over a model with KV heads: P/D
+/// equals direct at every length for GQA 1→2, 2→1, 4→2 and MLA-like replicated KV (one KV
+/// head) 1→4, 4→2, 2→1, and the decode leg reads each head each of its ranks holds exactly once:
+/// its bytes are those of an unsharded read times (ranks × heads per rank) / KV heads.
+#[test]
+fn legs_of_different_tensor_parallel_sizes_match_direct() {
+    let read_bytes = |config: &std::path::Path, links: &str| -> Vec<u64> {
+        let path = config.to_str().unwrap();
+        let (code, stdout, stderr) = pdkv(&[
+            "sweep",
+            "--config",
+            path,
+            "--in-process",
+            "--links",
+            links,
+            "--lengths",
+            EDGE_LENGTHS,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{path}: {stdout}\n{stderr}");
+        let lines: Vec<Value> = stdout
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect();
+        let summary = &lines.last().unwrap()["summary"];
+        assert_eq!(summary["matched"], summary["lengths"], "{path}: {stdout}");
+        assert_eq!(summary["legs_idle"], true, "{path}: {stdout}");
+        lines[..lines.len() - 1]
+            .iter()
+            .map(|line| line["read_bytes"].as_u64().unwrap())
+            .collect()
+    };
+    for (heads, kv_heads, prefill_tp, decode_tp, links) in [
+        (4, 2, 1, 2, "local"),
+        (4, 2, 2, 1, "quic"),
+        (8, 4, 4, 2, "local"),
+        (4, 1, 1, 4, "local"),
+        (4, 1, 4, 2, "quic"),
+        (4, 1, 2, 1, "local"),
+    ] {
+        let unsharded = sharded_config(heads, kv_heads, 1, 1, "shm");
+        let config = sharded_config(heads, kv_heads, prefill_tp, decode_tp, "shm");
+        let base = read_bytes(&unsharded, "local");
+        let read = read_bytes(&config, links);
+        let held = decode_tp * (kv_heads / decode_tp).max(1);
+        let expected: Vec<u64> = base
+            .iter()
+            .map(|bytes| bytes * u64::from(held) / u64::from(kv_heads))
+            .collect();
+        assert_eq!(
+            read, expected,
+            "{heads}/{kv_heads} heads, tp {prefill_tp} -> {decode_tp}"
+        );
+        for path in [unsharded, config] {
+            std::fs::remove_file(path).unwrap();
+        }
+    }
+}
+
+/// The same as processes, reading over the network engine, whose memory server checks every
+/// range against the grant through the rank-major placement.
+#[test]
+fn processes_of_different_tensor_parallel_sizes_match_direct_over_the_network() {
+    let config = sharded_config(8, 2, 4, 1, "net");
+    let path = config.to_str().unwrap();
+    let (code, stdout, stderr) = pdkv(&["sweep", "--config", path, "--lengths", EDGE_LENGTHS]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("19/19 match (anchored pairing, processes over QUIC"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("LEAK"), "{stdout}");
+    std::fs::remove_file(config).unwrap();
+}

@@ -473,9 +473,11 @@ fn in_process_parts(
             MappedEngine::local(key, fabric.clone())?,
         ),
         ReadEngineKind::Shm | ReadEngineKind::Net => (
-            LegMemory::shared(model, node.kv_sharding, &capacity, &node.name.0).map_err(|source| StartError::Memory {
-                node: node.name.0.clone(),
-                source,
+            LegMemory::shared(model, node.kv_sharding, &capacity, &node.name.0).map_err(|source| {
+                StartError::Memory {
+                    node: node.name.0.clone(),
+                    source,
+                }
             })?,
             MappedEngine::shm(key)?,
         ),

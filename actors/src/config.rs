@@ -7,11 +7,11 @@
 use std::collections::HashSet;
 
 use pdkv_core::exchange::PairingMode;
-use pdkv_core::identity::ModelFields;
 use pdkv_core::heads::{HeadOrder, HeadSharding};
-use pdkv_core::plan::{HeadLayout, check_sharding};
+use pdkv_core::identity::ModelFields;
 use pdkv_core::layout::{GroupEntry, GroupEntryError};
 use pdkv_core::layout::{GroupKind, KvLayout};
+use pdkv_core::plan::{HeadLayout, check_sharding};
 
 use crate::deployment::{
     HttpConfig, Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig,
@@ -889,7 +889,9 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
     if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(ConfigError::invalid(
             "model.kv_heads",
-            format!("must divide heads ({heads}): each KV head serves a group of query heads, got {kv_heads}"),
+            format!(
+                "must divide heads ({heads}): each KV head serves a group of query heads, got {kv_heads}"
+            ),
         ));
     }
     let params = ModelParams {
@@ -1073,7 +1075,12 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
         refuse_key(index, "blocks_per_group", &node.blocks_per_group, reference_only)?;
         refuse_key(index, "lookahead_tokens", &node.lookahead_tokens, reference_only)?;
         refuse_key(index, "prefill_tokens", &node.prefill_tokens, reference_only)?;
-        refuse_key(index, "tp", &node.tp, "a reference-engine leg's key; a vLLM leg takes its tensor-parallel size from engine_args (-tp)")?;
+        refuse_key(
+            index,
+            "tp",
+            &node.tp,
+            "a reference-engine leg's key; a vLLM leg takes its tensor-parallel size from engine_args (-tp)",
+        )?;
         refuse_key(
             index,
             "gpu",
@@ -1362,6 +1369,147 @@ mod tests {
         }
     }
 
+    /// The shipped file with KV heads and per-node TP sizes.
+    fn sharded(heads: u32, kv_heads: u32, prefill_tp: u32, decode_tp: u32) -> String {
+        let text = DEFAULT_CLUSTER_TOML
+            .replacen(
+                "vocab = 256\n",
+                &format!("vocab = 256\nheads = {heads}\nkv_heads = {kv_heads}\n"),
+                1,
+            )
+            .replacen(
+                "role = \"prefill\"\n",
+                &format!("role = \"prefill\"\ntp = {prefill_tp}\n"),
+                1,
+            )
+            .replacen(
+                "role = \"decode\"\n",
+                &format!("role = \"decode\"\ntp = {decode_tp}\n"),
+                1,
+            );
+        assert_eq!(
+            text.matches("tp = ").count(),
+            2,
+            "the shipped file has one leg of each role"
+        );
+        text
+    }
+
+    #[test]
+    fn legs_shard_the_models_kv_heads_over_their_own_tp_sizes() {
+        let config = ClusterConfig::from_toml(&sharded(8, 2, 1, 4)).unwrap();
+        assert_eq!((config.model.heads, config.model.kv_heads), (8, 2));
+        let sizes: Vec<(u32, u32, u32)> = config
+            .nodes
+            .iter()
+            .map(|node| {
+                let sharding = node.kv_sharding;
+                (sharding.tp(), sharding.total(), sharding.heads_per_rank())
+            })
+            .collect();
+        assert_eq!(sizes, [(1, 2, 2), (4, 2, 1)]);
+        // Defaults: one head, as many KV heads as heads, TP 1.
+        let shipped = ClusterConfig::embedded_default();
+        assert_eq!((shipped.model.heads, shipped.model.kv_heads), (1, 1));
+        assert!(shipped.nodes.iter().all(|node| node.kv_sharding.tp() == 1));
+        let gqa = ClusterConfig::from_toml(&DEFAULT_CLUSTER_TOML.replacen(
+            "vocab = 256\n",
+            "vocab = 256\nheads = 4\n",
+            1,
+        ))
+        .unwrap();
+        assert_eq!(gqa.model.kv_heads, 4, "kv_heads defaults to heads");
+    }
+
+    #[test]
+    fn heads_and_tp_sizes_that_cannot_shard_are_refused_naming_the_key() {
+        for (text, key, words) in [
+            (sharded(3, 3, 1, 1), "model.heads", "must divide d_model (32)"),
+            (sharded(0, 1, 1, 1), "model.heads", "got 0"),
+            (sharded(4, 3, 1, 1), "model.kv_heads", "must divide heads (4)"),
+            (sharded(4, 0, 1, 1), "model.kv_heads", "got 0"),
+            (sharded(4, 4, 8, 1), "nodes[0].tp", "divide model.heads (4)"),
+            (sharded(4, 4, 1, 0), "nodes[1].tp", "got 0"),
+            (sharded(32, 32, 1, 128), "nodes[1].tp", "must be 1..=64"),
+            (
+                sharded(12, 6, 1, 4).replacen("d_model = 32", "d_model = 48", 1),
+                "nodes[1].tp",
+                "6 KV heads cannot be sharded over 4 tensor-parallel ranks",
+            ),
+        ] {
+            match ClusterConfig::from_toml(&text) {
+                Err(ConfigError::Invalid { key: found, reason }) => {
+                    assert_eq!(found, key, "{reason}");
+                    assert!(reason.contains(words), "{key}: {reason}");
+                }
+                other => panic!("expected {key} refused, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_recurrent_state_between_legs_of_different_tp_sizes_is_refused_naming_both() {
+        let text = sharded(4, 2, 2, 1).replacen(
+            "kind = \"sliding_window\"\nblock_size = 64\nwindow = 128",
+            "kind = \"mamba\"",
+            1,
+        );
+        match ClusterConfig::from_toml(&text) {
+            Err(ConfigError::Invalid { key, reason }) => {
+                assert_eq!(key, "nodes");
+                assert!(
+                    reason.contains("prefill node \"prefill-0\" (tp 2) and decode node \"decode-0\" (tp 1)")
+                        && reason.contains("group 1 is a recurrent state"),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected the pair refused, got {other:?}"),
+        }
+        let equal = sharded(4, 2, 2, 2).replacen(
+            "kind = \"sliding_window\"\nblock_size = 64\nwindow = 128",
+            "kind = \"mamba\"",
+            1,
+        );
+        assert!(
+            ClusterConfig::from_toml(&equal).is_ok(),
+            "equal sizes share a state"
+        );
+    }
+
+    #[test]
+    fn sharded_legs_size_their_kv_memory_by_the_heads_each_rank_holds() {
+        let layout = ClusterConfig::embedded_default().layout;
+        let model = |heads: u32, kv_heads: u32| ModelParams {
+            seed: 1,
+            d_model: 32,
+            vocab: 256,
+            heads,
+            kv_heads,
+        };
+        let bookkeeping = 2 * 65 * (4 + ALLOCATOR_BYTES_PER_BLOCK);
+        // Four layers of 65 blocks of 64 tokens; K and V of 4-byte values: 32 values per token
+        // for all heads, times the replicas a rank adds above kv_heads ranks.
+        let kv = |values_per_token: u64| 4 * 65 * 64 * 2 * 4 * values_per_token;
+        for (heads, kv_heads, tp, values) in [
+            (1, 1, 1, 32),
+            (4, 4, 2, 32),
+            (4, 2, 1, 16),
+            (4, 1, 4, 32),
+            (4, 2, 4, 32),
+        ] {
+            assert_eq!(
+                leg_memory_bytes(
+                    &layout,
+                    &model(heads, kv_heads),
+                    HeadSharding::new(kv_heads, tp).unwrap(),
+                    64
+                ),
+                Some(kv(values) + bookkeeping),
+                "{heads}/{kv_heads} heads over {tp}"
+            );
+        }
+    }
+
     #[test]
     fn nodes_of_files_that_compute_kv_differently_differ_in_their_model_fields() {
         let shipped = DEFAULT_CLUSTER_TOML;
@@ -1375,6 +1523,7 @@ mod tests {
             ("seed = 7", "seed = 8", "seed"),
             ("d_model = 32", "d_model = 16", "d_model"),
             ("vocab = 256", "vocab = 255", "vocab"),
+            ("vocab = 256", "vocab = 256\nheads = 4\nkv_heads = 1", "heads"),
             ("window = 128", "window = 96", "kv_groups"),
             (
                 "layer_groups = [0, 1, 0, 1]",
@@ -1389,6 +1538,27 @@ mod tests {
             let names: Vec<String> = base.differences(&other).into_iter().map(|d| d.name).collect();
             assert_eq!(names, [field], "{from} -> {to}");
         }
+        let grouped = |kv_heads: u32| {
+            ClusterConfig::from_toml(&sharded(4, kv_heads, 1, 1))
+                .unwrap()
+                .model_fields()
+        };
+        let names: Vec<String> = grouped(4)
+            .differences(&grouped(2))
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        assert_eq!(names, ["kv_heads"]);
+        // A leg's TP size is not the model's: legs of different sizes read each other.
+        assert!(
+            grouped(2)
+                .differences(
+                    &ClusterConfig::from_toml(&sharded(4, 2, 4, 2))
+                        .unwrap()
+                        .model_fields()
+                )
+                .is_empty()
+        );
         // Settings that do not change the KV (limits, nodes) do not differ.
         let limits = shipped.replacen("lease_ms = 10000", "lease_ms = 20000", 1);
         assert!(limits != shipped, "the shipped file sets lease_ms");

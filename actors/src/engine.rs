@@ -139,11 +139,7 @@ impl Model {
             GroupKind::Mamba | GroupKind::MambaAlign => {
                 state_share(self.params.d_model, sharding.tp(), 0).len() as u64 * 4
             }
-            _ => {
-                u64::from(sharding.heads_per_rank())
-                    * group.effective_block_size()
-                    * self.head_cell_bytes()
-            }
+            _ => u64::from(sharding.heads_per_rank()) * group.effective_block_size() * self.head_cell_bytes(),
         }
     }
 

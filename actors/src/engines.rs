@@ -564,6 +564,13 @@ mod tests {
             (
                 format!(
                     "{ENGINE}{}",
+                    LEGS.replacen("engine = \"vllm\"\n", "engine = \"vllm\"\ntp = 2\n", 1)
+                ),
+                "nodes[0].tp: a reference-engine leg's key; a vLLM leg takes its tensor-parallel size from engine_args (-tp)",
+            ),
+            (
+                format!(
+                    "{ENGINE}{}",
                     LEGS.replacen(
                         "engine = \"vllm\"\n",
                         "engine = \"reference\"\nblocks_per_group = 8\n",

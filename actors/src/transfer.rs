@@ -152,18 +152,16 @@ impl Handler<Read> for TransferActor {
             self.remote_regions.get(&msg.prefill),
             self.chosen.get(&msg.prefill),
         ) {
-            (Some(remote), Some(engine)) => {
-                plan::plan_sharded(
-                    &self.layout,
-                    &msg.pairing,
-                    &self.local_regions,
-                    remote,
-                    self.heads,
-                    rotation,
-                )
-                    .map(|plan| (plan, remote.clone(), engine.clone()))
-                    .map_err(Failure::Plan)
-            }
+            (Some(remote), Some(engine)) => plan::plan_sharded(
+                &self.layout,
+                &msg.pairing,
+                &self.local_regions,
+                remote,
+                self.heads,
+                rotation,
+            )
+            .map(|plan| (plan, remote.clone(), engine.clone()))
+            .map_err(Failure::Plan),
             _ => Err(Failure::Read(format!("{} never said hello", msg.prefill))),
         };
         let read_timeout = self.read_timeout;

@@ -391,8 +391,12 @@ pub fn plan_sharded(
             let mut slices = Vec::with_capacity(layout.num_layers());
             for (layer, &group) in layout.layer_groups().iter().enumerate() {
                 // A layout's effective block size is checked to fit in u32 when it is built.
-                let tokens = u32::try_from(layout.groups()[group].effective_block_size())
-                    .map_err(|_| PlanError::OffsetOverflow { side: Role::Decode, layer })?;
+                let tokens = u32::try_from(layout.groups()[group].effective_block_size()).map_err(|_| {
+                    PlanError::OffsetOverflow {
+                        side: Role::Decode,
+                        layer,
+                    }
+                })?;
                 slices.push(head_slices(
                     read,
                     heads.order,
