@@ -350,7 +350,7 @@ fn hello(node: &str, role: Role) -> Hello {
     let config = ClusterConfig::embedded_default();
     let model = Model::new(config.model, config.layout.clone());
     let capacity = vec![8; config.layout.groups().len()];
-    let memory = LegMemory::heap(&model, config.nodes[0].kv_sharding, &capacity);
+    let memory = LegMemory::heap(&model, config.nodes[0].shards, &capacity);
     Hello {
         node: NodeId(node.into()),
         role,
@@ -370,7 +370,7 @@ fn data_core() -> (DataServerCore, Vec<Vec<u8>>) {
     let config = ClusterConfig::embedded_default();
     let model = Model::new(config.model, config.layout.clone());
     let groups = config.layout.groups().len();
-    let memory = LegMemory::heap(&model, config.nodes[0].kv_sharding, &vec![8; groups]);
+    let memory = LegMemory::heap(&model, config.nodes[0].shards, &vec![8; groups]);
     let reader = NodeId("decode-0".into());
     let mut table = GrantTable::new(16);
     let blocks: Vec<Vec<BlockId>> = (0..groups).map(|_| vec![1, 2, 3]).collect();

@@ -512,7 +512,7 @@ fn node_resources(config: &AnyCluster, names: &[&str]) -> Value {
                     pdkv_actors::config::leg_memory_bytes(
                         &config.layout,
                         &config.model,
-                        node.kv_sharding,
+                        node.shards,
                         node.blocks_per_group,
                     )
                 })

@@ -157,16 +157,20 @@ fn logs_to_a_pipe_are_plain_text() {
     assert!(!stderr.contains('\u{1b}'), "colour codes in {stderr:?}");
 }
 
-/// The shipped cluster.toml with `heads` query and `kv_heads` KV heads, the prefill leg at TP
-/// `prefill_tp` and the decode leg at `decode_tp`, written to a file of its own.
+/// One leg's split: tensor-parallel size and DCP size.
+type Split = (u32, u32);
+
+/// The shipped cluster.toml with `heads` query and `kv_heads` KV heads, the prefill leg split as
+/// `prefill` (tp, dcp) and the decode leg as `decode`, written to a file of its own.
 fn sharded_config(
     heads: u32,
     kv_heads: u32,
-    prefill_tp: u32,
-    decode_tp: u32,
+    prefill: Split,
+    decode: Split,
     engine: &str,
 ) -> std::path::PathBuf {
     let shipped = include_str!("../cluster.toml");
+    let split = |(tp, dcp): Split| format!("tp = {tp}\ndcp = {dcp}\n");
     let text = shipped
         .replacen(
             "vocab = 256\n",
@@ -175,19 +179,23 @@ fn sharded_config(
         )
         .replacen(
             "role = \"prefill\"\n",
-            &format!("role = \"prefill\"\ntp = {prefill_tp}\n"),
+            &format!("role = \"prefill\"\n{}", split(prefill)),
             1,
         )
         .replacen(
             "role = \"decode\"\n",
-            &format!("role = \"decode\"\ntp = {decode_tp}\n"),
+            &format!("role = \"decode\"\n{}", split(decode)),
             1,
         )
         .replacen("read_engine = \"shm\"", &format!("read_engine = \"{engine}\""), 1);
-    assert_eq!(text.matches("tp = ").count(), 2, "one leg of each role");
+    assert_eq!(text.matches("dcp = ").count(), 2, "one leg of each role");
     let path = std::env::temp_dir().join(format!(
-        "pdkv-sweep-{}-h{heads}-kv{kv_heads}-p{prefill_tp}-d{decode_tp}-{engine}.toml",
-        std::process::id()
+        "pdkv-sweep-{}-h{heads}-kv{kv_heads}-p{}x{}-d{}x{}-{engine}.toml",
+        std::process::id(),
+        prefill.0,
+        prefill.1,
+        decode.0,
+        decode.1
     ));
     std::fs::write(&path, text).unwrap();
     path
@@ -196,12 +204,13 @@ fn sharded_config(
 /// Lengths around the block (64) and window (128) edges of the shipped layout.
 const EDGE_LENGTHS: &str = "1,2,63,64,65,127,128,129,130,191,192,193,255,256,257,377,440,511,640";
 
-/// Legs of different tensor-parallel sizes (`[[nodes]] tp`) over a model with KV heads: P/D
-/// equals direct at every length for GQA 1→2, 2→1, 4→2 and MLA-like replicated KV (one KV
-/// head) 1→4, 4→2, 2→1, and the decode leg reads each head each of its ranks holds exactly once:
-/// its bytes are those of an unsharded read times (ranks × heads per rank) / KV heads.
+/// Legs split differently over tensor-parallel and DCP ranks (`[[nodes]] tp`, `dcp`) over a
+/// model with KV heads: P/D equals direct at every length for GQA TP 1→2, 2→1, 4→2, MLA-like
+/// replicated KV (one KV head) 1→4, 4→2, 2→1, and DCP 1→2 and 2→1 (MLA-like and GQA, alone and
+/// beside TP); the decode leg reads each head of each head group, each token once: its bytes
+/// are those of an unsharded read times (head groups × heads per group) / KV heads.
 #[test]
-fn legs_of_different_tensor_parallel_sizes_match_direct() {
+fn legs_of_different_tensor_parallel_and_dcp_sizes_match_direct() {
     let read_bytes = |config: &std::path::Path, links: &str| -> Vec<u64> {
         let path = config.to_str().unwrap();
         let (code, stdout, stderr) = pdkv(&[
@@ -228,26 +237,31 @@ fn legs_of_different_tensor_parallel_sizes_match_direct() {
             .map(|line| line["read_bytes"].as_u64().unwrap())
             .collect()
     };
-    for (heads, kv_heads, prefill_tp, decode_tp, links) in [
-        (4, 2, 1, 2, "local"),
-        (4, 2, 2, 1, "quic"),
-        (8, 4, 4, 2, "local"),
-        (4, 1, 1, 4, "local"),
-        (4, 1, 4, 2, "quic"),
-        (4, 1, 2, 1, "local"),
+    for (heads, kv_heads, prefill, decode, links) in [
+        (4, 2, (1, 1), (2, 1), "local"),
+        (4, 2, (2, 1), (1, 1), "quic"),
+        (8, 4, (4, 1), (2, 1), "local"),
+        (4, 1, (1, 1), (4, 1), "local"),
+        (4, 1, (4, 1), (2, 1), "quic"),
+        (4, 1, (2, 1), (1, 1), "local"),
+        (4, 1, (1, 1), (2, 2), "local"),
+        (4, 1, (2, 2), (1, 1), "quic"),
+        (4, 2, (2, 1), (4, 2), "local"),
+        (4, 2, (4, 2), (2, 1), "local"),
     ] {
-        let unsharded = sharded_config(heads, kv_heads, 1, 1, "shm");
-        let config = sharded_config(heads, kv_heads, prefill_tp, decode_tp, "shm");
+        let unsharded = sharded_config(heads, kv_heads, (1, 1), (1, 1), "shm");
+        let config = sharded_config(heads, kv_heads, prefill, decode, "shm");
         let base = read_bytes(&unsharded, "local");
         let read = read_bytes(&config, links);
-        let held = decode_tp * (kv_heads / decode_tp).max(1);
+        let groups = decode.0 / decode.1;
+        let held = groups * (kv_heads / groups).max(1);
         let expected: Vec<u64> = base
             .iter()
             .map(|bytes| bytes * u64::from(held) / u64::from(kv_heads))
             .collect();
         assert_eq!(
             read, expected,
-            "{heads}/{kv_heads} heads, tp {prefill_tp} -> {decode_tp}"
+            "{heads}/{kv_heads} heads, {prefill:?} -> {decode:?}"
         );
         for path in [unsharded, config] {
             std::fs::remove_file(path).unwrap();
@@ -258,8 +272,8 @@ fn legs_of_different_tensor_parallel_sizes_match_direct() {
 /// The same as processes, reading over the network engine, whose memory server checks every
 /// range against the grant through the rank-major placement.
 #[test]
-fn processes_of_different_tensor_parallel_sizes_match_direct_over_the_network() {
-    let config = sharded_config(8, 2, 4, 1, "net");
+fn processes_of_different_splits_match_direct_over_the_network() {
+    let config = sharded_config(8, 2, (4, 2), (1, 1), "net");
     let path = config.to_str().unwrap();
     let (code, stdout, stderr) = pdkv(&["sweep", "--config", path, "--lengths", EDGE_LENGTHS]);
     assert_eq!(code, 0, "{stdout}\n{stderr}");

@@ -469,11 +469,11 @@ fn in_process_parts(
     let mut more_engines = Vec::new();
     let (memory, engine) = match config.transport.read_engine {
         ReadEngineKind::Local => (
-            LegMemory::heap(model, node.kv_sharding, &capacity),
+            LegMemory::heap(model, node.shards, &capacity),
             MappedEngine::local(key, fabric.clone())?,
         ),
         ReadEngineKind::Shm | ReadEngineKind::Net => (
-            LegMemory::shared(model, node.kv_sharding, &capacity, &node.name.0).map_err(|source| {
+            LegMemory::shared(model, node.shards, &capacity, &node.name.0).map_err(|source| {
                 StartError::Memory {
                     node: node.name.0.clone(),
                     source,

@@ -7,7 +7,7 @@
 use std::collections::HashSet;
 
 use pdkv_core::exchange::PairingMode;
-use pdkv_core::heads::{HeadOrder, HeadSharding};
+use pdkv_core::heads::{HeadOrder, KvShards};
 use pdkv_core::identity::ModelFields;
 use pdkv_core::layout::{GroupEntry, GroupEntryError};
 use pdkv_core::layout::{GroupKind, KvLayout};
@@ -302,6 +302,8 @@ struct NodeSection {
     #[serde(default)]
     tp: Option<u32>,
     #[serde(default)]
+    dcp: Option<u32>,
+    #[serde(default)]
     host: Option<String>,
     #[serde(default)]
     bind: Option<String>,
@@ -350,9 +352,10 @@ pub struct NodeConfig {
     pub launch: Launch,
     /// The AMD GPU (HIP device index) its KV lives on with `kv_memory = "gpu"`. Default 0.
     pub gpu: u32,
-    /// Its tensor-parallel size (`tp`) over the model's KV heads: the leg keeps each layer's
-    /// KV once per rank, each rank the heads vLLM would give it.
-    pub kv_sharding: HeadSharding,
+    /// How its `tp` ranks split the model's KV: heads over `tp / dcp` head groups, each block's
+    /// tokens over a group's `dcp` ranks. The leg keeps each layer's KV once per rank, each rank
+    /// the heads and tokens vLLM would give it.
+    pub shards: KvShards,
 }
 
 /// A checked cluster description.
@@ -855,6 +858,12 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
             "mamba_align is vLLM's mamba prefix caching (mamba_cache_mode = \"align\"); the reference engine keeps one state per request: use kind = \"mamba\"",
         ));
     }
+    if let Some(index) = groups.iter().position(|group| group.dcp() != 1) {
+        return Err(ConfigError::invalid(
+            format!("model.groups[{index}].dcp"),
+            "the reference engine splits each block's tokens over a leg's own DCP ranks: set [[nodes]] dcp (block_size is the whole block)",
+        ));
+    }
     if model.layer_groups.is_empty() {
         return Err(ConfigError::invalid(
             "model.layer_groups",
@@ -936,19 +945,8 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
             ));
         };
         let lookahead_tokens = node.lookahead_tokens.unwrap_or(0);
-        let tp = node.tp.unwrap_or(1);
-        if tp == 0 || tp > MAX_TP || !heads.is_multiple_of(tp) {
-            return Err(ConfigError::invalid(
-                format!("nodes[{index}].tp"),
-                format!(
-                    "must be 1..={MAX_TP} and divide model.heads ({heads}): each rank computes whole query heads, got {tp}"
-                ),
-            ));
-        }
-        let kv_sharding = HeadSharding::new(kv_heads, tp).map_err(|error| {
-            ConfigError::invalid(format!("nodes[{index}].tp"), format!("{error} (model.kv_heads)"))
-        })?;
-        let leg_bytes = leg_memory_bytes(&layout, &params, kv_sharding, blocks_per_group);
+        let shards = node_shards(index, &node, &layout, heads, kv_heads)?;
+        let leg_bytes = leg_memory_bytes(&layout, &params, shards, blocks_per_group);
         if leg_bytes.is_none_or(|bytes| bytes > limits.max_leg_bytes) {
             return Err(ConfigError::invalid(
                 format!("nodes[{index}].blocks_per_group"),
@@ -997,7 +995,7 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
             address,
             launch,
             gpu: node.gpu.unwrap_or(0),
-            kv_sharding,
+            shards,
         });
     }
     check_pairs_shard(&layout, kv_heads, &nodes)?;
@@ -1080,6 +1078,12 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
             "tp",
             &node.tp,
             "a reference-engine leg's key; a vLLM leg takes its tensor-parallel size from engine_args (-tp)",
+        )?;
+        refuse_key(
+            index,
+            "dcp",
+            &node.dcp,
+            "a reference-engine leg's key; a vLLM leg takes its DCP size from engine_args (-dcp)",
         )?;
         refuse_key(
             index,
@@ -1225,6 +1229,69 @@ const MAX_REFERENCE_WEIGHTS: u64 = 256 << 20;
 /// The largest tensor-parallel size a reference leg takes.
 pub const MAX_TP: u32 = 64;
 
+/// A reference node's `tp` and `dcp`, checked against the model: `tp / dcp` head groups that
+/// divide the query heads and shard the KV heads, `dcp` dividing `tp` and every attention
+/// block, and no DCP over a recurrent state.
+fn node_shards(
+    index: usize,
+    node: &NodeSection,
+    layout: &KvLayout,
+    heads: u32,
+    kv_heads: u32,
+) -> Result<KvShards, ConfigError> {
+    let (tp, dcp) = (node.tp.unwrap_or(1), node.dcp.unwrap_or(1));
+    let key = |name: &str| format!("nodes[{index}].{name}");
+    if tp == 0 || tp > MAX_TP {
+        return Err(ConfigError::invalid(
+            key("tp"),
+            format!("must be 1..={MAX_TP}, got {tp}"),
+        ));
+    }
+    if dcp == 0 || !tp.is_multiple_of(dcp) {
+        return Err(ConfigError::invalid(
+            key("dcp"),
+            format!(
+                "must be at least 1 and divide tp ({tp}): DCP ranks are taken out of the TP ranks, got {dcp}"
+            ),
+        ));
+    }
+    let head_groups = tp / dcp;
+    if !heads.is_multiple_of(head_groups) {
+        return Err(ConfigError::invalid(
+            key("tp"),
+            format!(
+                "tp / dcp = {head_groups} head groups must divide model.heads ({heads}): each group computes whole query heads"
+            ),
+        ));
+    }
+    for (group, spec) in layout.groups().iter().enumerate() {
+        let state = matches!(spec.kind(), GroupKind::Mamba | GroupKind::MambaAlign);
+        if dcp > 1 && state {
+            return Err(ConfigError::invalid(
+                key("dcp"),
+                format!(
+                    "model.groups[{group}] is a recurrent state, which DCP does not split by tokens: dcp must be 1, got {dcp}"
+                ),
+            ));
+        }
+        if !state && !spec.effective_block_size().is_multiple_of(u64::from(dcp)) {
+            return Err(ConfigError::invalid(
+                key("dcp"),
+                format!(
+                    "must divide every attention block: model.groups[{group}] has block_size {}, got {dcp}",
+                    spec.block_size()
+                ),
+            ));
+        }
+    }
+    KvShards::new(kv_heads, tp, dcp).map_err(|error| {
+        ConfigError::invalid(
+            key("tp"),
+            format!("{error} (model.kv_heads over tp / dcp head groups)"),
+        )
+    })
+}
+
 /// Refuses a cluster where some prefill leg and some decode leg shard KV so differently that no
 /// READ could reshard it (a recurrent state across TP sizes), naming both nodes.
 fn check_pairs_shard(layout: &KvLayout, kv_heads: u32, nodes: &[NodeConfig]) -> Result<(), ConfigError> {
@@ -1235,13 +1302,19 @@ fn check_pairs_shard(layout: &KvLayout, kv_heads: u32, nodes: &[NodeConfig]) -> 
     };
     for prefill in nodes.iter().filter(|node| node.role == Role::Prefill) {
         for decode in nodes.iter().filter(|node| node.role == Role::Decode) {
-            let (prefill_tp, decode_tp) = (prefill.kv_sharding.tp(), decode.kv_sharding.tp());
-            check_sharding(layout, heads, prefill_tp, decode_tp).map_err(|error| {
+            let split = |node: &NodeConfig| (node.shards.tp(), node.shards.dcp());
+            let (prefill_split, decode_split) = (split(prefill), split(decode));
+            check_sharding(layout, heads, prefill_split, decode_split).map_err(|error| {
                 ConfigError::invalid(
                     "nodes",
                     format!(
-                        "prefill node {:?} (tp {prefill_tp}) and decode node {:?} (tp {decode_tp}): {error}",
-                        prefill.name.0, decode.name.0
+                        "prefill node {:?} (tp {} dcp {}) and decode node {:?} (tp {} dcp {}): {error}",
+                        prefill.name.0,
+                        prefill_split.0,
+                        prefill_split.1,
+                        decode.name.0,
+                        decode_split.0,
+                        decode_split.1
                     ),
                 )
             })?;
@@ -1266,16 +1339,16 @@ fn reference_weight_count(layout: &KvLayout, d_model: u64, vocab: u64) -> Option
 /// block cached (the worst case); rounded up.
 pub const ALLOCATOR_BYTES_PER_BLOCK: u64 = 128;
 
-/// Memory a leg sharded as `sharding` needs for `blocks` blocks per group: every layer's region
+/// Memory a leg split as `shards` needs for `blocks` blocks per group: every layer's region
 /// of `blocks + 1` blocks on every rank (the same sizes as `engine::Model::bytes_per_block`),
 /// the generation tables, and the allocator's bookkeeping; `None` on overflow.
 pub fn leg_memory_bytes(
     layout: &KvLayout,
     model: &ModelParams,
-    sharding: HeadSharding,
+    shards: KvShards,
     blocks: u32,
 ) -> Option<u64> {
-    let tp = u64::from(sharding.tp());
+    let tp = u64::from(shards.tp());
     let state_share = (model.d_model as u64).div_ceil(tp);
     // K and V of one head for one token, in f32.
     let head_cell = (model.head_dim() as u64).checked_mul(8)?;
@@ -1291,8 +1364,9 @@ pub fn leg_memory_bytes(
             _ => spec
                 .effective_block_size()
                 .checked_mul(head_cell)?
-                .checked_mul(u64::from(sharding.heads_per_rank()))?
-                .checked_mul(tp)?,
+                .checked_mul(u64::from(shards.heads().heads_per_rank()))?
+                // Each head group holds every token once over its DCP ranks.
+                .checked_mul(u64::from(shards.heads().tp()))?,
         };
         total = total.checked_add(blocks.checked_mul(block_bytes)?)?;
     }
@@ -1395,23 +1469,42 @@ mod tests {
         text
     }
 
+    /// `text` with `dcp` on the prefill and decode nodes (after their `tp` lines).
+    fn with_dcp(text: &str, prefill_dcp: u32, decode_dcp: u32) -> String {
+        let (prefill, decode) = text
+            .split_once("role = \"decode\"\ntp = ")
+            .expect("a sharded file");
+        let (decode_tp, rest) = decode.split_once('\n').unwrap();
+        let prefill = prefill.replacen("\ntp = ", &format!("\ndcp = {prefill_dcp}\ntp = "), 1);
+        format!("{prefill}role = \"decode\"\ntp = {decode_tp}\ndcp = {decode_dcp}\n{rest}")
+    }
+
     #[test]
     fn legs_shard_the_models_kv_heads_over_their_own_tp_sizes() {
         let config = ClusterConfig::from_toml(&sharded(8, 2, 1, 4)).unwrap();
         assert_eq!((config.model.heads, config.model.kv_heads), (8, 2));
-        let sizes: Vec<(u32, u32, u32)> = config
-            .nodes
-            .iter()
-            .map(|node| {
-                let sharding = node.kv_sharding;
-                (sharding.tp(), sharding.total(), sharding.heads_per_rank())
-            })
-            .collect();
-        assert_eq!(sizes, [(1, 2, 2), (4, 2, 1)]);
+        let sizes = |config: &ClusterConfig| -> Vec<(u32, u32, u32, u32)> {
+            config
+                .nodes
+                .iter()
+                .map(|node| {
+                    let shards = node.shards;
+                    (
+                        shards.tp(),
+                        shards.dcp(),
+                        shards.heads().tp(),
+                        shards.heads().heads_per_rank(),
+                    )
+                })
+                .collect()
+        };
+        assert_eq!(sizes(&config), [(1, 1, 1, 2), (4, 1, 4, 1)]);
+        let dcp = ClusterConfig::from_toml(&with_dcp(&sharded(8, 2, 4, 2), 2, 1)).unwrap();
+        assert_eq!(sizes(&dcp), [(4, 2, 2, 1), (2, 1, 2, 1)]);
         // Defaults: one head, as many KV heads as heads, TP 1.
         let shipped = ClusterConfig::embedded_default();
         assert_eq!((shipped.model.heads, shipped.model.kv_heads), (1, 1));
-        assert!(shipped.nodes.iter().all(|node| node.kv_sharding.tp() == 1));
+        assert!(shipped.nodes.iter().all(|node| node.shards.tp() == 1));
         let gqa = ClusterConfig::from_toml(&DEFAULT_CLUSTER_TOML.replacen(
             "vocab = 256\n",
             "vocab = 256\nheads = 4\n",
@@ -1431,6 +1524,40 @@ mod tests {
             (sharded(4, 4, 8, 1), "nodes[0].tp", "divide model.heads (4)"),
             (sharded(4, 4, 1, 0), "nodes[1].tp", "got 0"),
             (sharded(32, 32, 1, 128), "nodes[1].tp", "must be 1..=64"),
+            (
+                with_dcp(&sharded(4, 4, 4, 1), 3, 1),
+                "nodes[0].dcp",
+                "must be at least 1 and divide tp (4)",
+            ),
+            (with_dcp(&sharded(4, 4, 4, 1), 1, 0), "nodes[1].dcp", "got 0"),
+            (
+                with_dcp(&sharded(2, 2, 4, 1), 1, 1),
+                "nodes[0].tp",
+                "tp / dcp = 4 head groups must divide model.heads (2)",
+            ),
+            (
+                with_dcp(&sharded(1, 1, 3, 1), 3, 1),
+                "nodes[0].dcp",
+                "must divide every attention block: model.groups[0] has block_size 64, got 3",
+            ),
+            (
+                with_dcp(&sharded(4, 4, 2, 1), 2, 1).replacen(
+                    "kind = \"sliding_window\"\nblock_size = 64\nwindow = 128",
+                    "kind = \"mamba\"",
+                    1,
+                ),
+                "nodes[0].dcp",
+                "model.groups[1] is a recurrent state, which DCP does not split by tokens",
+            ),
+            (
+                DEFAULT_CLUSTER_TOML.replacen(
+                    "kind = \"full\"\nblock_size = 64",
+                    "kind = \"full\"\nblock_size = 32\ndcp = 2",
+                    1,
+                ),
+                "model.groups[0].dcp",
+                "set [[nodes]] dcp",
+            ),
             (
                 sharded(12, 6, 1, 4).replacen("d_model = 32", "d_model = 48", 1),
                 "nodes[1].tp",
@@ -1458,8 +1585,9 @@ mod tests {
             Err(ConfigError::Invalid { key, reason }) => {
                 assert_eq!(key, "nodes");
                 assert!(
-                    reason.contains("prefill node \"prefill-0\" (tp 2) and decode node \"decode-0\" (tp 1)")
-                        && reason.contains("group 1 is a recurrent state"),
+                    reason.contains(
+                        "prefill node \"prefill-0\" (tp 2 dcp 1) and decode node \"decode-0\" (tp 1 dcp 1)"
+                    ) && reason.contains("group 1 is a recurrent state"),
                     "{reason}"
                 );
             }
@@ -1501,7 +1629,7 @@ mod tests {
                 leg_memory_bytes(
                     &layout,
                     &model(heads, kv_heads),
-                    HeadSharding::new(kv_heads, tp).unwrap(),
+                    KvShards::new(kv_heads, tp, 1).unwrap(),
                     64
                 ),
                 Some(kv(values) + bookkeeping),

@@ -17,7 +17,7 @@
 
 use pdkv_core::allocator::window_floor;
 use pdkv_core::block::{BlockId, NULL_BLOCK};
-use pdkv_core::heads::HeadSharding;
+use pdkv_core::heads::KvShards;
 use pdkv_core::layout::{GroupKind, KvLayout};
 use pdkv_transport::region::RegionError;
 
@@ -130,16 +130,20 @@ impl Model {
         self.params
     }
 
-    /// Bytes one block of `layer` takes on one rank of a leg sharded as `sharding`: for
-    /// attention, the rank's KV heads, each `B_eff` slots of K and V (heads outside tokens); for
-    /// mamba, the rank's share of the state vector ([`state_share`]).
-    pub fn bytes_per_block(&self, layer: usize, sharding: HeadSharding) -> u64 {
+    /// Bytes one block of `layer` takes on one rank of a leg split as `shards`: for attention,
+    /// the rank's KV heads, each with K and V of the rank's `B_eff / dcp` tokens (heads outside
+    /// tokens); for mamba, the rank's share of the state vector ([`state_share`]).
+    pub fn bytes_per_block(&self, layer: usize, shards: KvShards) -> u64 {
         let group = &self.layout.groups()[self.layout.layer_groups()[layer]];
         match group.kind() {
             GroupKind::Mamba | GroupKind::MambaAlign => {
-                state_share(self.params.d_model, sharding.tp(), 0).len() as u64 * 4
+                state_share(self.params.d_model, shards.tp(), 0).len() as u64 * 4
             }
-            _ => u64::from(sharding.heads_per_rank()) * group.effective_block_size() * self.head_cell_bytes(),
+            _ => {
+                u64::from(shards.heads().heads_per_rank())
+                    * (group.effective_block_size() / u64::from(shards.dcp()))
+                    * self.head_cell_bytes()
+            }
         }
     }
 
@@ -152,10 +156,11 @@ impl Model {
     /// K/V (and, with `commit_state`, its mamba state) into every rank of `memory`. Returns the
     /// logits.
     ///
-    /// Each query head attends over the KV head it is grouped with, read from the rank that
-    /// computes that query head (query heads are split evenly over the ranks), so every replica
-    /// of a replicated KV head is read by some query head. The arithmetic does not depend on
-    /// the leg's TP size: legs of any sizes compute the same logits from the same KV.
+    /// Each query head attends over the KV head it is grouped with, read from the head group
+    /// that computes that query head (query heads are split evenly over the groups), each token
+    /// from the group's DCP rank holding it, so every replica of a replicated KV head is read by
+    /// some query head. The arithmetic, token order included, does not depend on the leg's TP
+    /// or DCP size: legs of any sizes compute the same logits from the same KV.
     ///
     /// Attention reads every position its window covers; a null block there is an error, never
     /// silently skipped.
@@ -174,16 +179,19 @@ impl Model {
                 vocab: self.params.vocab,
             });
         }
-        let sharding = memory.sharding;
-        let tp = sharding.tp();
+        let shards = memory.shards;
+        let tp = shards.tp();
+        let dcp = u64::from(shards.dcp());
+        let groups = shards.heads();
         let hd = self.params.head_dim();
         let (heads, kv_heads) = (self.params.heads, self.params.kv_heads);
         let cell = self.head_cell_bytes();
         let mut hidden = self.embed[token as usize * d..(token as usize + 1) * d].to_vec();
         let mut scratch = Vec::new();
+        let mut gathered = Vec::new();
         let mut cell_values = vec![0.0f32; 2 * hd];
         for (layer, weights) in self.layers.iter().enumerate() {
-            let bytes_per_block = self.bytes_per_block(layer, sharding);
+            let bytes_per_block = self.bytes_per_block(layer, shards);
             match weights {
                 LayerWeights::Attention {
                     group,
@@ -194,17 +202,19 @@ impl Model {
                 } => {
                     let spec = &self.layout.groups()[*group];
                     let block_tokens = spec.effective_block_size();
-                    let head_bytes = block_tokens * cell;
+                    // Checked at load: dcp divides every attention block.
+                    let head_bytes = block_tokens / dcp * cell;
                     let list = &lists[*group];
                     let query = matvec(wq, &hidden);
                     let key = matvec(wk, &hidden);
                     let value = matvec(wv, &hidden);
                     let block = block_at(list, *group, position / block_tokens)?;
-                    let slot = u64::from(block) * bytes_per_block + (position % block_tokens) * cell;
-                    for rank in 0..tp {
-                        let region = memory.layer(rank, layer);
-                        for local in 0..sharding.heads_per_rank() {
-                            let head = (sharding.first_head(rank) + local) as usize;
+                    let in_block = position % block_tokens;
+                    let slot = u64::from(block) * bytes_per_block + in_block / dcp * cell;
+                    for head_group in 0..groups.tp() {
+                        let region = memory.layer(shards.rank(head_group, (in_block % dcp) as u32), layer);
+                        for local in 0..groups.heads_per_rank() {
+                            let head = (groups.first_head(head_group) + local) as usize;
                             cell_values[..hd].copy_from_slice(&key[head * hd..(head + 1) * hd]);
                             cell_values[hd..].copy_from_slice(&value[head * hd..(head + 1) * hd]);
                             region.write_f32s(slot + u64::from(local) * head_bytes, &cell_values)?;
@@ -217,30 +227,48 @@ impl Model {
                     let scale = 1.0 / (hd as f32).sqrt();
                     let mut attended = vec![0.0f32; d];
                     for query_head in 0..heads {
-                        // Checked at load: tp divides heads, kv_heads divides heads.
-                        let rank = query_head / (heads / tp);
+                        // Checked at load: the head groups divide heads, kv_heads divides heads.
+                        let head_group = query_head / (heads / groups.tp());
                         let kv_head = query_head / (heads / kv_heads);
-                        let local = kv_head - sharding.first_head(rank);
-                        let region = memory.layer(rank, layer);
+                        let local = u64::from(kv_head - groups.first_head(head_group));
                         let q = &query[query_head as usize * hd..(query_head as usize + 1) * hd];
                         let mut scores = Vec::with_capacity((position - first + 1) as usize);
                         let mut values = Vec::with_capacity(scores.capacity() * hd);
                         let mut source = first;
                         while source <= position {
                             let block_position = source / block_tokens;
-                            let last_in_block = ((block_position + 1) * block_tokens - 1).min(position);
-                            let slots = (last_in_block - source + 1) as usize;
+                            let last = ((block_position + 1) * block_tokens - 1).min(position);
                             let block = block_at(list, *group, block_position)?;
-                            scratch.resize(slots * 2 * hd, 0.0);
-                            let start = u64::from(block) * bytes_per_block
-                                + u64::from(local) * head_bytes
-                                + (source % block_tokens) * cell;
-                            region.read_f32s(start, &mut scratch)?;
+                            scratch.resize((last - source + 1) as usize * 2 * hd, 0.0);
+                            let head_start = u64::from(block) * bytes_per_block + local * head_bytes;
+                            let (first_in_block, last_in_block) =
+                                (source % block_tokens, last % block_tokens);
+                            // Each DCP rank's tokens of the range are one run of its slots,
+                            // put back in token order.
+                            for share in 0..dcp {
+                                let first_token = first_in_block + (share + dcp - first_in_block % dcp) % dcp;
+                                if first_token > last_in_block {
+                                    continue;
+                                }
+                                let region = memory.layer(shards.rank(head_group, share as u32), layer);
+                                let start = head_start + first_token / dcp * cell;
+                                if dcp == 1 {
+                                    region.read_f32s(start, &mut scratch)?;
+                                    continue;
+                                }
+                                let count = ((last_in_block - first_token) / dcp + 1) as usize;
+                                gathered.resize(count * 2 * hd, 0.0);
+                                region.read_f32s(start, &mut gathered)?;
+                                for (index, values) in gathered.chunks_exact(2 * hd).enumerate() {
+                                    let at = (first_token - first_in_block) as usize + index * dcp as usize;
+                                    scratch[at * 2 * hd..(at + 1) * 2 * hd].copy_from_slice(values);
+                                }
+                            }
                             for slot in scratch.chunks_exact(2 * hd) {
                                 scores.push(dot(q, &slot[..hd]) * scale);
                                 values.extend_from_slice(&slot[hd..]);
                             }
-                            source = last_in_block + 1;
+                            source = last + 1;
                         }
                         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                         let mut total = 0.0f32;
@@ -436,9 +464,12 @@ mod tests {
         model_with(1, 1)
     }
 
-    fn one_rank() -> HeadSharding {
-        HeadSharding::new(1, 1).unwrap()
+    fn one_rank() -> KvShards {
+        KvShards::new(1, 1, 1).unwrap()
     }
+
+    /// (tp, dcp) splits of a leg: TP only, DCP only, both.
+    const SPLITS: [(u32, u32); 6] = [(2, 1), (4, 1), (2, 2), (4, 2), (4, 4), (8, 2)];
 
     fn run(model: &Model, memory: &LegMemory, lists: &[Vec<BlockId>], prompt: &[u32]) -> Vec<Vec<f32>> {
         prompt
@@ -490,69 +521,85 @@ mod tests {
     const SHAPES: [(u32, u32); 3] = [(4, 4), (4, 2), (4, 1)];
 
     #[test]
-    fn logits_do_not_depend_on_the_tensor_parallel_size() {
+    fn logits_do_not_depend_on_the_tensor_parallel_or_dcp_size() {
         let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
         let prompt = prompt_tokens(5, 11, 16);
         for (heads, kv_heads) in SHAPES {
             let model = model_with(heads, kv_heads);
             let one = run(
                 &model,
-                &LegMemory::heap(&model, HeadSharding::new(kv_heads, 1).unwrap(), &[8, 8, 2]),
+                &LegMemory::heap(&model, KvShards::new(kv_heads, 1, 1).unwrap(), &[8, 8, 2]),
                 &lists,
                 &prompt,
             );
-            for tp in [2, 4] {
-                let sharding = HeadSharding::new(kv_heads, tp).unwrap();
-                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
+            for (tp, dcp) in SPLITS {
+                let Ok(shards) = KvShards::new(kv_heads, tp, dcp) else {
+                    continue;
+                };
+                if !heads.is_multiple_of(tp / dcp) {
+                    continue;
+                }
+                let memory = LegMemory::heap(&model, shards, &[8, 8, 2]);
                 assert_eq!(
                     run(&model, &memory, &lists, &prompt),
                     one,
-                    "{heads} heads, {kv_heads} KV heads, tp {tp}"
+                    "{heads} heads, {kv_heads} KV heads, tp {tp} dcp {dcp}"
                 );
             }
         }
     }
 
-    /// Rank `r` of a sharded leg holds, at local head `j`, the bytes one unsharded rank holds
-    /// for global head `first_head(r) + j` (vLLM's sharding, written out here): heads outside
-    /// tokens, `B_eff` slots of K then V per head.
+    /// Rank `r` of a split leg holds, at local head `j` and slot `s`, the bytes one unsharded
+    /// rank holds for global head `first + j` at token `s * dcp + r mod dcp` of the block, where
+    /// `first` is vLLM's first head of head group `r / dcp` (written out here): heads outside
+    /// tokens, K then V per token.
     #[test]
-    fn each_rank_holds_the_heads_vllm_gives_it() {
+    fn each_rank_holds_the_heads_and_tokens_vllm_gives_it() {
         let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
         let prompt = prompt_tokens(9, 10, 16);
+        let block_tokens = 4;
         for (heads, kv_heads) in SHAPES {
             let model = model_with(heads, kv_heads);
-            let whole = LegMemory::heap(&model, HeadSharding::new(kv_heads, 1).unwrap(), &[8, 8, 2]);
+            let whole = LegMemory::heap(&model, KvShards::new(kv_heads, 1, 1).unwrap(), &[8, 8, 2]);
             run(&model, &whole, &lists, &prompt);
-            let head_bytes = 4 * 2 * (8 / heads as usize);
-            for tp in [2, 4] {
-                let sharding = HeadSharding::new(kv_heads, tp).unwrap();
-                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
+            let cell = 4 * 2 * (8 / heads as usize);
+            for (tp, dcp) in SPLITS {
+                let Ok(shards) = KvShards::new(kv_heads, tp, dcp) else {
+                    continue;
+                };
+                let head_groups = tp / dcp;
+                let memory = LegMemory::heap(&model, shards, &[8, 8, 2]);
                 run(&model, &memory, &lists, &prompt);
-                let held = (kv_heads / tp).max(1) as usize;
+                let held = (kv_heads / head_groups).max(1) as usize;
+                let slots = block_tokens / dcp as usize;
                 for rank in 0..tp {
-                    // Contiguous heads below kv_heads ranks, each head on tp / kv_heads ranks above.
-                    let first = if tp <= kv_heads {
-                        rank * kv_heads / tp
+                    let (group, share) = (rank / dcp, (rank % dcp) as usize);
+                    // Contiguous heads below kv_heads groups, each head on groups / kv_heads above.
+                    let first = if head_groups <= kv_heads {
+                        group * kv_heads / head_groups
                     } else {
-                        rank / (tp / kv_heads)
+                        group / (head_groups / kv_heads)
                     } as usize;
                     for layer in [0, 1, 3] {
-                        let block = head_bytes * 4 * held;
-                        let full_block = head_bytes * 4 * kv_heads as usize;
+                        let block = cell * slots * held;
+                        let full_block = cell * block_tokens * kv_heads as usize;
                         let mut sharded = vec![0u8; 4 * block];
                         let mut reference = vec![0u8; 4 * full_block];
                         memory.layer(rank, layer).read(0, &mut sharded).unwrap();
                         whole.layer(0, layer).read(0, &mut reference).unwrap();
                         for block_id in 1..4 {
                             for local in 0..held {
-                                let ours = block_id * block + local * head_bytes * 4;
-                                let theirs = block_id * full_block + (first + local) * head_bytes * 4;
-                                assert_eq!(
-                                    sharded[ours..ours + head_bytes * 4],
-                                    reference[theirs..theirs + head_bytes * 4],
-                                    "{heads}/{kv_heads} heads, tp {tp}, rank {rank}, layer {layer}, block {block_id}, local head {local}"
-                                );
+                                for slot in 0..slots {
+                                    let token = slot * dcp as usize + share;
+                                    let ours = block_id * block + (local * slots + slot) * cell;
+                                    let theirs = block_id * full_block
+                                        + ((first + local) * block_tokens + token) * cell;
+                                    assert_eq!(
+                                        sharded[ours..ours + cell],
+                                        reference[theirs..theirs + cell],
+                                        "{heads}/{kv_heads} heads, tp {tp} dcp {dcp}, rank {rank}, layer {layer}, block {block_id}, local head {local}, token {token}"
+                                    );
+                                }
                             }
                         }
                     }
@@ -569,7 +616,7 @@ mod tests {
         let prompt = prompt_tokens(2, 11, 16);
         for (heads, kv_heads) in SHAPES {
             let model = model_with(heads, kv_heads);
-            let sharding = HeadSharding::new(kv_heads, 4).unwrap();
+            let sharding = KvShards::new(kv_heads, 4, 1).unwrap();
             for rank in 0..4 {
                 let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
                 let clean = run(&model, &memory, &lists, &prompt);
@@ -592,6 +639,20 @@ mod tests {
                 let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
                 assert_ne!(last, clean[10], "mamba share of rank {rank} of 4");
             }
+        }
+        // Under DCP each rank holds every fourth token: position 0's K sits on DCP rank 0,
+        // position 1's on DCP rank 1, ...; corrupting either shows.
+        let model = model_with(4, 1);
+        let shards = KvShards::new(1, 4, 4).unwrap();
+        for rank in 0..4 {
+            let memory = LegMemory::heap(&model, shards, &[8, 8, 2]);
+            let clean = run(&model, &memory, &lists, &prompt);
+            memory
+                .layer(rank, 0)
+                .write_f32s(model.bytes_per_block(0, shards), &[9.0])
+                .unwrap();
+            let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
+            assert_ne!(last, clean[10], "DCP rank {rank} of 4");
         }
     }
 

@@ -20,21 +20,19 @@ pub(crate) fn leg_memory(
 ) -> Result<LegMemory, StartError> {
     let capacity = vec![node.blocks_per_group; config.layout.groups().len()];
     match config.transport.kv_memory {
-        KvMemory::Host => {
-            LegMemory::shared(model, node.kv_sharding, &capacity, &node.name.0).map_err(|source| {
-                StartError::Memory {
-                    node: node.name.0.clone(),
-                    source,
-                }
-            })
-        }
-        KvMemory::Gpu => LegMemory::gpu(model, node.kv_sharding, &capacity, node.gpu).map_err(|source| {
-            StartError::GpuMemory {
+        KvMemory::Host => LegMemory::shared(model, node.shards, &capacity, &node.name.0).map_err(|source| {
+            StartError::Memory {
                 node: node.name.0.clone(),
-                gpu: node.gpu,
                 source,
             }
         }),
+        KvMemory::Gpu => {
+            LegMemory::gpu(model, node.shards, &capacity, node.gpu).map_err(|source| StartError::GpuMemory {
+                node: node.name.0.clone(),
+                gpu: node.gpu,
+                source,
+            })
+        }
     }
 }
 

@@ -3,12 +3,12 @@
 //! memory, with the placement the exchange plans READs against.
 //!
 //! A leg of TP size `T` keeps each layer once per rank, as `T` GPUs would: rank `r`'s region of
-//! an attention layer holds the KV heads [`HeadSharding`] gives it, a mamba layer's region a
-//! contiguous share of the state. All ranks share the leg's block table.
+//! an attention layer holds the KV heads and block tokens [`KvShards`] gives it, a mamba layer's
+//! region a contiguous share of the state. All ranks share the leg's block table.
 
 use std::sync::Arc;
 
-use pdkv_core::heads::HeadSharding;
+use pdkv_core::heads::KvShards;
 use pdkv_core::plan::{LayerRegion, RegionLayout};
 use pdkv_transport::region::{Region, RegionError};
 
@@ -19,8 +19,8 @@ use crate::engine::Model;
 pub struct LegMemory {
     /// `layers[r * L + l]` holds layer `l`'s blocks on rank `r` ([`Self::layer`]).
     pub layers: Vec<Arc<Region>>,
-    /// How the leg's ranks share the model's KV heads.
-    pub sharding: HeadSharding,
+    /// How the leg's ranks split the model's KV (heads, and tokens under DCP).
+    pub shards: KvShards,
     /// `generations[g]` holds one `u32` per block id of group `g`.
     pub generations: Vec<Arc<Region>>,
     /// Placement of every layer and generation table (region ids, block stride, block count).
@@ -29,34 +29,24 @@ pub struct LegMemory {
 
 impl LegMemory {
     /// Heap memory for `capacity[g]` blocks per group (plus the null block, id 0) on the ranks
-    /// of `sharding`.
-    pub fn heap(model: &Model, sharding: HeadSharding, capacity: &[u32]) -> Self {
-        Self::allocate(model, sharding, capacity, |_, len| Ok(Region::heap(len)))
+    /// of `shards`.
+    pub fn heap(model: &Model, shards: KvShards, capacity: &[u32]) -> Self {
+        Self::allocate(model, shards, capacity, |_, len| Ok(Region::heap(len)))
             .expect("heap regions cannot fail to allocate")
     }
 
     /// Shared memory (memfd) for `capacity[g]` blocks per group, so a peer on this host can map
     /// the regions; `leg` names the memfds.
-    pub fn shared(
-        model: &Model,
-        sharding: HeadSharding,
-        capacity: &[u32],
-        leg: &str,
-    ) -> Result<Self, RegionError> {
-        Self::allocate(model, sharding, capacity, |name, len| {
+    pub fn shared(model: &Model, shards: KvShards, capacity: &[u32], leg: &str) -> Result<Self, RegionError> {
+        Self::allocate(model, shards, capacity, |name, len| {
             Region::shared(&format!("pdkv-{leg}-{name}"), len)
         })
     }
 
     /// KV blocks in the memory of AMD GPU `device` (HIP), generation tables in host memory
     /// (small, and written by the allocator through atomics).
-    pub fn gpu(
-        model: &Model,
-        sharding: HeadSharding,
-        capacity: &[u32],
-        device: u32,
-    ) -> Result<Self, RegionError> {
-        Self::allocate(model, sharding, capacity, |name, len| {
+    pub fn gpu(model: &Model, shards: KvShards, capacity: &[u32], device: u32) -> Result<Self, RegionError> {
+        Self::allocate(model, shards, capacity, |name, len| {
             if name.starts_with("generations") {
                 Ok(Region::heap(len))
             } else {
@@ -67,20 +57,20 @@ impl LegMemory {
 
     fn allocate(
         model: &Model,
-        sharding: HeadSharding,
+        shards: KvShards,
         capacity: &[u32],
         mut region: impl FnMut(&str, usize) -> Result<Region, RegionError>,
     ) -> Result<Self, RegionError> {
         let layout = model.layout();
-        let count = layout.num_layers() * sharding.tp() as usize;
+        let count = layout.num_layers() * shards.tp() as usize;
         let mut layers = Vec::with_capacity(count);
         let mut placements = Vec::with_capacity(count);
-        for rank in 0..sharding.tp() {
+        for rank in 0..shards.tp() {
             for (layer, &group) in layout.layer_groups().iter().enumerate() {
                 let num_blocks = capacity[group] + 1;
-                let bytes_per_block = model.bytes_per_block(layer, sharding);
+                let bytes_per_block = model.bytes_per_block(layer, shards);
                 let len = (u64::from(num_blocks) * bytes_per_block) as usize;
-                let name = if sharding.tp() == 1 {
+                let name = if shards.tp() == 1 {
                     format!("layer{layer}")
                 } else {
                     format!("rank{rank}-layer{layer}")
@@ -103,12 +93,13 @@ impl LegMemory {
         }
         Ok(LegMemory {
             layers,
-            sharding,
+            shards,
             generations,
             regions: RegionLayout {
                 layers: placements,
                 generations: Vec::new(),
-                ranks: sharding.tp(),
+                ranks: shards.tp(),
+                dcp: shards.dcp(),
             }
             .with_generation_tables(capacity.len()),
         })
@@ -116,7 +107,7 @@ impl LegMemory {
 
     /// Layer `layer`'s region on rank `rank`.
     pub fn layer(&self, rank: u32, layer: usize) -> &Arc<Region> {
-        &self.layers[rank as usize * (self.layers.len() / self.sharding.tp() as usize) + layer]
+        &self.layers[rank as usize * (self.layers.len() / self.shards.tp() as usize) + layer]
     }
 
     /// Every region with the id [`Self::regions`] gives it: layers, then generation tables.

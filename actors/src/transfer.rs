@@ -92,8 +92,8 @@ impl Handler<AddPeer> for TransferActor {
         plan::check_sharding(
             &self.layout,
             self.heads,
-            msg.hello.regions.ranks,
-            self.local_regions.ranks,
+            (msg.hello.regions.ranks, msg.hello.regions.dcp),
+            (self.local_regions.ranks, self.local_regions.dcp),
         )
         .map_err(Failure::Plan)?;
         let kinds: Vec<EngineKind> = self

@@ -220,28 +220,132 @@ pub enum HeadOrder {
     TokensOuter,
 }
 
-/// The byte ranges within one block that carry `read`'s heads, for a block of `tokens` tokens
-/// holding `remote_heads` heads on the prefill rank (`remote_block_bytes` bytes) and
-/// `local_heads` on the decode rank (`local_block_bytes`). Both legs must store a token of a
-/// head in the same number of bytes.
-pub fn head_slices(
+/// The tokens of every block one rank holds under decode context parallelism (DCP): token `i`
+/// of a block sits on DCP rank `i mod dcp`, in that rank's slot `i div dcp` (vLLM's layout with
+/// `cp_kv_cache_interleave_size = 1`). A leg without DCP holds every token ([`TokenShard::WHOLE`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenShard {
+    /// The leg's DCP size.
+    pub dcp: u32,
+    /// This rank's place among them.
+    pub rank: u32,
+}
+
+impl TokenShard {
+    /// Every token of the block, in order.
+    pub const WHOLE: TokenShard = TokenShard { dcp: 1, rank: 0 };
+
+    /// Slots one rank's block holds for a block of `tokens` tokens.
+    fn slots(&self, tokens: u32) -> Result<u32, HeadError> {
+        if self.dcp == 0 || self.rank >= self.dcp {
+            return Err(HeadError::NoTokenShard {
+                dcp: self.dcp,
+                rank: self.rank,
+            });
+        }
+        if !tokens.is_multiple_of(self.dcp) {
+            return Err(HeadError::TokensNotSplit {
+                tokens,
+                dcp: self.dcp,
+            });
+        }
+        Ok(tokens / self.dcp)
+    }
+}
+
+/// One side of a read within a block: the heads and tokens the rank's block holds, in
+/// `block_bytes` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankBlock {
+    /// KV heads the rank holds.
+    pub heads: u32,
+    /// Tokens the rank holds.
+    pub tokens: TokenShard,
+    /// Bytes of one of its blocks.
+    pub block_bytes: u64,
+}
+
+/// How a leg's ranks split its KV: the model's KV heads over `tp / dcp` head groups
+/// ([`HeadSharding`]), and each group's block tokens over `dcp` consecutive ranks (vLLM takes
+/// DCP groups of consecutive ranks out of the TP group). Rank `r` is head group `r / dcp` and
+/// DCP rank `r mod dcp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvShards {
+    heads: HeadSharding,
+    dcp: u32,
+}
+
+impl KvShards {
+    /// `kv_heads` KV heads over `tp` ranks of which each `dcp` consecutive split tokens; `dcp`
+    /// must divide `tp`, and the heads must shard over the `tp / dcp` groups.
+    pub fn new(kv_heads: u32, tp: u32, dcp: u32) -> Result<Self, HeadError> {
+        if tp == 0 || dcp == 0 {
+            return Err(HeadError::NoRanks);
+        }
+        if !tp.is_multiple_of(dcp) {
+            return Err(HeadError::DcpNotInTp { tp, dcp });
+        }
+        Ok(KvShards {
+            heads: HeadSharding::new(kv_heads, tp / dcp)?,
+            dcp,
+        })
+    }
+
+    /// Ranks of the leg (its TP size).
+    pub fn tp(&self) -> u32 {
+        self.heads.tp() * self.dcp
+    }
+
+    /// Its DCP size.
+    pub fn dcp(&self) -> u32 {
+        self.dcp
+    }
+
+    /// The KV heads over the head groups.
+    pub fn heads(&self) -> HeadSharding {
+        self.heads
+    }
+
+    /// The head group of rank `rank`.
+    pub fn group(&self, rank: u32) -> u32 {
+        rank / self.dcp
+    }
+
+    /// The tokens rank `rank` holds.
+    pub fn tokens(&self, rank: u32) -> TokenShard {
+        TokenShard {
+            dcp: self.dcp,
+            rank: rank % self.dcp,
+        }
+    }
+
+    /// The rank of head group `group` holding DCP share `share`.
+    pub fn rank(&self, group: u32, share: u32) -> u32 {
+        group * self.dcp + share
+    }
+}
+
+/// The byte ranges within one block that carry `read`'s heads for the tokens both ranks hold,
+/// for blocks of `tokens` tokens (the scheduler's block). Each side's block holds its heads for
+/// its share of the tokens; both legs must store a token of a head in the same number of bytes.
+/// Ranges that run on in both blocks are merged; no common token gives no range.
+pub fn shard_slices(
     read: &HeadRead,
     order: HeadOrder,
     tokens: u32,
-    (remote_heads, remote_block_bytes): (u32, u64),
-    (local_heads, local_block_bytes): (u32, u64),
+    remote: RankBlock,
+    local: RankBlock,
 ) -> Result<Vec<BlockSlice>, HeadError> {
-    let unit = |heads: u32, bytes: u64| -> Option<u64> {
-        let cells = u64::from(heads) * u64::from(tokens);
-        (cells > 0 && bytes.is_multiple_of(cells)).then(|| bytes / cells)
+    let (remote_slots, local_slots) = (remote.tokens.slots(tokens)?, local.tokens.slots(tokens)?);
+    let unit = |side: &RankBlock, slots: u32| -> Option<u64> {
+        let cells = u64::from(side.heads) * u64::from(slots);
+        (cells > 0 && side.block_bytes.is_multiple_of(cells)).then(|| side.block_bytes / cells)
     };
-    let (Some(remote_unit), Some(local_unit)) = (
-        unit(remote_heads, remote_block_bytes),
-        unit(local_heads, local_block_bytes),
-    ) else {
+    let (Some(remote_unit), Some(local_unit)) = (unit(&remote, remote_slots), unit(&local, local_slots))
+    else {
         return Err(HeadError::BlockNotHeads {
-            remote: (remote_heads, remote_block_bytes),
-            local: (local_heads, local_block_bytes),
+            remote: (remote.heads, remote.block_bytes),
+            local: (local.heads, local.block_bytes),
             tokens,
         });
     };
@@ -251,28 +355,76 @@ pub fn head_slices(
             local: local_unit,
         });
     }
-    if read.remote_first + read.count > remote_heads || read.local_first + read.count > local_heads {
+    if read.remote_first + read.count > remote.heads || read.local_first + read.count > local.heads {
         return Err(HeadError::ReadOutsideBlock(*read));
     }
-    let unit = remote_unit;
-    let count = u64::from(read.count);
-    Ok(match order {
-        HeadOrder::HeadsOuter => {
-            let head = unit * u64::from(tokens);
-            vec![BlockSlice {
-                remote_offset: u64::from(read.remote_first) * head,
-                local_offset: u64::from(read.local_first) * head,
-                len: count * head,
-            }]
-        }
-        HeadOrder::TokensOuter => (0..u64::from(tokens))
-            .map(|token| BlockSlice {
-                remote_offset: (token * u64::from(remote_heads) + u64::from(read.remote_first)) * unit,
-                local_offset: (token * u64::from(local_heads) + u64::from(read.local_first)) * unit,
-                len: count * unit,
+    let cell = |heads: u32, slots: u32, head: u32, slot: u32| -> u64 {
+        let index = match order {
+            HeadOrder::HeadsOuter => u64::from(head) * u64::from(slots) + u64::from(slot),
+            HeadOrder::TokensOuter => u64::from(slot) * u64::from(heads) + u64::from(head),
+        };
+        index * remote_unit
+    };
+    let mut cells: Vec<BlockSlice> = (0..tokens)
+        .filter(|token| {
+            token % remote.tokens.dcp == remote.tokens.rank && token % local.tokens.dcp == local.tokens.rank
+        })
+        .flat_map(|token| {
+            (0..read.count).map(move |head| BlockSlice {
+                remote_offset: cell(
+                    remote.heads,
+                    remote_slots,
+                    read.remote_first + head,
+                    token / remote.tokens.dcp,
+                ),
+                local_offset: cell(
+                    local.heads,
+                    local_slots,
+                    read.local_first + head,
+                    token / local.tokens.dcp,
+                ),
+                len: remote_unit,
             })
-            .collect(),
-    })
+        })
+        .collect();
+    cells.sort_by_key(|slice| slice.local_offset);
+    let mut slices: Vec<BlockSlice> = Vec::new();
+    for next in cells {
+        match slices.last_mut() {
+            Some(last)
+                if last.local_offset + last.len == next.local_offset
+                    && last.remote_offset + last.len == next.remote_offset =>
+            {
+                last.len += next.len;
+            }
+            _ => slices.push(next),
+        }
+    }
+    Ok(slices)
+}
+
+/// [`shard_slices`] for legs without DCP: the byte ranges within one block that carry `read`'s
+/// heads, for a block of `tokens` tokens holding `remote_heads` heads on the prefill rank
+/// (`remote_block_bytes` bytes) and `local_heads` on the decode rank (`local_block_bytes`).
+pub fn head_slices(
+    read: &HeadRead,
+    order: HeadOrder,
+    tokens: u32,
+    (remote_heads, remote_block_bytes): (u32, u64),
+    (local_heads, local_block_bytes): (u32, u64),
+) -> Result<Vec<BlockSlice>, HeadError> {
+    let side = |heads: u32, block_bytes: u64| RankBlock {
+        heads,
+        tokens: TokenShard::WHOLE,
+        block_bytes,
+    };
+    shard_slices(
+        read,
+        order,
+        tokens,
+        side(remote_heads, remote_block_bytes),
+        side(local_heads, local_block_bytes),
+    )
 }
 
 /// Why heads cannot be mapped.
@@ -330,6 +482,30 @@ pub enum HeadError {
         remote: u64,
         /// Decode bytes.
         local: u64,
+    },
+    /// DCP must divide TP: DCP ranks are taken out of the TP group.
+    #[error("a DCP size of {dcp} does not divide the tensor-parallel size {tp}")]
+    DcpNotInTp {
+        /// TP size.
+        tp: u32,
+        /// DCP size.
+        dcp: u32,
+    },
+    /// A DCP share that does not exist.
+    #[error("DCP rank {rank} of {dcp} does not exist")]
+    NoTokenShard {
+        /// DCP size.
+        dcp: u32,
+        /// DCP rank asked for.
+        rank: u32,
+    },
+    /// A block's tokens do not split evenly over the DCP ranks.
+    #[error("a block of {tokens} tokens does not split over {dcp} DCP ranks")]
+    TokensNotSplit {
+        /// Tokens per block.
+        tokens: u32,
+        /// DCP size.
+        dcp: u32,
     },
     /// A read names heads past a rank's heads.
     #[error("head read {0:?} lies outside a rank's heads")]

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::{BlockId, NULL_BLOCK};
 use crate::exchange::{BlockPair, Pairing};
-use crate::heads::{HeadError, HeadMap, HeadOrder, HeadSharding, head_slices};
+use crate::heads::{HeadError, HeadMap, HeadOrder, KvShards, RankBlock, shard_slices};
 use crate::layout::{GroupKind, KvLayout};
 use crate::wire::Role;
 
@@ -46,6 +46,9 @@ pub struct RegionLayout {
     pub generations: Vec<u32>,
     /// Tensor-parallel ranks the layers are placed for (1: an unsharded leg).
     pub ranks: u32,
+    /// How many consecutive ranks split each block's tokens (decode context parallelism; 1:
+    /// every rank holds every token of its heads).
+    pub dcp: u32,
 }
 
 impl Default for RegionLayout {
@@ -54,6 +57,7 @@ impl Default for RegionLayout {
             layers: Vec::new(),
             generations: Vec::new(),
             ranks: 1,
+            dcp: 1,
         }
     }
 }
@@ -75,6 +79,7 @@ impl RegionLayout {
                 .collect(),
             generations: Vec::new(),
             ranks: 1,
+            dcp: 1,
         }
     }
 
@@ -87,6 +92,7 @@ impl RegionLayout {
             layers: self.layers[first..first + per_rank].to_vec(),
             generations: self.generations.clone(),
             ranks: 1,
+            dcp: 1,
         })
     }
 
@@ -341,14 +347,14 @@ pub struct HeadLayout {
     pub order: HeadOrder,
 }
 
-/// Turns a pairing into the READs of every decode rank, for legs whose KV heads may be sharded
-/// over different tensor-parallel sizes ([`RegionLayout::ranks`]).
+/// Turns a pairing into the READs of every decode rank, for legs whose KV may be split over
+/// different tensor-parallel and DCP sizes ([`RegionLayout::ranks`], [`RegionLayout::dcp`]).
 ///
-/// Legs of equal size copy rank `r`'s blocks whole into rank `r`. Otherwise each decode rank
-/// reads exactly the heads it holds, each once, from a prefill rank holding them
-/// ([`HeadMap`]; `rotation` spreads reads of replicated heads over their replicas, so give each
-/// request its own). A recurrent state is not made of heads, so a layout with one is refused
-/// across different sizes.
+/// Legs split alike copy rank `r`'s blocks whole into rank `r`. Otherwise each decode rank
+/// reads exactly the heads and tokens it holds, each once, from a prefill rank holding them
+/// ([`HeadMap`] over the head groups, [`shard_slices`] within each block; `rotation` spreads
+/// reads of replicated heads over their replicas, so give each request its own). A recurrent
+/// state is neither heads nor tokens, so a layout with one is refused across different splits.
 pub fn plan_sharded(
     layout: &KvLayout,
     pairing: &Pairing,
@@ -357,7 +363,12 @@ pub fn plan_sharded(
     heads: HeadLayout,
     rotation: u64,
 ) -> Result<TransferPlan, PlanError> {
-    check_sharding(layout, heads, remote.ranks, local.ranks)?;
+    let (prefill, decode) = check_sharding(
+        layout,
+        heads,
+        (remote.ranks, remote.dcp),
+        (local.ranks, local.dcp),
+    )?;
     let rank = |side: Role, regions: &RegionLayout, rank: u32| {
         regions
             .rank(rank)
@@ -369,8 +380,8 @@ pub fn plan_sharded(
             })
     };
     let mut sharded = TransferPlan::default();
-    if local.ranks == remote.ranks {
-        for r in 0..local.ranks {
+    if prefill.tp() == decode.tp() && prefill.dcp() == decode.dcp() {
+        for r in 0..decode.tp() {
             let (local_rank, remote_rank) = (rank(Role::Decode, local, r)?, rank(Role::Prefill, remote, r)?);
             sharded
                 .layers
@@ -378,55 +389,65 @@ pub fn plan_sharded(
         }
         return Ok(sharded);
     }
-    let map = HeadMap::new(
-        HeadSharding::new(heads.kv_heads, remote.ranks)?,
-        HeadSharding::new(heads.kv_heads, local.ranks)?,
-        rotation,
-    )?;
-    let (remote_heads, local_heads) = (map.prefill().heads_per_rank(), map.decode().heads_per_rank());
-    for d in 0..local.ranks {
+    let map = HeadMap::new(prefill.heads(), decode.heads(), rotation)?;
+    let (remote_heads, local_heads) = (prefill.heads().heads_per_rank(), decode.heads().heads_per_rank());
+    for d in 0..decode.tp() {
         let local_rank = rank(Role::Decode, local, d)?;
-        for read in map.reads(d)? {
-            let remote_rank = rank(Role::Prefill, remote, read.prefill_rank)?;
-            let mut slices = Vec::with_capacity(layout.num_layers());
-            for (layer, &group) in layout.layer_groups().iter().enumerate() {
-                // A layout's effective block size is checked to fit in u32 when it is built.
-                let tokens = u32::try_from(layout.groups()[group].effective_block_size()).map_err(|_| {
-                    PlanError::OffsetOverflow {
-                        side: Role::Decode,
-                        layer,
-                    }
-                })?;
-                slices.push(head_slices(
-                    read,
-                    heads.order,
-                    tokens,
-                    (remote_heads, remote_rank.layers[layer].bytes_per_block),
-                    (local_heads, local_rank.layers[layer].bytes_per_block),
-                )?);
+        for read in map.reads(decode.group(d))? {
+            for share in 0..prefill.dcp() {
+                let p = prefill.rank(read.prefill_rank, share);
+                let remote_rank = rank(Role::Prefill, remote, p)?;
+                let mut slices = Vec::with_capacity(layout.num_layers());
+                for (layer, &group) in layout.layer_groups().iter().enumerate() {
+                    // A layout's effective block size is checked to fit in u32 when it is built.
+                    let tokens =
+                        u32::try_from(layout.groups()[group].effective_block_size()).map_err(|_| {
+                            PlanError::OffsetOverflow {
+                                side: Role::Decode,
+                                layer,
+                            }
+                        })?;
+                    slices.push(shard_slices(
+                        read,
+                        heads.order,
+                        tokens,
+                        RankBlock {
+                            heads: remote_heads,
+                            tokens: prefill.tokens(p),
+                            block_bytes: remote_rank.layers[layer].bytes_per_block,
+                        },
+                        RankBlock {
+                            heads: local_heads,
+                            tokens: decode.tokens(d),
+                            block_bytes: local_rank.layers[layer].bytes_per_block,
+                        },
+                    )?);
+                }
+                sharded
+                    .layers
+                    .extend(plan_slices(layout, pairing, &local_rank, &remote_rank, &slices)?.layers);
             }
-            sharded
-                .layers
-                .extend(plan_slices(layout, pairing, &local_rank, &remote_rank, &slices)?.layers);
         }
     }
     Ok(sharded)
 }
 
-/// Whether a decode leg of `decode_tp` ranks can read a prefill leg of `prefill_tp` ranks:
-/// equal sizes always can; different ones need every group to be attention KV sharded by heads
-/// (checked when two legs first meet, so a pair that cannot work is refused before any request).
+/// Whether a decode leg of `decode = (tp, dcp)` can read a prefill leg of `prefill = (tp,
+/// dcp)`, and how each splits the model's KV. Legs split alike always can; different splits
+/// need every group to be attention KV (checked when two legs first meet, so a pair that cannot
+/// work is refused before any request).
 pub fn check_sharding(
     layout: &KvLayout,
     heads: HeadLayout,
-    prefill_tp: u32,
-    decode_tp: u32,
-) -> Result<(), PlanError> {
-    if prefill_tp == 0 || decode_tp == 0 {
-        return Err(PlanError::Heads(HeadError::NoRanks));
-    }
-    if prefill_tp == decode_tp {
-        return Ok(());
+    prefill: (u32, u32),
+    decode: (u32, u32),
+) -> Result<(KvShards, KvShards), PlanError> {
+    let shards = (
+        KvShards::new(heads.kv_heads, prefill.0, prefill.1)?,
+        KvShards::new(heads.kv_heads, decode.0, decode.1)?,
+    );
+    if prefill == decode {
+        return Ok(shards);
     }
     if let Some(group) = layout
         .groups()
@@ -435,16 +456,14 @@ pub fn check_sharding(
     {
         return Err(PlanError::StateAcrossRanks {
             group,
-            prefill_tp,
-            decode_tp,
+            prefill_tp: prefill.0,
+            prefill_dcp: prefill.1,
+            decode_tp: decode.0,
+            decode_dcp: decode.1,
         });
     }
-    HeadMap::new(
-        HeadSharding::new(heads.kv_heads, prefill_tp)?,
-        HeadSharding::new(heads.kv_heads, decode_tp)?,
-        0,
-    )?;
-    Ok(())
+    HeadMap::new(shards.0.heads(), shards.1.heads(), 0)?;
+    Ok(shards)
 }
 
 /// Checks that the pairing and both legs' placements describe the layout.
@@ -567,15 +586,19 @@ pub enum PlanError {
     /// A recurrent state is split over ranks by its own rule, not by KV heads: legs of
     /// different tensor-parallel sizes cannot reshard it.
     #[error(
-        "group {group} is a recurrent state: a prefill leg of {prefill_tp} tensor-parallel ranks and a decode leg of {decode_tp} cannot reshard it (the sizes must be equal)"
+        "group {group} is a recurrent state: a prefill leg of tp {prefill_tp} dcp {prefill_dcp} and a decode leg of tp {decode_tp} dcp {decode_dcp} cannot reshard it (the sizes must be equal)"
     )]
     StateAcrossRanks {
         /// The state group.
         group: usize,
         /// Prefill leg's TP size.
         prefill_tp: u32,
+        /// Prefill leg's DCP size.
+        prefill_dcp: u32,
         /// Decode leg's TP size.
         decode_tp: u32,
+        /// Decode leg's DCP size.
+        decode_dcp: u32,
     },
     /// Offsets do not fit in 64 bits.
     #[error("layer {layer}: {side} byte offset overflows")]

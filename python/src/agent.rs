@@ -628,6 +628,7 @@ impl Agent {
                 .collect(),
             generations: vec![generation_region; layout.groups().len()],
             ranks: 1,
+            dcp: 1,
         };
         let runtime = TransportRuntime::new(2).map_err(|error| config(format!("runtime: {error}")))?;
         let key = EngineKey(setup.node.clone());

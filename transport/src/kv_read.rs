@@ -288,6 +288,7 @@ mod tests {
             }],
             generations: vec![1],
             ranks: 1,
+            dcp: 1,
         };
         // Prefill blocks 2 and 3 into decode blocks 0 and 1.
         let plan = TransferPlan {

@@ -1300,6 +1300,7 @@ mod tests {
             ],
             generations: vec![2, 3],
             ranks: 1,
+            dcp: 1,
         };
         let grants = Arc::new(Mutex::new(GrantTable::new(4)));
         // Block 2 of group 0 and block 5 of group 1.

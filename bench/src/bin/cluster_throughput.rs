@@ -335,7 +335,7 @@ fn main() {
         let ping_p50 = percentile(&pings, 0.5);
         let idle_ping_p50 = percentile(&idle_pings, 0.5);
 
-        let memory = LegMemory::heap(&model, config.nodes[0].kv_sharding, &[4, 4]);
+        let memory = LegMemory::heap(&model, config.nodes[0].shards, &[4, 4]);
         let split: Vec<(Duration, Duration)> = prompts
             .iter()
             .map(|prompt| engine_only(&model, &memory, prompt))
