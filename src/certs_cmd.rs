@@ -53,13 +53,13 @@ fn init(args: InitArgs) -> anyhow::Result<ExitCode> {
     };
     pdkv_transport::tls::write_cluster_certs(&args.out, "pdkv", &names, existing)
         .with_context(|| format!("cannot write certificates to {}", args.out.display()))?;
-    println!(
+    crate::outln!(
         "wrote {} (CA certificate) and {} (CA key, keep it off the nodes)",
         args.out.join("ca.pem").display(),
         ca_key.display()
     );
     for name in names {
-        println!(
+        crate::outln!(
             "wrote {0}.pem and {0}.key for node {name}",
             args.out.join(name).display()
         );

@@ -59,18 +59,18 @@ pub fn run(args: GpusArgs) -> anyhow::Result<ExitCode> {
                 })
             })
             .collect();
-        println!("{}", json!({ "backend": backend, "gpus": gpus }));
+        crate::outln!("{}", json!({ "backend": backend, "gpus": gpus }));
     } else if readings.is_empty() {
         match backend {
-            Backend::Sysfs => println!(
+            Backend::Sysfs => crate::outln!(
                 "no AMD GPUs found under {}",
                 args.sysfs.join("class/drm").display()
             ),
-            Backend::Smi => println!("no AMD GPUs found by rocm_smi_lib"),
+            Backend::Smi => crate::outln!("no AMD GPUs found by rocm_smi_lib"),
         }
     } else {
         for gpu in &readings {
-            println!("{}", describe(gpu));
+            crate::outln!("{}", describe(gpu));
         }
     }
     Ok(if readings.is_empty() {

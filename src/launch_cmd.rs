@@ -140,12 +140,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             None => DEFAULT_CLUSTER_TOML.to_string(),
         };
         for path in crate::render::render(target, &text, out, &args.image, args.force)? {
-            println!("wrote {}", path.display());
+            crate::outln!("wrote {}", path.display());
         }
         return Ok(ExitCode::SUCCESS);
     }
     let run_dir = args.run_dir.clone().unwrap_or_else(default_run_dir);
-    println!("run directory {}", run_dir.display());
+    crate::outln!("run directory {}", run_dir.display());
     let ready_timeout = args
         .ready_timeout
         .unwrap_or_else(|| default_ready_timeout(args.config.as_ref()));
@@ -154,7 +154,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     options.ssh_config = args.ssh_config.clone();
     let mut cluster = Cluster::launch(&options)?;
     for member in &cluster.members {
-        println!(
+        crate::outln!(
             "{:<12} pid {:<8} {}  log {}",
             member.name,
             member.pid().unwrap_or(0),
@@ -162,7 +162,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             member.log.display()
         );
     }
-    println!(
+    crate::outln!(
         "READY router={} config={}",
         cluster.router_url,
         cluster.config_path.display()

@@ -15,6 +15,7 @@ pub mod lengths;
 pub mod load_cmd;
 pub mod node_cmd;
 pub mod openai;
+pub mod output;
 pub mod plan_cmd;
 pub mod render;
 pub mod sim_cmd;

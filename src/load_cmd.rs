@@ -433,7 +433,7 @@ pub fn run(args: LoadArgs) -> anyhow::Result<ExitCode> {
         let _ = std::fs::remove_dir_all(run_dir);
     }
     if args.json {
-        println!("{report}");
+        crate::outln!("{report}");
     } else {
         print_report(&report);
     }
@@ -497,12 +497,12 @@ fn summarize(
 }
 
 fn print_report(report: &Value) {
-    println!(
+    crate::outln!(
         "{} for {} s",
         report["mode"].as_str().unwrap_or(""),
         report["seconds"]
     );
-    println!(
+    crate::outln!(
         "requests: {} ok, {} errors, {} dropped; {:.1} req/s, {:.0} prompt tokens/s, {:.0} generated tokens/s",
         report["requests"],
         report["errors"],
@@ -517,22 +517,22 @@ fn print_report(report: &Value) {
         ("inter-token", "inter_token_ms"),
     ] {
         let figure = |value: &Value| value.as_f64().map_or("n/a".to_string(), |ms| format!("{ms} ms"));
-        println!(
+        crate::outln!(
             "{name:>12}: p50 {}, p99 {}",
             figure(&report[key]["p50"]),
             figure(&report[key]["p99"])
         );
     }
-    println!(
+    crate::outln!(
         "KV read: {:.3} GB/s",
         report["kv_read_gb_per_s"].as_f64().unwrap_or(0.0)
     );
     if let Some(share) = report["router_cpu_share"].as_f64() {
-        println!("router CPU: {:.0}% of one core", share * 100.0);
+        crate::outln!("router CPU: {:.0}% of one core", share * 100.0);
     }
     if let Some(errors) = report["error_kinds"].as_object() {
         for (kind, count) in errors {
-            println!("error x{count}: {kind}");
+            crate::outln!("error x{count}: {kind}");
         }
     }
 }

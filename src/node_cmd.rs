@@ -137,7 +137,7 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             })),
         };
         let admin = admin_listener.serve(openai::with_json_errors(admin::routes(state)), 1, limits)?;
-        println!(
+        crate::outln!(
             "READY node={} role={} control={} admin=http://{}{}",
             process.name(),
             process.role(),
@@ -230,7 +230,7 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
         };
         let app = openai::with_json_errors(openai::routes(api).merge(admin::routes(admin_state)));
         let http = http_listener.serve(app, 2, limits)?;
-        println!(
+        crate::outln!(
             "READY node={ROUTER_NODE} role=router control={} http=http://{}",
             process.control_addr().map_or("?".into(), |addr| addr.to_string()),
             http.local_addr()

@@ -44,7 +44,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     });
     match (outcome, args.json) {
         (Ok((_, pairing)), true) => {
-            println!("{}", pairing_json(&pairing));
+            crate::outln!("{}", pairing_json(&pairing));
             Ok(ExitCode::SUCCESS)
         }
         (Ok((scenario, pairing)), false) => {
@@ -52,7 +52,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         (Err(error), true) => {
-            println!("{}", json!({ "error": crate::errors::render(&error) }));
+            crate::outln!("{}", json!({ "error": crate::errors::render(&error) }));
             Ok(ExitCode::FAILURE)
         }
         (Err(error), false) => Err(error),

@@ -102,7 +102,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|(fault, count)| (fault.name(), *count))
             .collect();
-        println!(
+        crate::outln!(
             "{}",
             json!({
                 "scenarios": scenarios,
@@ -123,36 +123,36 @@ pub fn run(args: SimArgs) -> anyhow::Result<ExitCode> {
             })
         );
     } else {
-        println!(
+        crate::outln!(
             "{scenarios} scenarios, {requests} requests: {ok} ok, {failed} failed cleanly, {retried} retried, {streamed} streamed"
         );
         let shapes: Vec<String> = topologies
             .iter()
             .map(|(shape, count)| format!("{shape} {count}"))
             .collect();
-        println!("topologies: {}", shapes.join(", "));
+        crate::outln!("topologies: {}", shapes.join(", "));
         let kinds: Vec<String> = failures
             .iter()
             .map(|(kind, count)| format!("{kind} {count}"))
             .collect();
-        println!("failed by kind: {}", kinds.join(", "));
+        crate::outln!("failed by kind: {}", kinds.join(", "));
         let refusals: Vec<String> = refused
             .iter()
             .map(|(why, count)| format!("{why} {count}"))
             .collect();
-        println!("refused by type: {}", refusals.join(", "));
+        crate::outln!("refused by type: {}", refusals.join(", "));
         let injected: Vec<String> = Fault::ALL
             .iter()
             .map(|fault| format!("{} {}", fault.name(), faults.get(fault).copied().unwrap_or(0)))
             .collect();
-        println!("faults injected: {}", injected.join(", "));
+        crate::outln!("faults injected: {}", injected.join(", "));
         for violation in violations.iter().take(SHOWN_VIOLATIONS) {
-            println!("VIOLATION {violation}");
+            crate::outln!("VIOLATION {violation}");
         }
         if violations.len() > SHOWN_VIOLATIONS {
-            println!("... and {} more violations", violations.len() - SHOWN_VIOLATIONS);
+            crate::outln!("... and {} more violations", violations.len() - SHOWN_VIOLATIONS);
         }
-        println!(
+        crate::outln!(
             "{} violations ({steps} steps, {elapsed:.2} s, {per_second:.0} scenarios/s)",
             violations.len()
         );

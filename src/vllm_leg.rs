@@ -83,7 +83,7 @@ pub fn run(cluster: &VllmCluster, name: &str, dry_run: bool) -> anyhow::Result<E
         .with_context(|| format!("no vLLM node {name:?}"))?;
     let mut command = server_process(cluster, node)?;
     if dry_run {
-        println!("{}", shell_line(&command));
+        crate::outln!("{}", shell_line(&command));
         return Ok(ExitCode::SUCCESS);
     }
     tracing::info!(node = name, command = %shell_line(&command), "starting vLLM");

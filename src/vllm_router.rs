@@ -945,7 +945,7 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
                 }
             }
         });
-        println!(
+        crate::outln!(
             "READY node={ROUTER_NODE} role=router engine=vllm http=http://{}",
             http.local_addr()
         );

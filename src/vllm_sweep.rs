@@ -585,7 +585,7 @@ pub fn run(
         .map(|row| row.prompt_tokens)
         .collect();
     if args.json {
-        println!(
+        crate::outln!(
             "{}",
             json!({"summary": {
                 "engine": "vllm",
@@ -607,7 +607,7 @@ pub fn run(
     } else {
         for (name, load) in &idle {
             match load {
-                Ok((requests, usage)) => println!(
+                Ok((requests, usage)) => crate::outln!(
                     "leg {name}: {requests} requests, KV cache {:.2}% in use{}",
                     usage * 100.0,
                     if *requests == 0.0 && *usage == 0.0 {
@@ -616,13 +616,13 @@ pub fn run(
                         "  <- NOT IDLE"
                     }
                 ),
-                Err(error) => println!("leg {name}: {error}"),
+                Err(error) => crate::outln!("leg {name}: {error}"),
             }
         }
         if !failed.is_empty() {
-            println!("failed at prompt lengths {failed:?}");
+            crate::outln!("failed at prompt lengths {failed:?}");
         }
-        println!(
+        crate::outln!(
             "{matched}/{} match (vLLM legs through the router against the oracle, {read} prompt tokens read, logprobs within {largest_difference:.1e}, {:.1} s)",
             rows.len(),
             elapsed.as_secs_f64()
@@ -639,7 +639,7 @@ pub fn run(
 
 fn print_row(row: &Row, json_lines: bool) {
     if json_lines {
-        println!(
+        crate::outln!(
             "{}",
             json!({
                 "prompt_tokens": row.prompt_tokens,
@@ -664,7 +664,7 @@ fn print_row(row: &Row, json_lines: bool) {
         (Some(tokens), _) => tokens.to_string(),
         (None, _) => "-".into(),
     };
-    println!("{:>8} {:>5} {:>8}  {verdict}", row.prompt_tokens, row.send, read);
+    crate::outln!("{:>8} {:>5} {:>8}  {verdict}", row.prompt_tokens, row.send, read);
 }
 
 #[cfg(test)]

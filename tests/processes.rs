@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Child;
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
@@ -399,6 +399,92 @@ fn a_node_from_another_ca_is_refused_and_the_gate_names_it() {
     // The router's log says why it could not link decode-0.
     let log = std::fs::read_to_string(dir.join("run").join("router.log")).unwrap();
     assert!(log.contains("decode-0") && log.contains("dial failed"), "{log}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// A prefill leg started from a file that splits a mamba model over another TP size than the
+/// decode leg's: the model is the same (the router admits both), but the decode leg refuses the
+/// prefill leg's hello because a state cannot be resharded, and says why on its `/ready`.
+#[test]
+fn a_decode_leg_refuses_a_prefill_leg_whose_split_it_cannot_reshard() {
+    let dir = temp_dir("split");
+    let ports = free_ports(8);
+    let text = fixed_ports_cluster(&dir, &ports)
+        .replacen(
+            "kind = \"sliding_window\"\nblock_size = 64\nwindow = 128",
+            "kind = \"mamba\"",
+            1,
+        )
+        .replacen("vocab = 256\n", "vocab = 256\nheads = 2\n", 1);
+    assert!(
+        text.contains("heads = 2"),
+        "the shipped model has a vocabulary of 256"
+    );
+    assert!(
+        text.contains("kind = \"mamba\""),
+        "the shipped layout has a window group"
+    );
+    let good = dir.join("cluster.toml");
+    std::fs::write(&good, &text).unwrap();
+    let bad = dir.join("other-split.toml");
+    // A file valid on its own: both legs at TP 2.
+    let split = text
+        .replacen("role = \"prefill\"\n", "role = \"prefill\"\ntp = 2\n", 1)
+        .replacen("role = \"decode\"\n", "role = \"decode\"\ntp = 2\n", 1);
+    std::fs::write(&bad, split).unwrap();
+    certs_init(&good, &dir.join("certs"));
+    let spawn = |args: &[&str], config: &Path| -> Child {
+        pdkv()
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut children = vec![
+        spawn(&["router"], &good),
+        spawn(&["node", "--node", "decode-0"], &good),
+        spawn(&["node", "--node", "prefill-0"], &bad),
+    ];
+    let ready_url = format!("http://127.0.0.1:{}/ready", ports[5]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = Value::Null;
+    let reason = loop {
+        assert!(
+            Instant::now() < deadline,
+            "decode-0 never reported prefill-0's refusal: {last}"
+        );
+        if let Ok(mut response) = agent().get(&ready_url).call() {
+            let ready: Value = response.body_mut().read_json().unwrap();
+            last = ready.clone();
+            let peer = &ready["peers"]["prefill-0"];
+            // Earlier errors may be dials before prefill-0 listened.
+            if let Some(error) = peer["last_error"].as_str()
+                && error.contains("recurrent")
+            {
+                assert_eq!(peer["linked"], false, "{ready}");
+                break error.to_string();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        reason.contains(
+            "group 1 is a recurrent state: a prefill leg of tp 2 dcp 1 and a decode leg of tp 1 dcp 1"
+        ),
+        "{reason}"
+    );
+    for child in &mut children {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+    }
+    for mut child in children {
+        child.wait().unwrap();
+    }
     std::fs::remove_dir_all(dir).ok();
 }
 

@@ -284,3 +284,27 @@ fn processes_of_different_splits_match_direct_over_the_network() {
     assert!(!stdout.contains("LEAK"), "{stdout}");
     std::fs::remove_file(config).unwrap();
 }
+
+/// A reader that leaves early (`pdkv sweep --json | head -1`) stops the sweep: no panic, the
+/// cluster shut down as usual, and a failing exit status (not every length was compared).
+#[test]
+fn a_reader_that_leaves_early_stops_the_sweep_without_a_panic() {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdkv"))
+        .args(["sweep", "--in-process", "--lengths", "1..400", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("pdkv runs");
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let line: Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(line["prompt_tokens"], 1, "{first}");
+    // The reader is dropped here: the pipe closes.
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -488,7 +488,7 @@ pub fn run(args: ChaosArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("cannot draw {}", path.display()))?;
     }
     if args.json {
-        println!("{report}");
+        crate::outln!("{report}");
     } else {
         print_report(&report);
     }

@@ -297,7 +297,7 @@ impl Report<'_> {
 
 pub(super) fn print_report(report: &Value) {
     let requests = &report["requests"];
-    println!(
+    crate::outln!(
         "chaos seed {} over {:.1} s ({} clients, {} READs): {} requests: {} ok, {} clean errors, {} hung, {} wrong, {} broken",
         report["seed"],
         report["duration_s"].as_f64().unwrap_or(0.0),
@@ -311,7 +311,7 @@ pub(super) fn print_report(report: &Value) {
         requests["broken"],
     );
     let faults = &report["faults"];
-    println!(
+    crate::outln!(
         "faults: {} ({}); kill-at-read fired {}; node restarts {}; router retries {}",
         faults["total"],
         faults["by_kind"]
@@ -329,16 +329,19 @@ pub(super) fn print_report(report: &Value) {
     for (label, key) in [("detect", "detect_ms"), ("recover", "recover_ms")] {
         if let Some(kinds) = report[key].as_object() {
             for (kind, figures) in kinds {
-                println!(
+                crate::outln!(
                     "{label:<8} {kind:<13} n={:<4} p50 {} ms, max {} ms",
-                    figures["count"], figures["p50"], figures["max"]
+                    figures["count"],
+                    figures["p50"],
+                    figures["max"]
                 );
             }
         }
     }
-    println!(
+    crate::outln!(
         "heartbeat {} ms; a silent peer is down after {} ms",
-        report["heartbeat_ms"], report["detect_bound_ms"]
+        report["heartbeat_ms"],
+        report["detect_bound_ms"]
     );
     for (label, key) in [
         ("steady", "steady"),
@@ -346,13 +349,15 @@ pub(super) fn print_report(report: &Value) {
         ("after recovery (one at a time)", "after_recovery"),
     ] {
         let figures = &report["ttft_ms"][key];
-        println!(
+        crate::outln!(
             "TTFT {label}: n={} p50 {} ms, p99 {} ms",
-            figures["count"], figures["p50"], figures["p99"]
+            figures["count"],
+            figures["p50"],
+            figures["p99"]
         );
     }
     let quiesce = &report["after_quiesce"];
-    println!(
+    crate::outln!(
         "after quiesce: {}/{} blocks held, {} grants, {} requests; requests after recovery {}/{} ok",
         quiesce["blocks_held"],
         quiesce["blocks_capacity"],
@@ -363,16 +368,16 @@ pub(super) fn print_report(report: &Value) {
     );
     if let Some(errors) = report["errors"].as_object() {
         for (kind, count) in errors {
-            println!("  x{count} {kind}");
+            crate::outln!("  x{count} {kind}");
         }
     }
     match report["failures"].as_array() {
         Some(failures) if !failures.is_empty() => {
             for failure in failures {
-                println!("FAIL: {}", failure.as_str().unwrap_or(""));
+                crate::outln!("FAIL: {}", failure.as_str().unwrap_or(""));
             }
         }
-        _ => println!("PASS: 0 wrong, 0 hung, 0 leaked"),
+        _ => crate::outln!("PASS: 0 wrong, 0 hung, 0 leaked"),
     }
 }
 

@@ -433,9 +433,9 @@ pub(super) fn run(args: &ChaosArgs, mut options: LaunchOptions, lengths: &[u64])
         "pass": pass,
     });
     if args.json {
-        println!("{report}");
+        crate::outln!("{report}");
     } else {
-        println!(
+        crate::outln!(
             "chaos (vLLM legs): {} requests: {} ok, {} wrong, {} clean errors, {} hung, {} broken; {} faults, {} restarts; probes {}/{}; legs idle: {legs_idle}{}",
             samples.len(),
             count(Outcome::Ok),
@@ -450,7 +450,7 @@ pub(super) fn run(args: &ChaosArgs, mut options: LaunchOptions, lengths: &[u64])
             if pass { "" } else { "  FAIL" }
         );
         for (kind, count) in &errors {
-            println!("  {count:>5} × {kind}");
+            crate::outln!("  {count:>5} × {kind}");
         }
     }
     if pass && temporary {
