@@ -858,12 +858,6 @@ fn reference_cluster(file: ClusterFile) -> Result<ClusterConfig, ConfigError> {
             "mamba_align is vLLM's mamba prefix caching (mamba_cache_mode = \"align\"); the reference engine keeps one state per request: use kind = \"mamba\"",
         ));
     }
-    if let Some(index) = groups.iter().position(|group| group.dcp() != 1) {
-        return Err(ConfigError::invalid(
-            format!("model.groups[{index}].dcp"),
-            "the reference engine splits each block's tokens over a leg's own DCP ranks: set [[nodes]] dcp (block_size is the whole block)",
-        ));
-    }
     if model.layer_groups.is_empty() {
         return Err(ConfigError::invalid(
             "model.layer_groups",
@@ -1278,8 +1272,8 @@ fn node_shards(
             return Err(ConfigError::invalid(
                 key("dcp"),
                 format!(
-                    "must divide every attention block: model.groups[{group}] has block_size {}, got {dcp}",
-                    spec.block_size()
+                    "must divide every attention block: model.groups[{group}] has blocks of {} tokens, got {dcp}",
+                    spec.effective_block_size()
                 ),
             ));
         }
@@ -1538,7 +1532,7 @@ mod tests {
             (
                 with_dcp(&sharded(1, 1, 3, 1), 3, 1),
                 "nodes[0].dcp",
-                "must divide every attention block: model.groups[0] has block_size 64, got 3",
+                "must divide every attention block: model.groups[0] has blocks of 64 tokens, got 3",
             ),
             (
                 with_dcp(&sharded(4, 4, 2, 1), 2, 1).replacen(
@@ -1548,15 +1542,6 @@ mod tests {
                 ),
                 "nodes[0].dcp",
                 "model.groups[1] is a recurrent state, which DCP does not split by tokens",
-            ),
-            (
-                DEFAULT_CLUSTER_TOML.replacen(
-                    "kind = \"full\"\nblock_size = 64",
-                    "kind = \"full\"\nblock_size = 32\ndcp = 2",
-                    1,
-                ),
-                "model.groups[0].dcp",
-                "set [[nodes]] dcp",
             ),
             (
                 sharded(12, 6, 1, 4).replacen("d_model = 32", "d_model = 48", 1),
