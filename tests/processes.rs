@@ -434,16 +434,17 @@ fn a_decode_leg_refuses_a_prefill_leg_whose_split_it_cannot_reshard() {
     std::fs::write(&bad, split).unwrap();
     certs_init(&good, &dir.join("certs"));
     let spawn = |args: &[&str], config: &Path| -> Child {
+        let log = std::fs::File::create(dir.join(format!("{}.log", args.last().unwrap()))).unwrap();
         pdkv()
             .args(args)
             .arg("--config")
             .arg(config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
             .spawn()
             .unwrap()
     };
-    let mut children = vec![
+    let children = vec![
         spawn(&["router"], &good),
         spawn(&["node", "--node", "decode-0"], &good),
         spawn(&["node", "--node", "prefill-0"], &bad),
@@ -476,16 +477,27 @@ fn a_decode_leg_refuses_a_prefill_leg_whose_split_it_cannot_reshard() {
         ),
         "{reason}"
     );
+    let codes = terminate(children);
+    assert_eq!(
+        codes,
+        [Some(0); 3],
+        "router, decode-0, prefill-0: SIGTERM drains and exits 0"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
+/// Sends SIGTERM to every child, then waits for each: their exit codes.
+fn terminate(mut children: Vec<Child>) -> Vec<Option<i32>> {
     for child in &mut children {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
         );
     }
-    for mut child in children {
-        child.wait().unwrap();
-    }
-    std::fs::remove_dir_all(dir).ok();
+    children
+        .into_iter()
+        .map(|mut child| child.wait().unwrap().code())
+        .collect()
 }
 
 /// A prefill leg started with another KV layout is refused at handshake: the router's `/ready`
@@ -513,7 +525,7 @@ fn a_leg_with_another_layout_shows_in_the_routers_ready() {
             .spawn()
             .unwrap()
     };
-    let mut children = vec![
+    let children = vec![
         spawn(&["router"], &good, "router.log"),
         spawn(&["node", "--node", "decode-0"], &good, "decode.log"),
         spawn(&["node", "--node", "prefill-0"], &bad, "prefill.log"),
@@ -545,22 +557,15 @@ fn a_leg_with_another_layout_shows_in_the_routers_ready() {
             && reason.contains("prefill-0 full block 64 dcp 1, sliding_window(192)"),
         "{reason}"
     );
-    for child in &mut children {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-    }
-    for mut child in children {
-        assert_eq!(
-            child.wait().unwrap().code(),
-            Some(0),
-            "SIGTERM drains and exits 0"
-        );
+    for code in terminate(children) {
+        assert_eq!(code, Some(0), "SIGTERM drains and exits 0");
     }
     let log = std::fs::read_to_string(dir.join("router.log")).unwrap();
+    // Whichever side dialled first, the router logs the refusal with the field named: as the
+    // refusing server or as the refused dialler.
     assert!(
-        log.contains("refusing control peer") && log.contains("model differs between router and prefill-0"),
+        (log.contains("refusing control peer") || log.contains("dial failed peer=prefill-0"))
+            && log.contains("model differs between router and prefill-0"),
         "{log}"
     );
     std::fs::remove_dir_all(dir).ok();

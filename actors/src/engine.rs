@@ -608,51 +608,48 @@ mod tests {
         }
     }
 
+    /// Whether one value written into block 1 of `layer` on `rank` (the rank's first slot, or
+    /// its state share) changes the last token's logits of an 11-token prompt.
+    fn corrupting_shows(model: &Model, shards: KvShards, rank: u32, layer: usize) -> bool {
+        let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
+        let prompt = prompt_tokens(2, 11, 16);
+        let memory = LegMemory::heap(model, shards, &[8, 8, 2]);
+        let clean = run(model, &memory, &lists, &prompt);
+        memory
+            .layer(rank, layer)
+            .write_f32s(model.bytes_per_block(layer, shards), &[9.0])
+            .unwrap();
+        model.step(&memory, &lists, 10, prompt[10], false).unwrap() != clean[10]
+    }
+
     /// Every rank's copy is read: a replica of a KV head nobody else holds corrupted on any
     /// one rank changes the logits, so a READ that filled only one replica would show.
     #[test]
     fn every_ranks_copy_of_the_kv_is_read() {
-        let lists = [vec![1, 2, 3], vec![1, 2, 3], vec![1]];
-        let prompt = prompt_tokens(2, 11, 16);
         for (heads, kv_heads) in SHAPES {
             let model = model_with(heads, kv_heads);
-            let sharding = KvShards::new(kv_heads, 4, 1).unwrap();
+            let shards = KvShards::new(kv_heads, 4, 1).unwrap();
             for rank in 0..4 {
-                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
-                let clean = run(&model, &memory, &lists, &prompt);
-                // Position 0's K, local head 0, block 1 of the full-attention layer 0.
-                memory
-                    .layer(rank, 0)
-                    .write_f32s(model.bytes_per_block(0, sharding), &[9.0])
-                    .unwrap();
-                let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
-                assert_ne!(last, clean[10], "{heads}/{kv_heads} heads, rank {rank} of 4");
-            }
-            // The state's share on each rank matters too.
-            for rank in 0..4 {
-                let memory = LegMemory::heap(&model, sharding, &[8, 8, 2]);
-                let clean = run(&model, &memory, &lists, &prompt);
-                memory
-                    .layer(rank, 2)
-                    .write_f32s(model.bytes_per_block(2, sharding), &[9.0])
-                    .unwrap();
-                let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
-                assert_ne!(last, clean[10], "mamba share of rank {rank} of 4");
+                // Position 0's K, local head 0, in the full-attention layer 0.
+                assert!(
+                    corrupting_shows(&model, shards, rank, 0),
+                    "{heads}/{kv_heads} heads, rank {rank} of 4"
+                );
+                // The state's share on each rank matters too.
+                assert!(
+                    corrupting_shows(&model, shards, rank, 2),
+                    "mamba share of rank {rank} of 4"
+                );
             }
         }
         // Under DCP each rank holds every fourth token: position 0's K sits on DCP rank 0,
-        // position 1's on DCP rank 1, ...; corrupting either shows.
+        // position 1's on DCP rank 1, ...; corrupting any shows.
         let model = model_with(4, 1);
-        let shards = KvShards::new(1, 4, 4).unwrap();
         for rank in 0..4 {
-            let memory = LegMemory::heap(&model, shards, &[8, 8, 2]);
-            let clean = run(&model, &memory, &lists, &prompt);
-            memory
-                .layer(rank, 0)
-                .write_f32s(model.bytes_per_block(0, shards), &[9.0])
-                .unwrap();
-            let last = model.step(&memory, &lists, 10, prompt[10], false).unwrap();
-            assert_ne!(last, clean[10], "DCP rank {rank} of 4");
+            assert!(
+                corrupting_shows(&model, KvShards::new(1, 4, 4).unwrap(), rank, 0),
+                "DCP rank {rank} of 4"
+            );
         }
     }
 
