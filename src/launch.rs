@@ -178,12 +178,14 @@ impl Reserved {
     }
 }
 
-/// Sets `table[key]` to a free port on `host` unless it holds a nonzero one.
+/// Sets `table[key]` to a free port on `host` unless it holds a nonzero one. With `width` > 1
+/// the `width - 1` ports after it are free too (a vLLM leg's worker rank r listens on port + r).
 fn fill_port(
     table: &mut toml::Table,
     key: &str,
     host: &str,
     udp: bool,
+    width: u16,
     reserved: &mut Vec<Reserved>,
 ) -> anyhow::Result<u16> {
     if let Some(port) = table.get(key).and_then(toml::Value::as_integer)
@@ -192,18 +194,35 @@ fn fill_port(
         return Ok(port as u16);
     }
     // A port number is one key's only, TCP or UDP (cluster.toml refuses two keys on one port).
+    let held = |reserved: &[Reserved], port: u16| reserved.iter().any(|held| held.port() == Some(port));
     let mut port = 0;
-    for _ in 0..20 {
+    'pick: for _ in 0..20 {
         let (picked, socket) = Reserved::pick(host, udp)?;
-        let clash = reserved.iter().any(|held| held.port() == Some(picked));
+        let clash = held(reserved, picked);
         reserved.push(socket);
-        if !clash {
-            port = picked;
-            break;
+        if clash {
+            continue;
         }
+        for next in 1..width {
+            let Some(following) = picked.checked_add(next) else {
+                continue 'pick;
+            };
+            let address: SocketAddr = resolve(host, following).map_err(anyhow::Error::msg)?;
+            let socket = if udp {
+                UdpSocket::bind(address).map(Reserved::Udp)
+            } else {
+                TcpListener::bind(address).map(Reserved::Tcp)
+            };
+            match socket {
+                Ok(socket) if !held(reserved, following) => reserved.push(socket),
+                _ => continue 'pick,
+            }
+        }
+        port = picked;
+        break;
     }
     if port == 0 {
-        bail!("cannot find a free port for {key} on {host} that no other key holds");
+        bail!("cannot find {width} free consecutive ports for {key} on {host} that no other key holds");
     }
     table.insert(key.into(), toml::Value::Integer(i64::from(port)));
     Ok(port)
@@ -244,9 +263,17 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
                     }
                 }
             }
-            fill_port(table, "control_port", &host, true, &mut reserved)?;
-            fill_port(table, "data_port", &host, false, &mut reserved)?;
-            fill_port(table, "admin_port", &host, false, &mut reserved)?;
+            // A vLLM leg's worker ranks each take the next control and data port.
+            let ranks = match &config {
+                AnyCluster::Vllm(cluster) => cluster
+                    .node(&checked.name.0)
+                    .map_or(1, |node| node.ranks(&cluster.engine)),
+                AnyCluster::Reference(_) => 1,
+            };
+            let width = u16::try_from(ranks).unwrap_or(u16::MAX);
+            fill_port(table, "control_port", &host, true, width, &mut reserved)?;
+            fill_port(table, "data_port", &host, false, width, &mut reserved)?;
+            fill_port(table, "admin_port", &host, false, 1, &mut reserved)?;
         }
     }
     let router = doc
@@ -258,9 +285,9 @@ pub fn prepare_run_dir(config_text: &str, config_name: &str, run_dir: &Path) -> 
     let router_host = config.router().bind_host().to_string();
     if let AnyCluster::Reference(_) = &config {
         // The router's QUIC links to the legs (a vLLM cluster's router speaks HTTP only).
-        fill_port(router, "control_port", &router_host, true, &mut reserved)?;
+        fill_port(router, "control_port", &router_host, true, 1, &mut reserved)?;
     }
-    fill_port(router, "http_port", &router_host, false, &mut reserved)?;
+    fill_port(router, "http_port", &router_host, false, 1, &mut reserved)?;
     if let AnyCluster::Vllm(_) = &config {
         absolute_engine_paths(&mut doc)?;
     }
@@ -937,6 +964,32 @@ mod tests {
 
     /// Picked ports sit below the kernel's ephemeral range (where nothing binding port 0 can
     /// take them) and are distinct across keys, TCP or UDP.
+    #[test]
+    fn a_wide_pick_holds_consecutive_ports_no_other_key_holds() {
+        let mut reserved = Vec::new();
+        let mut first = toml::Table::new();
+        let single = fill_port(&mut first, "admin_port", "127.0.0.1", false, 1, &mut reserved).unwrap();
+        let mut table = toml::Table::new();
+        let base = fill_port(&mut table, "data_port", "127.0.0.1", false, 3, &mut reserved).unwrap();
+        assert_eq!(table["data_port"].as_integer(), Some(i64::from(base)));
+        let ports: Vec<u16> = (base..base + 3).collect();
+        assert!(!ports.contains(&single), "{single} in {ports:?}");
+        for port in ports {
+            // Held by the launcher until the node binds it.
+            assert!(
+                TcpListener::bind(("127.0.0.1", port)).is_err(),
+                "port {port} of the pick is not held"
+            );
+        }
+        // A fixed port is kept as it is.
+        let mut fixed = toml::Table::new();
+        fixed.insert("control_port".into(), toml::Value::Integer(7100));
+        assert_eq!(
+            fill_port(&mut fixed, "control_port", "127.0.0.1", true, 2, &mut reserved).unwrap(),
+            7100
+        );
+    }
+
     #[test]
     fn picked_ports_are_below_the_ephemeral_range_and_distinct() {
         let text = "[model]\nseed = 1\nd_model = 8\nvocab = 16\nlayer_groups = [0]\n\n[[model.groups]]\nkind = \"full\"\nblock_size = 16\n\n[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nblocks_per_group = 8\n\n[[nodes]]\nname = \"d\"\nrole = \"decode\"\nblocks_per_group = 8\n";

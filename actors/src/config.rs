@@ -1103,6 +1103,24 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
             engine.device,
         )?);
     }
+    // A connector reads one tensor-parallel size on the other side (`peer_tp`).
+    for role in [Role::Prefill, Role::Decode] {
+        let sizes: Vec<(&str, u32)> = nodes
+            .iter()
+            .filter(|node| node.role == role)
+            .map(|node| (node.name.0.as_str(), node.ranks(&engine)))
+            .collect();
+        if let Some((first, size)) = sizes.first()
+            && let Some((other, other_size)) = sizes.iter().find(|(_, other)| other != size)
+        {
+            return Err(ConfigError::invalid(
+                "nodes",
+                format!(
+                    "{role} legs run different tensor-parallel sizes ({first}: {size}, {other}: {other_size}); a leg of the other role reads one size"
+                ),
+            ));
+        }
+    }
     Ok(VllmCluster {
         engine,
         nodes,

@@ -400,6 +400,18 @@ impl VllmCluster {
             },
             "lease_ms": self.limits.lease_ms,
         });
+        // Legs of different TP sizes: each worker admits (prefill) or reads (decode) every rank
+        // of the other role's legs, which the cluster's checks made one size.
+        let own = node.ranks(&self.engine);
+        if let Some(peer) = self
+            .nodes
+            .iter()
+            .find(|other| other.role != node.role)
+            .map(|other| other.ranks(&self.engine))
+            .filter(|&peer| peer != own)
+        {
+            settings["peer_tp"] = peer.into();
+        }
         if node.role == Role::Prefill {
             let (control, data) = (node.address.control_port, node.address.data_port);
             let bound = |port: u16| std::net::SocketAddr::new(resolved.bind, port).to_string();
@@ -716,6 +728,67 @@ mod tests {
         assert!(
             !command.args.iter().any(|arg| arg.contains("prefix-caching")),
             "vLLM's default"
+        );
+    }
+
+    #[test]
+    fn legs_of_different_tensor_parallel_sizes_tell_their_connectors_the_others_size() {
+        let engine = format!("{}\ndevice = \"rocm\"\n\n", ENGINE.trim_end());
+        let legs = |prefill_args: &str, decode_args: &str| {
+            format!(
+                "{engine}{}",
+                LEGS.replacen(
+                    "engine = \"vllm\"\n",
+                    &format!("engine = \"vllm\"\n{prefill_args}"),
+                    1
+                )
+                .replacen(
+                    "role = \"decode\"\nengine = \"vllm\"\n",
+                    &format!("role = \"decode\"\nengine = \"vllm\"\n{decode_args}"),
+                    1
+                )
+            )
+        };
+        let peer_tp = |text: &str| -> Vec<serde_json::Value> {
+            let cluster = vllm(text);
+            let loopback = ResolvedAddress {
+                bind: "127.0.0.1".parse().unwrap(),
+                advertise: "127.0.0.1".parse().unwrap(),
+            };
+            cluster
+                .nodes
+                .iter()
+                .map(|node| {
+                    let command = cluster.server_command(node, &loopback);
+                    let transfer: serde_json::Value =
+                        serde_json::from_str(command.args.last().unwrap()).unwrap();
+                    transfer["kv_connector_extra_config"]["peer_tp"].clone()
+                })
+                .collect()
+        };
+        let tp2 = "engine_args = [\"-tp\", \"2\"]\n";
+        let tp4 = "engine_args = [\"--tensor-parallel-size=4\"]\n";
+        assert_eq!(
+            peer_tp(&legs(tp2, "")),
+            [serde_json::json!(1), serde_json::json!(2)]
+        );
+        assert_eq!(
+            peer_tp(&legs("", tp4)),
+            [serde_json::json!(4), serde_json::json!(1)]
+        );
+        // Equal sizes: each worker reads its own rank, no peer_tp.
+        assert_eq!(
+            peer_tp(&legs(tp2, tp2)),
+            [serde_json::Value::Null, serde_json::Value::Null]
+        );
+        // Two prefill legs of different sizes: a decode leg's connector reads one size.
+        let two_prefills = format!(
+            "{}\n[[nodes]]\nname = \"p2\"\nrole = \"prefill\"\nengine = \"vllm\"\n",
+            legs(tp2, "")
+        );
+        assert_eq!(
+            refused(&two_prefills),
+            "cluster.toml: nodes: prefill legs run different tensor-parallel sizes (p: 2, p2: 1); a leg of the other role reads one size"
         );
     }
 }
