@@ -433,21 +433,10 @@ fn a_decode_leg_refuses_a_prefill_leg_whose_split_it_cannot_reshard() {
         .replacen("role = \"decode\"\n", "role = \"decode\"\ntp = 2\n", 1);
     std::fs::write(&bad, split).unwrap();
     certs_init(&good, &dir.join("certs"));
-    let spawn = |args: &[&str], config: &Path| -> Child {
-        let log = std::fs::File::create(dir.join(format!("{}.log", args.last().unwrap()))).unwrap();
-        pdkv()
-            .args(args)
-            .arg("--config")
-            .arg(config)
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap()
-    };
     let children = vec![
-        spawn(&["router"], &good),
-        spawn(&["node", "--node", "decode-0"], &good),
-        spawn(&["node", "--node", "prefill-0"], &bad),
+        spawn_logged(&["router"], &good, &dir.join("router.log")),
+        spawn_logged(&["node", "--node", "decode-0"], &good, &dir.join("decode.log")),
+        spawn_logged(&["node", "--node", "prefill-0"], &bad, &dir.join("prefill.log")),
     ];
     let ready_url = format!("http://127.0.0.1:{}/ready", ports[5]);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -486,6 +475,20 @@ fn a_decode_leg_refuses_a_prefill_leg_whose_split_it_cannot_reshard() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// Starts `pdkv <args> --config config`, its output (info logs) in `log`.
+fn spawn_logged(args: &[&str], config: &Path, log: &Path) -> Child {
+    let log = std::fs::File::create(log).unwrap();
+    pdkv()
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .env("RUST_LOG", "info")
+        .spawn()
+        .unwrap()
+}
+
 /// Sends SIGTERM to every child, then waits for each: their exit codes.
 fn terminate(mut children: Vec<Child>) -> Vec<Option<i32>> {
     for child in &mut children {
@@ -513,22 +516,10 @@ fn a_leg_with_another_layout_shows_in_the_routers_ready() {
     let bad = dir.join("other-layout.toml");
     std::fs::write(&bad, text.replace("window = 128", "window = 192")).unwrap();
     certs_init(&good, &dir.join("certs"));
-    let spawn = |args: &[&str], config: &Path, log: &str| -> Child {
-        let log = std::fs::File::create(dir.join(log)).unwrap();
-        pdkv()
-            .args(args)
-            .arg("--config")
-            .arg(config)
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .env("RUST_LOG", "info")
-            .spawn()
-            .unwrap()
-    };
     let children = vec![
-        spawn(&["router"], &good, "router.log"),
-        spawn(&["node", "--node", "decode-0"], &good, "decode.log"),
-        spawn(&["node", "--node", "prefill-0"], &bad, "prefill.log"),
+        spawn_logged(&["router"], &good, &dir.join("router.log")),
+        spawn_logged(&["node", "--node", "decode-0"], &good, &dir.join("decode.log")),
+        spawn_logged(&["node", "--node", "prefill-0"], &bad, &dir.join("prefill.log")),
     ];
     let ready_url = format!("http://127.0.0.1:{}/ready", ports[7]);
     let deadline = Instant::now() + Duration::from_secs(30);
