@@ -765,12 +765,17 @@ async fn a_request_timing_out_in_prefill_leaves_no_grant_pinned(links: LinkKind)
             .generate(prompt_tokens(8, length, 256), 2)
             .await
             .unwrap_err();
-        assert_eq!(
-            error,
-            RequestError::Timeout {
-                stage: "prefill",
-                after_ms: 1
-            }
+        // Within 1 ms the deadline may also pass before the router sends the request at all
+        // (a loaded machine): then no leg ever saw it, and there is nothing to pin either.
+        assert!(
+            matches!(
+                error,
+                RequestError::Timeout {
+                    stage: "prefill" | "router",
+                    after_ms: 1
+                }
+            ),
+            "{error:?}"
         );
     }
     assert_idle(&cluster).await;
