@@ -411,10 +411,7 @@ impl ClusterConfig {
     /// How every leg's blocks hold the model's KV heads (heads outside tokens, as the reference
     /// engine writes them).
     pub fn head_layout(&self) -> HeadLayout {
-        HeadLayout {
-            kv_heads: self.model.kv_heads,
-            order: HeadOrder::HeadsOuter,
-        }
+        reference_head_layout(self.model.kv_heads)
     }
 
     /// Parses and checks a `cluster.toml` of reference-engine legs; a cluster of vLLM legs is
@@ -1304,14 +1301,18 @@ fn node_shards(
     })
 }
 
+/// How the reference engine's blocks hold `kv_heads` KV heads: heads outside tokens.
+fn reference_head_layout(kv_heads: u32) -> HeadLayout {
+    HeadLayout {
+        kv_heads,
+        order: HeadOrder::HeadsOuter,
+    }
+}
+
 /// Refuses a cluster where some prefill leg and some decode leg shard KV so differently that no
 /// READ could reshard it (a recurrent state across TP sizes), naming both nodes.
 fn check_pairs_shard(layout: &KvLayout, kv_heads: u32, nodes: &[NodeConfig]) -> Result<(), ConfigError> {
-    // The reference engine's order (as `ClusterConfig::head_layout`).
-    let heads = HeadLayout {
-        kv_heads,
-        order: HeadOrder::HeadsOuter,
-    };
+    let heads = reference_head_layout(kv_heads);
     for prefill in nodes.iter().filter(|node| node.role == Role::Prefill) {
         for decode in nodes.iter().filter(|node| node.role == Role::Decode) {
             let split = |node: &NodeConfig| (node.shards.tp(), node.shards.dcp());
