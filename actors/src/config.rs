@@ -17,7 +17,7 @@ use crate::deployment::{
     HttpConfig, Launch, LaunchKind, LoggingConfig, NodeAddress, NodePlacement, RouterConfig, TlsConfig,
     check_address_families, check_host, check_ports, node_deployment,
 };
-use crate::engines::{EngineKind, EnginesSection, VllmCluster, VllmEngine, VllmNode, VllmNodeKeys};
+use crate::engines::{EngineKind, EnginesSection, Parallel, VllmCluster, VllmEngine, VllmNode, VllmNodeKeys};
 pub use pdkv_core::leg::PrefillTokens;
 use pdkv_core::wire::NodeId;
 use pdkv_transport::mori::MoriSettings;
@@ -1100,22 +1100,31 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
             engine.device,
         )?);
     }
-    // A connector reads one tensor-parallel size on the other side (`peer_tp`).
+    // A connector reads one tensor-parallel and one pipeline-parallel size on the other side
+    // (`peer_tp`, `peer_pp`).
     for role in [Role::Prefill, Role::Decode] {
-        let sizes: Vec<(&str, u32)> = nodes
-            .iter()
-            .filter(|node| node.role == role)
-            .map(|node| (node.name.0.as_str(), node.ranks(&engine)))
-            .collect();
-        if let Some((first, size)) = sizes.first()
-            && let Some((other, other_size)) = sizes.iter().find(|(_, other)| other != size)
-        {
-            return Err(ConfigError::invalid(
-                "nodes",
-                format!(
-                    "{role} legs run different tensor-parallel sizes ({first}: {size}, {other}: {other_size}); a leg of the other role reads one size"
-                ),
-            ));
+        for (what, size_of) in [
+            (
+                "tensor",
+                (|parallel: Parallel| parallel.tp) as fn(Parallel) -> u32,
+            ),
+            ("pipeline", |parallel: Parallel| parallel.pp),
+        ] {
+            let sizes: Vec<(&str, u32)> = nodes
+                .iter()
+                .filter(|node| node.role == role)
+                .map(|node| (node.name.0.as_str(), size_of(node.parallel(&engine))))
+                .collect();
+            if let Some((first, size)) = sizes.first()
+                && let Some((other, other_size)) = sizes.iter().find(|(_, other)| other != size)
+            {
+                return Err(ConfigError::invalid(
+                    "nodes",
+                    format!(
+                        "{role} legs run different {what}-parallel sizes ({first}: {size}, {other}: {other_size}); a leg of the other role reads one size"
+                    ),
+                ));
+            }
         }
     }
     Ok(VllmCluster {

@@ -106,6 +106,16 @@ pub struct VllmEngine {
     pub device: Device,
 }
 
+/// A vLLM leg's parallel layout: how many tensor-parallel ranks and pipeline stages its engine
+/// runs (its connector's workers are `tp × pp`, numbered stage-major).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parallel {
+    /// Tensor-parallel ranks per stage.
+    pub tp: u32,
+    /// Pipeline stages.
+    pub pp: u32,
+}
+
 /// One vLLM leg.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VllmNode {
@@ -301,31 +311,44 @@ impl VllmNode {
         })
     }
 
-    /// Worker ranks of its engine: vLLM's tensor-parallel size from the server flags
-    /// (`--tensor-parallel-size N`, `-tp N`, the last one given wins), default 1. Rank r's
-    /// connector is node `<name>-<r>` (certificates are written for each).
-    pub fn ranks(&self, engine: &VllmEngine) -> u32 {
+    /// Its engine's tensor- and pipeline-parallel sizes, from the server flags
+    /// (`--tensor-parallel-size N` / `-tp N`, `--pipeline-parallel-size N` / `-pp N`, also
+    /// `--flag=N`; the last one given wins), each default 1.
+    pub fn parallel(&self, engine: &VllmEngine) -> Parallel {
         let args: Vec<&str> = engine
             .args
             .iter()
             .chain(&self.engine_args)
             .map(String::as_str)
             .collect();
-        let mut ranks = 1;
-        for (index, arg) in args.iter().enumerate() {
-            let value = match arg.split_once('=') {
-                Some(("--tensor-parallel-size", value)) => Some(value),
-                _ if *arg == "--tensor-parallel-size" || *arg == "-tp" => args.get(index + 1).copied(),
-                _ => None,
-            };
-            if let Some(size) = value
-                .and_then(|value| value.parse::<u32>().ok())
-                .filter(|size| *size > 0)
-            {
-                ranks = size;
+        let size = |long: &str, short: &str| {
+            let mut size = 1;
+            for (index, arg) in args.iter().enumerate() {
+                let value = match arg.split_once('=') {
+                    Some((flag, value)) if flag == long => Some(value),
+                    _ if *arg == long || *arg == short => args.get(index + 1).copied(),
+                    _ => None,
+                };
+                if let Some(given) = value
+                    .and_then(|value| value.parse::<u32>().ok())
+                    .filter(|given| *given > 0)
+                {
+                    size = given;
+                }
             }
+            size
+        };
+        Parallel {
+            tp: size("--tensor-parallel-size", "-tp"),
+            pp: size("--pipeline-parallel-size", "-pp"),
         }
-        ranks
+    }
+
+    /// Worker processes of its engine, `tp × pp`: worker `stage * tp + rank`'s connector is
+    /// node `<name>-<index>` (certificates are written for each) and listens on port + index.
+    pub fn ranks(&self, engine: &VllmEngine) -> u32 {
+        let parallel = self.parallel(engine);
+        parallel.tp.saturating_mul(parallel.pp)
     }
 
     /// The connector node names of its worker ranks: `<name>` for rank 0, `<name>-<r>` after.
@@ -400,17 +423,21 @@ impl VllmCluster {
             },
             "lease_ms": self.limits.lease_ms,
         });
-        // Legs of different TP sizes: each worker admits (prefill) or reads (decode) every rank
-        // of the other role's legs, which the cluster's checks made one size.
-        let own = node.ranks(&self.engine);
+        // Legs of different TP (PP) sizes: each worker admits (prefill) or reads (decode) every
+        // rank (stage) of the other role's legs, which the cluster's checks made one size.
+        let own = node.parallel(&self.engine);
         if let Some(peer) = self
             .nodes
             .iter()
             .find(|other| other.role != node.role)
-            .map(|other| other.ranks(&self.engine))
-            .filter(|&peer| peer != own)
+            .map(|other| other.parallel(&self.engine))
         {
-            settings["peer_tp"] = peer.into();
+            if peer.tp != own.tp {
+                settings["peer_tp"] = peer.tp.into();
+            }
+            if peer.pp != own.pp {
+                settings["peer_pp"] = peer.pp.into();
+            }
         }
         if node.role == Role::Prefill {
             let (control, data) = (node.address.control_port, node.address.data_port);
@@ -789,6 +816,55 @@ mod tests {
         assert_eq!(
             refused(&two_prefills),
             "cluster.toml: nodes: prefill legs run different tensor-parallel sizes (p: 2, p2: 1); a leg of the other role reads one size"
+        );
+        // Pipeline stages: the same, through peer_pp.
+        let extra = |text: &str, key: &str| -> Vec<serde_json::Value> {
+            let cluster = vllm(text);
+            let loopback = ResolvedAddress {
+                bind: "127.0.0.1".parse().unwrap(),
+                advertise: "127.0.0.1".parse().unwrap(),
+            };
+            cluster
+                .nodes
+                .iter()
+                .map(|node| {
+                    let command = cluster.server_command(node, &loopback);
+                    let transfer: serde_json::Value =
+                        serde_json::from_str(command.args.last().unwrap()).unwrap();
+                    transfer["kv_connector_extra_config"][key].clone()
+                })
+                .collect()
+        };
+        let pp2 = "engine_args = [\"-pp\", \"2\", \"--tensor-parallel-size\", \"2\"]\n";
+        let pp3 = "engine_args = [\"--pipeline-parallel-size=3\", \"-tp\", \"2\"]\n";
+        let mixed = legs(pp2, pp3);
+        assert_eq!(
+            extra(&mixed, "peer_pp"),
+            [serde_json::json!(3), serde_json::json!(2)]
+        );
+        assert_eq!(
+            extra(&mixed, "peer_tp"),
+            [serde_json::Value::Null, serde_json::Value::Null],
+            "one TP size"
+        );
+        let cluster = vllm(&mixed);
+        // Workers are TP x PP, numbered stage-major: each has its own certificate and port.
+        assert_eq!(
+            cluster.nodes[0].rank_names(&cluster.engine),
+            ["p", "p-1", "p-2", "p-3"]
+        );
+        assert_eq!(cluster.nodes[1].ranks(&cluster.engine), 6);
+        assert_eq!(
+            extra(&legs(pp2, pp2), "peer_pp"),
+            [serde_json::Value::Null, serde_json::Value::Null]
+        );
+        let two_decoders = format!(
+            "{}\n[[nodes]]\nname = \"d2\"\nrole = \"decode\"\nengine = \"vllm\"\nengine_args = [\"-tp\", \"2\"]\n",
+            legs(pp2, pp3)
+        );
+        assert_eq!(
+            refused(&two_decoders),
+            "cluster.toml: nodes: decode legs run different pipeline-parallel sizes (d: 3, d2: 1); a leg of the other role reads one size"
         );
     }
 }

@@ -263,8 +263,23 @@ impl KvLayout {
     /// A 64-bit digest of everything two legs must agree on (kinds, block sizes, windows, DCP
     /// factors, layer-to-group map). Stable across runs and platforms.
     pub fn compat_hash(&self) -> u64 {
+        self.digest(true)
+    }
+
+    /// The digest of the groups alone (kinds, block sizes, windows, DCP factors), without the
+    /// layer-to-group map: what two workers agree on when they match layers by name instead of
+    /// by position (pipeline stages that split a model's layers differently).
+    pub fn groups_hash(&self) -> u64 {
+        self.digest(false)
+    }
+
+    fn digest(&self, with_layers: bool) -> u64 {
         let mut hasher = Sha256::new();
-        hasher.update(b"pdkv-layout-v1");
+        hasher.update(if with_layers {
+            &b"pdkv-layout-v1"[..]
+        } else {
+            &b"pdkv-groups-v1"[..]
+        });
         hasher.update((self.groups.len() as u64).to_le_bytes());
         for group in &self.groups {
             let (tag, window) = match group.kind {
@@ -278,9 +293,11 @@ impl KvLayout {
             hasher.update(group.block_size.to_le_bytes());
             hasher.update(group.dcp.to_le_bytes());
         }
-        hasher.update((self.layer_groups.len() as u64).to_le_bytes());
-        for &group in &self.layer_groups {
-            hasher.update((group as u64).to_le_bytes());
+        if with_layers {
+            hasher.update((self.layer_groups.len() as u64).to_le_bytes());
+            for &group in &self.layer_groups {
+                hasher.update((group as u64).to_le_bytes());
+            }
         }
         let digest = hasher.finalize();
         let mut first = [0u8; 8];
@@ -515,6 +532,34 @@ mod tests {
             KvLayout::new(vec![full, full], vec![0, 0]),
             Err(LayoutError::GroupWithoutLayers { group: 1 })
         ));
+    }
+
+    #[test]
+    fn groups_hash_ignores_which_layers_a_worker_holds_but_not_the_groups() {
+        let groups = || {
+            vec![
+                GroupSpec::full(64, 1).unwrap(),
+                GroupSpec::sliding_window(64, 128, 1).unwrap(),
+            ]
+        };
+        // Two pipeline stages of one model: different layers, one set of groups.
+        let stage0 = KvLayout::new(groups(), vec![0, 1]).unwrap();
+        let stage1 = KvLayout::new(groups(), vec![0, 1, 0, 1]).unwrap();
+        assert_eq!(stage0.groups_hash(), stage1.groups_hash());
+        assert_ne!(stage0.compat_hash(), stage1.compat_hash());
+        let other_window = KvLayout::new(
+            vec![
+                GroupSpec::full(64, 1).unwrap(),
+                GroupSpec::sliding_window(64, 256, 1).unwrap(),
+            ],
+            vec![0, 1],
+        )
+        .unwrap();
+        assert_ne!(stage0.groups_hash(), other_window.groups_hash());
+        let one_group = KvLayout::new(vec![GroupSpec::full(64, 1).unwrap()], vec![0, 0]).unwrap();
+        assert_ne!(stage0.groups_hash(), one_group.groups_hash());
+        // Not the full digest of a layout that happens to have no per-layer part.
+        assert_ne!(one_group.groups_hash(), one_group.compat_hash());
     }
 
     #[test]

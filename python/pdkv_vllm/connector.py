@@ -26,9 +26,10 @@ How a request crosses (decode reads, "READ mode"):
    tensors, checks the generations again and releases the hand-off. Any failure (unreachable,
    restarted, lease lapsed, block freed under the READ) is reported as a failed receive: vLLM
    recomputes the prompt, it never decodes from that KV. Decode worker (stage s, rank r) reads
-   the prefill workers of stage s: rank r's blocks whole when both legs run one TP size, else the
-   KV heads it holds from every prefill rank holding them (``pdkv_core::heads``), each such
-   hand-off claimed as one of its readers.
+   each of its layers from the prefill stage holding it (stage s when both legs run one PP size;
+   matched by layer name): rank r's blocks whole when both legs run one TP size, else the KV
+   heads it holds from every prefill rank holding them (``pdkv_core::heads``), each such hand-off
+   claimed as one of its readers.
 5. **Prefill worker**: on release (or lease expiry) bumps the blocks' generations, then reports the
    request finished so vLLM frees them.
 
@@ -88,7 +89,9 @@ MAX_HANDOFFS = 1 << 20
 
 #: Most loads a decode worker may be set to run at once (each is a thread).
 MAX_LOAD_THREADS = 256
+#: Most ranks and stages a leg of the other role may be set to run.
 MAX_PEER_TP = 1024
+MAX_PEER_PP = 256
 
 
 class ConnectorConfigError(ValueError):
@@ -119,10 +122,12 @@ class Settings:
     rank: int | None
     pp_rank: int | None
     peer_tp: int | None
+    peer_pp: int | None
 
     KNOWN = {
         "node", "certs", "peers", "listen", "data_listen", "advertise", "data_advertise", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
         "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank", "pp_rank", "peer_tp",
+        "peer_pp",
     }
 
     @classmethod
@@ -194,6 +199,7 @@ class Settings:
             rank=rank,
             pp_rank=pp_rank,
             peer_tp=None if extra.get("peer_tp") is None else positive("peer_tp", 1, MAX_PEER_TP),
+            peer_pp=None if extra.get("peer_pp") is None else positive("peer_pp", 1, MAX_PEER_PP),
         )
 
 
@@ -327,8 +333,9 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int |
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
     name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
     sizes, windows), the layers holding KV, a drafter's KV-relevant config and the parallel
-    layout (PP and DCP must match; TP may differ where attention KV is resharded by heads, see
-    :func:`resharded_by_heads`). Equal on two legs serving the same model the same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
+    layout (DCP must match; TP may differ where attention KV is resharded by heads, see
+    :func:`resharded_by_heads`; PP may differ: a decode worker reads each layer from the prefill
+    stage holding it). Equal on two legs serving the same model the same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
     refuses another model's offer before allocating anything) and in every worker's handshake
     (a decode worker and a prefill worker that differ refuse each other before a byte moves:
     the load fails and vLLM recomputes); either refusal names each differing field with both
@@ -350,7 +357,6 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int |
         # Layers with KV pages (drafter layers included): a decoder reads them plane by plane.
         "kv_layers": kv_layers,
         "speculative": speculative_fields(vllm_config),
-        "pipeline_parallel_size": parallel.pipeline_parallel_size,
         "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
     }
     # Attention KV is resharded by heads between legs of different TP sizes (each decode rank
@@ -745,8 +751,10 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
 
     ``regions`` holds one ``(fd, address, length, device)`` per backing allocation: a memfd
     (``pdkv_vllm.memory``; same-host peers map it), or with ``fd = -1`` plain memory of this
-    process (READ over the network) or, with ``device >= 0``, GPU memory (READ by mori). ``planes`` holds ``(region, offset, bytes_per_block,
-    group)`` for every layer page, in ``kv_cache_tensors`` order (the same on both legs), from
+    process (READ over the network) or, with ``device >= 0``, GPU memory (READ by mori).
+    ``planes`` holds ``(region, offset, bytes_per_block, group, layer)`` for every layer page, in
+    ``kv_cache_tensors`` order, ``layer`` naming the layer (a decode plane is read from the
+    prefill plane of the same name, whichever pipeline stage holds it), from
     vLLM's own placement: layer ``l`` of block ``b`` at ``offset + l * layer_stride + b *
     block_stride``. A block-outermost layout whose blocks pack every layer's page becomes one plane
     per placement; a layout whose blocks are not contiguous pages is refused."""
@@ -800,7 +808,7 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
         if block_stride == page:
             for index, layer in enumerate(placement.layers):
                 start = base + placement.offset + index * layer_stride
-                planes.append((region, start, page, group_of[layer]))
+                planes.append((region, start, page, group_of[layer], layer))
         elif (
             block_stride > page
             and len(pages) == 1
@@ -809,7 +817,7 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
             and len(placement.layers) * page <= block_stride
         ):
             # Block-outermost: block b packs every layer's page; it travels as one run.
-            planes.append((region, base + placement.offset, block_stride, layer_groups.pop()))
+            planes.append((region, base + placement.offset, block_stride, layer_groups.pop(), "|".join(placement.layers)))
         else:
             raise ConnectorConfigError(
                 f"layers {placement.layers}: a block is not one contiguous run of memory (block "
@@ -829,6 +837,7 @@ class _WorkerSide:
         self.rank = self._rank()
         self.pp_rank = self._pp_rank()
         self.tp = connector._vllm_config.parallel_config.tensor_parallel_size
+        self.pp = connector._vllm_config.parallel_config.pipeline_parallel_size
         # This worker's place among its leg's workers (stage-major, as the handshake keys them):
         # its node name and ports follow it.
         self.index = self.pp_rank * self.tp + self.rank
@@ -877,6 +886,9 @@ class _WorkerSide:
         self.order = page_order(config, kv_caches)
         self.packed = len(planes) < sum(len(group.layer_names) for group in config.kv_cache_groups)
         fields = dict(self.connector.model_fields, kv_page_order=self.order, kv_block_outermost=self.packed)
+        # Workers match planes by layer name (a pipeline stage holds some of the layers, and the
+        # legs may split them differently): the whole model's count is the scheduler's check.
+        fields.pop("kv_layers", None)
         listen = data_listen = advertise = data_advertise = None
         if self.is_prefill:
             listen = self._rank_address(self.settings.listen)
@@ -912,14 +924,17 @@ class _WorkerSide:
         )
 
     def _peer_names(self) -> list[str]:
-        """The other leg's workers this one talks to: rank r of leg ``peer`` is ``peer`` (r = 0)
-        or ``peer-r``. The same rank only when the legs' TP sizes match; every rank of the other
-        leg (``peer_tp`` of them) when they differ, as each decode rank may read any prefill rank."""
+        """The other leg's workers this one talks to: worker i of leg ``peer`` (numbered
+        stage-major, ``stage * peer_tp + rank``) is ``peer`` (i = 0) or ``peer-i``. The same rank
+        only when the legs' TP sizes match, every rank (``peer_tp`` of them) when they differ, as
+        each decode rank may read any prefill rank; the same stage only when the legs' PP sizes
+        match, every stage (``peer_pp`` of them) when they differ, as a decode stage reads each
+        of its layers from the prefill stage holding it."""
         peer_tp = self.settings.peer_tp or self.tp
+        peer_pp = self.settings.peer_pp or self.pp
         ranks = [self.rank] if peer_tp == self.tp else list(range(peer_tp))
-        # The other leg's workers of this pipeline stage (legs run one PP size: the handshake
-        # compares it), numbered stage-major as this leg's are.
-        indices = [self.pp_rank * peer_tp + rank for rank in ranks]
+        stages = [self.pp_rank] if peer_pp == self.pp else list(range(peer_pp))
+        indices = [stage * peer_tp + rank for stage in stages for rank in ranks]
         return [peer if index == 0 else f"{peer}-{index}" for peer in self.settings.peers for index in indices]
 
     def _rank_port(self, port: int) -> int:
@@ -962,19 +977,31 @@ class _WorkerSide:
     def _load(self, request_id: str, spec: LoadSpec) -> None:
         ok = False
         try:
-            workers = self._stage(spec.workers)
-            for worker in workers:
+            stages = self._stages(spec.workers)
+            for worker in (worker for stage in stages for worker in stage):
                 if not worker.get("address"):
                     raise LoadError(f"prefill worker {worker.get('node')} serves no hand-offs")
-            started = time.monotonic()
-            if len(workers) == self.tp:
-                # Equal TP: decode rank r reads prefill rank r's blocks whole.
-                worker = workers[self.rank]
-                num_bytes, runs = self.agent.load(
-                    spec.remote_request, worker["node"], worker["address"], worker["incarnation"], spec.pairs
-                )
+            if len(stages) == self.pp:
+                # One PP size: stage s holds the layers of stage s.
+                reading, stage_readers = [stages[self.pp_rank]], 1
             else:
-                num_bytes, runs = self._load_heads(spec, workers)
+                # Every decode stage asks every prefill stage for the layers it holds.
+                reading, stage_readers = stages, self.pp
+            resharded = any(len(stage) != self.tp for stage in reading)
+            if resharded:
+                self._check_reshardable(len(reading[0]))
+            started = time.monotonic()
+            num_bytes, runs = self.agent.load_stages(
+                spec.remote_request,
+                [[(worker["node"], worker["address"], worker["incarnation"]) for worker in stage] for stage in reading],
+                self.connector.model_fields["kv_heads"],
+                self.tp,
+                self.rank,
+                spec.rotation,
+                self.order if resharded else None,
+                stage_readers,
+                spec.pairs,
+            )
             with self.lock:
                 self.stats.record_load(time.monotonic() - started, num_bytes, runs)
             ok = True
@@ -989,19 +1016,26 @@ class _WorkerSide:
                 self.failed.add(request_id)
                 self.stats.count("failed_loads")
 
-    def _stage(self, workers: list[dict]) -> list[dict]:
-        """The prefill workers of this worker's pipeline stage: they hold the layers it holds."""
-        stage = [worker for worker in workers if worker.get("pp", 0) == self.pp_rank]
-        if not stage:
-            raise LoadError(f"the prefill leg has no worker in pipeline stage {self.pp_rank}")
-        return stage
+    @staticmethod
+    def _stages(workers: list[dict]) -> list[list[dict]]:
+        """The prefill leg's workers per pipeline stage, in rank order (as its scheduler listed
+        them: stage-major)."""
+        stages: dict[int, list[dict]] = {}
+        for worker in workers:
+            stages.setdefault(worker.get("pp", 0), []).append(worker)
+        if sorted(stages) != list(range(len(stages))):
+            raise LoadError(f"the prefill leg's workers name pipeline stages {sorted(stages)}, not 0 .. n-1")
+        sizes = {len(stage) for stage in stages.values()}
+        if len(sizes) != 1:
+            raise LoadError(f"the prefill leg's pipeline stages run different tensor-parallel sizes {sorted(sizes)}")
+        return [stages[stage] for stage in range(len(stages))]
 
-    def _load_heads(self, spec: LoadSpec, workers: list[dict]) -> tuple[int, int]:
-        """Prefill and decode legs of different TP sizes: this rank READs the KV heads it holds
-        from the prefill ranks holding them (``pdkv_core::heads``)."""
+    def _check_reshardable(self, prefill_tp: int) -> None:
+        """Refuses, before anything is claimed, a load across TP sizes this layout cannot take:
+        only attention KV without DCP, laid out layer-outermost, is resharded by heads."""
         if not resharded_by_heads(self.connector.groups):
             raise LoadError(
-                f"the prefill leg runs {len(workers)} tensor-parallel ranks, this leg {self.tp}: "
+                f"the prefill leg runs {prefill_tp} tensor-parallel ranks, this leg {self.tp}: "
                 "only attention KV without DCP is resharded by heads (a recurrent state or DCP needs "
                 "equal TP sizes)"
             )
@@ -1010,28 +1044,21 @@ class _WorkerSide:
                 "KV is resharded by heads only in a layer-outermost layout whose blocks are "
                 "[heads, tokens, ...] or [tokens, heads, ...] (LBHNC, LBNHC)"
             )
-        sources = [(worker["node"], worker["address"], worker["incarnation"]) for worker in workers]
-        return self.agent.load_heads(
-            spec.remote_request,
-            sources,
-            self.connector.model_fields["kv_heads"],
-            self.tp,
-            self.rank,
-            spec.rotation,
-            self.order,
-            spec.pairs,
-        )
 
     def _release(self, request_id: str, spec: ReleaseSpec) -> None:
         """Gives back a hand-off this leg needs nothing of; when that fails its lease ends it.
-        Prefill rank p's falls to decode rank p mod this leg's TP size (rank p when they match)."""
+        Prefill worker (stage s, rank p)'s falls to decode worker (stage s mod this leg's PP
+        size, rank p mod its TP size): the same stage and rank when the legs' sizes match."""
         try:
-            for index, worker in enumerate(self._stage(spec.workers)):
-                if index % self.tp != self.rank or not worker.get("address"):
+            for stage, workers in enumerate(self._stages(spec.workers)):
+                if stage % self.pp != self.pp_rank:
                     continue
-                self.agent.release(spec.remote_request, worker["node"], worker["address"], worker["incarnation"])
-                with self.lock:
-                    self.stats.count("released_unread")
+                for index, worker in enumerate(workers):
+                    if index % self.tp != self.rank or not worker.get("address"):
+                        continue
+                    self.agent.release(spec.remote_request, worker["node"], worker["address"], worker["incarnation"])
+                    with self.lock:
+                        self.stats.count("released_unread")
         except LoadError as error:
             logger.info("request %s: hand-off not given back (%s); its lease will end it", request_id, error)
         except Exception:  # never let a bug escape a pool thread unseen

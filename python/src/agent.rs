@@ -44,7 +44,7 @@ use pdkv_transport::region::Region;
 use pdkv_transport::tls::NodeIdentity;
 
 use crate::handoff::{Ended, Ending, HandoffError, Handoffs};
-use crate::protocol::{HandoffRequest, HandoffResponse};
+use crate::protocol::{HandoffRequest, HandoffResponse, PlaneName};
 
 /// Why an agent could not be built or could not load a request's KV. Each kind tells the
 /// connector what vLLM should do: a load error always means "recompute", never "decode".
@@ -107,6 +107,15 @@ pub enum AgentError {
         /// How long the agent asked.
         waited_ms: u64,
     },
+    /// The two legs' layers do not match: a layer this worker holds is held by no prefill
+    /// worker (or by two), or in another group there.
+    #[error("request {request}: the legs' layers do not match: {reason}")]
+    Layers {
+        /// The prefill side's request id.
+        request: String,
+        /// Which layer, and how.
+        reason: String,
+    },
     /// A pair reads a block the hand-off does not hold.
     #[error("request {request}: block {block} of group {group} is not part of the hand-off")]
     NotHandedOff {
@@ -163,7 +172,7 @@ pub struct AgentLimits {
 }
 
 /// The part of a leg's KV memory one layer's K or V (or one mamba state tensor) occupies.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Plane {
     /// Index of the memfd holding it.
     pub region: u32,
@@ -173,6 +182,9 @@ pub struct Plane {
     pub bytes_per_block: u64,
     /// The KV-cache group whose block ids index it.
     pub group: usize,
+    /// The layer it holds (vLLM's layer name; the names of every layer a block-outermost plane
+    /// packs, joined by `|`): a decode plane is read from the prefill plane of the same layer.
+    pub layer: String,
 }
 
 /// How long a data-connection ticket stays valid, and how many may be outstanding.
@@ -213,6 +225,7 @@ impl Serving {
 
 struct HandoffService {
     serving: Arc<Serving>,
+    planes: Arc<Vec<PlaneName>>,
 }
 
 impl ControlService for HandoffService {
@@ -257,6 +270,7 @@ impl ControlService for HandoffService {
                 }
                 Ok(HandoffResponse::Released)
             }
+            HandoffRequest::Planes => Ok(HandoffResponse::Planes(self.planes.as_ref().clone())),
         }
     }
 }
@@ -349,10 +363,27 @@ pub enum EngineChoice {
 struct Peer {
     connection: PeerConnection,
     regions: RegionLayout,
+    /// The layer each of its planes holds.
+    planes: Arc<PeerPlanes>,
     /// The prefill worker's engine, as the chosen engine knows it.
     engine: EngineKey,
     /// The engine that READs from it.
     reader: Arc<dyn ReadEngine>,
+}
+
+/// A prefill worker's planes, by position and by layer.
+struct PeerPlanes {
+    names: Vec<PlaneName>,
+    index: HashMap<String, usize>,
+}
+
+/// What a decode worker reads of one prefill pipeline stage: `(prefill rank, readers, the heads
+/// read, or None for whole blocks)` per source, and the ranks whose replicas nobody reads that
+/// fall to it to give back.
+struct StageReads {
+    reads: Vec<(u32, u32, Option<Vec<HeadRead>>)>,
+    unread: Vec<u32>,
+    heads: Option<HeadLoad>,
 }
 
 /// One vLLM worker's pdkv agent (prefill or decode).
@@ -363,6 +394,9 @@ pub struct Agent {
     advertise: Option<SocketAddr>,
     layout: KvLayout,
     regions: RegionLayout,
+    /// The layer each plane holds, and each layer's plane.
+    planes: Arc<Vec<PlaneName>>,
+    plane_of: HashMap<String, usize>,
     engine: Arc<MappedEngine>,
     /// READs over the network (decode), and the descriptor of the memory server (prefill).
     net: Arc<NetEngine>,
@@ -402,6 +436,40 @@ impl Source {
             .parse()
             .map_err(|error| config(format!("prefill address {:?}: {error}", self.address)))
     }
+}
+
+/// How a decode worker holds KV, and how many decode workers read each prefill worker: what a
+/// load across the prefill leg's workers needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeSplit {
+    /// The model's KV heads.
+    pub kv_heads: u32,
+    /// This leg's tensor-parallel size.
+    pub tp: u32,
+    /// This worker's tensor-parallel rank.
+    pub rank: u32,
+    /// Spreads replicated heads over prefill ranks (any per-request number, the same on every
+    /// decode rank).
+    pub rotation: u64,
+    /// How a block orders heads and tokens (the same on both legs: the handshake compares it);
+    /// None where blocks are only copied whole (a prefill stage of another TP size is refused).
+    pub order: Option<HeadOrder>,
+    /// How many of this leg's pipeline stages read each prefill worker: 1 when decode stage s
+    /// reads prefill stage s (one PP size), this leg's PP size when every stage asks every
+    /// prefill stage for the layers it holds (legs of different PP sizes).
+    pub stage_readers: u32,
+}
+
+impl DecodeSplit {
+    /// One worker reading one prefill worker's blocks whole.
+    pub const WHOLE: DecodeSplit = DecodeSplit {
+        kv_heads: 1,
+        tp: 1,
+        rank: 0,
+        rotation: 0,
+        order: None,
+        stage_readers: 1,
+    };
 }
 
 /// How a decode worker's leg and the prefill leg shard KV heads when their tensor-parallel sizes
@@ -558,6 +626,28 @@ impl Agent {
         }
         let layer_groups = setup.planes.iter().map(|plane| plane.group).collect();
         let layout = KvLayout::new(setup.groups, layer_groups).map_err(config)?;
+        let planes: Arc<Vec<PlaneName>> = Arc::new(
+            setup
+                .planes
+                .iter()
+                .map(|plane| PlaneName {
+                    layer: plane.layer.clone(),
+                    group: plane.group as u32,
+                })
+                .collect(),
+        );
+        let mut plane_of = HashMap::with_capacity(planes.len());
+        for (index, plane) in planes.iter().enumerate() {
+            if plane.layer.is_empty() {
+                return Err(config(format!("plane {index} names no layer")));
+            }
+            if let Some(first) = plane_of.insert(plane.layer.clone(), index) {
+                return Err(config(format!(
+                    "planes {first} and {index} both hold layer {:?}",
+                    plane.layer
+                )));
+            }
+        }
         let memory = setup
             .memory
             .iter()
@@ -733,7 +823,9 @@ impl Agent {
             incarnation,
             regions: regions.clone(),
             protocol_version: PROTOCOL_VERSION,
-            layout_hash: layout.compat_hash(),
+            // Layers are matched by name, not position (pipeline stages may split them
+            // differently on the two legs): only the groups must agree here.
+            layout_hash: layout.groups_hash(),
             model: setup.model.clone(),
             engines,
             host: host::host_id(),
@@ -749,6 +841,7 @@ impl Agent {
                         hello: hello.clone(),
                         service: Arc::new(HandoffService {
                             serving: serving.clone(),
+                            planes: planes.clone(),
                         }),
                         tickets: Some(tickets),
                         limits: ControlLimits::default(),
@@ -765,6 +858,8 @@ impl Agent {
             advertise: setup.advertise,
             layout,
             regions,
+            planes,
+            plane_of,
             engine,
             net,
             mori,
@@ -878,6 +973,7 @@ impl Agent {
     /// Decode: READs one request's KV from prefill worker `remote_node` at `remote_address`
     /// (incarnation `remote_incarnation`) into this worker's blocks, as `pairs` say; verifies the
     /// source blocks' generations after the copy and releases the hand-off (also on failure).
+    /// The prefill worker must hold every layer this one holds, blocks laid out alike.
     pub fn load(
         &self,
         request: &str,
@@ -886,17 +982,12 @@ impl Agent {
         remote_incarnation: u64,
         pairs: Vec<Vec<BlockPair>>,
     ) -> Result<Loaded, AgentError> {
-        self.require(Role::Decode, "load KV")?;
         let source = Source {
             node: remote_node.to_string(),
             address: remote_address.to_string(),
             incarnation: remote_incarnation,
         };
-        // Fails on a malformed address before anything else, as a bad setting.
-        source.socket_address()?;
-        self.check_pairs(request, &pairs)?;
-        self.runtime
-            .block_on(self.load_source(request, &source, 1, pairs, None))
+        self.load_stages(request, vec![vec![source]], DecodeSplit::WHOLE, pairs)
     }
 
     /// Refuses pairs that do not name one list per KV group.
@@ -911,64 +1002,78 @@ impl Agent {
         )))
     }
 
-    /// Decode, prefill and decode legs of different tensor-parallel sizes: READs the heads this
-    /// worker holds of request `request`'s KV from the prefill workers holding them (`sources`,
-    /// one per prefill rank), as `pairs` say, each source's hand-off claimed as one of the decode
-    /// ranks that read it; gives back the hand-offs of prefill ranks nobody reads that fall to
-    /// this rank. Every source claimed is released, also on failure. Attention groups only: a
-    /// recurrent state is not sharded by heads.
-    pub fn load_heads(
+    /// Decode: READs request `request`'s KV into this worker's blocks, as `pairs` say, from the
+    /// prefill workers holding it. `stages` lists the prefill leg's workers per pipeline stage,
+    /// in rank order (one stage: the one holding this worker's layers). Each of this worker's
+    /// layers is read from the stage holding it (matched by layer name); within a stage, from
+    /// the rank of the same number when the stage runs this leg's TP size, else the heads this
+    /// worker holds from the ranks holding them (`pdkv_core::heads`). Every hand-off this worker
+    /// is one of the readers of is claimed and released, read or not (a stage holding none of
+    /// its layers, a replica nobody reads, a load that failed), so each ends with its last
+    /// reader rather than its lease. Generations are checked after every copy.
+    pub fn load_stages(
         &self,
         request: &str,
-        sources: Vec<Source>,
-        heads: HeadLoad,
+        stages: Vec<Vec<Source>>,
+        split: DecodeSplit,
         pairs: Vec<Vec<BlockPair>>,
     ) -> Result<Loaded, AgentError> {
         self.require(Role::Decode, "load KV")?;
-        self.check_pairs(request, &pairs)?;
-        if sources.len() != heads.prefill.tp() as usize {
+        if stages.is_empty() || stages.iter().any(Vec::is_empty) {
             return Err(config(format!(
-                "request {request}: {} prefill workers for a prefill tensor-parallel size of {}",
-                sources.len(),
-                heads.prefill.tp()
+                "request {request}: every prefill pipeline stage needs a worker"
             )));
         }
-        let map = HeadMap::new(heads.prefill, heads.decode, heads.rotation).map_err(config)?;
-        let reads = map.reads(heads.rank).map_err(config)?;
-        let mut by_source: Vec<(u32, Vec<HeadRead>)> = Vec::new();
-        for read in reads {
-            match by_source.last_mut() {
-                Some((rank, list)) if *rank == read.prefill_rank => list.push(*read),
-                _ => by_source.push((read.prefill_rank, vec![*read])),
-            }
+        if split.tp == 0 || split.rank >= split.tp || split.stage_readers == 0 {
+            return Err(config(format!(
+                "rank {} of {} tensor-parallel ranks, read by {} stages, is not a decode worker",
+                split.rank, split.tp, split.stage_readers
+            )));
         }
-        let unread = map.releases(heads.rank).map_err(config)?;
+        // Fails on a malformed address before anything else, as a bad setting.
+        for source in stages.iter().flatten() {
+            source.socket_address()?;
+        }
+        self.check_pairs(request, &pairs)?;
+        let plans = stages
+            .iter()
+            .map(|stage| self.stage_reads(stage.len(), split))
+            .collect::<Result<Vec<_>, _>>()?;
         self.runtime.block_on(async {
             let mut loaded = Loaded { bytes: 0, runs: 0 };
-            let mut failure = None;
-            for (rank, reads) in &by_source {
-                let source = &sources[*rank as usize];
-                // `readers` cannot fail: `rank` came from the map.
-                let readers = map.readers(*rank).unwrap_or(1);
-                if failure.is_some() {
-                    // The load failed already: take this reader's place and give it back, so
-                    // the hand-off ends with its other readers instead of its lease.
-                    self.give_back(request, source, readers).await.ok();
-                    continue;
-                }
-                let cut = Some((reads.as_slice(), heads));
-                match self.load_source(request, source, readers, pairs.clone(), cut).await {
-                    Ok(part) => {
-                        loaded.bytes += part.bytes;
-                        loaded.runs += part.runs;
+            let (owned, mut failure) = match self.plane_owners(request, &stages, &plans).await {
+                Ok(owned) => (owned, None),
+                Err(error) => (vec![Vec::new(); stages.len()], Some(error)),
+            };
+            for ((stage, plan), owned) in stages.iter().zip(&plans).zip(&owned) {
+                for (rank, readers, reads) in &plan.reads {
+                    let source = &stage[*rank as usize];
+                    if failure.is_some() || owned.is_empty() {
+                        // Nothing of it is needed here, or the load failed already: take this
+                        // reader's place and give it back, so the hand-off ends with its other
+                        // readers instead of its lease.
+                        if let Err(error) = self.give_back(request, source, *readers).await {
+                            tracing::info!(request, node = %source.node, %error, "hand-off not given back; its lease will end it");
+                        }
+                        continue;
                     }
-                    Err(error) => failure = Some(error),
+                    let cut = reads.as_deref().zip(plan.heads);
+                    match self
+                        .load_source(request, source, *readers, pairs.clone(), cut, owned)
+                        .await
+                    {
+                        Ok(part) => {
+                            loaded.bytes += part.bytes;
+                            loaded.runs += part.runs;
+                        }
+                        Err(error) => failure = Some(error),
+                    }
                 }
-            }
-            for rank in unread {
-                let source = &sources[rank as usize];
-                if let Err(error) = self.give_back(request, source, 1).await {
-                    tracing::info!(request, node = %source.node, %error, "unread hand-off not given back; its lease will end it");
+                for rank in &plan.unread {
+                    let source = &stage[*rank as usize];
+                    if let Err(error) = self.give_back(request, source, split.stage_readers).await {
+                        tracing::info!(request, node = %source.node, %error, "unread hand-off not given back; its lease will end it");
+                    }
                 }
             }
             match failure {
@@ -978,9 +1083,101 @@ impl Agent {
         })
     }
 
-    /// Claims one source's hand-off as one of `readers`, READs the paired blocks (whole, or
-    /// only the given heads of each), verifies their generations and releases the hand-off (also
-    /// on failure).
+    /// What this worker reads of one prefill stage of `ranks` workers.
+    fn stage_reads(&self, ranks: usize, split: DecodeSplit) -> Result<StageReads, AgentError> {
+        let ranks = u32::try_from(ranks).map_err(|_| config(format!("{ranks} prefill ranks")))?;
+        if ranks == split.tp {
+            // One TP size: rank r's blocks whole.
+            return Ok(StageReads {
+                reads: vec![(split.rank, split.stage_readers, None)],
+                unread: Vec::new(),
+                heads: None,
+            });
+        }
+        let order = split.order.ok_or_else(|| {
+            config(format!(
+                "the prefill leg runs {ranks} tensor-parallel ranks, this leg {}: KV is resharded by \
+                 heads only in a layer-outermost layout whose blocks are [heads, tokens, ...] or \
+                 [tokens, heads, ...] (LBHNC, LBNHC)",
+                split.tp
+            ))
+        })?;
+        let heads = HeadLoad {
+            prefill: HeadSharding::new(split.kv_heads, ranks).map_err(config)?,
+            decode: HeadSharding::new(split.kv_heads, split.tp).map_err(config)?,
+            rank: split.rank,
+            rotation: split.rotation,
+            order,
+        };
+        let map = HeadMap::new(heads.prefill, heads.decode, heads.rotation).map_err(config)?;
+        let mut reads: Vec<(u32, u32, Option<Vec<HeadRead>>)> = Vec::new();
+        for read in map.reads(heads.rank).map_err(config)? {
+            match reads.last_mut() {
+                Some((rank, _, Some(list))) if *rank == read.prefill_rank => list.push(*read),
+                _ => {
+                    // `readers` cannot fail: the rank came from the map.
+                    let readers = map.readers(read.prefill_rank).unwrap_or(1);
+                    let readers = readers.saturating_mul(split.stage_readers);
+                    reads.push((read.prefill_rank, readers, Some(vec![*read])));
+                }
+            }
+        }
+        Ok(StageReads {
+            reads,
+            unread: map.releases(heads.rank).map_err(config)?,
+            heads: Some(heads),
+        })
+    }
+
+    /// Which of this worker's planes each prefill stage holds, by layer name (asked of a worker
+    /// of the stage this one reads, which admits it): every layer must be held by exactly one
+    /// stage.
+    async fn plane_owners(
+        &self,
+        request: &str,
+        stages: &[Vec<Source>],
+        plans: &[StageReads],
+    ) -> Result<Vec<Vec<usize>>, AgentError> {
+        let layers = |reason: String| AgentError::Layers {
+            request: request.to_string(),
+            reason,
+        };
+        let mut owner: Vec<Option<usize>> = vec![None; self.planes.len()];
+        for (stage, (sources, plan)) in stages.iter().zip(plans).enumerate() {
+            // Every decode rank reads some rank of every stage (it holds at least one head).
+            let asked = plan.reads.first().map_or(0, |read| read.0 as usize);
+            let peer = self.source_peer(&sources[asked]).await?;
+            for plane in peer.planes.names.iter() {
+                let Some(&local) = self.plane_of.get(&plane.layer) else {
+                    continue;
+                };
+                if let Some(other) = owner[local].replace(stage) {
+                    return Err(layers(format!(
+                        "layer {:?} is held by prefill stages {other} and {stage}",
+                        plane.layer
+                    )));
+                }
+            }
+        }
+        let mut owned = vec![Vec::new(); stages.len()];
+        for (local, stage) in owner.iter().enumerate() {
+            match stage {
+                Some(stage) => owned[*stage].push(local),
+                None => {
+                    return Err(layers(format!(
+                        "layer {:?}: no prefill worker of the {} pipeline stages holds it",
+                        self.planes[local].layer,
+                        stages.len()
+                    )));
+                }
+            }
+        }
+        Ok(owned)
+    }
+
+    /// Claims one source's hand-off as one of `readers`, READs the paired blocks of the `owned`
+    /// planes (whole, or only the given heads of each), verifies their generations and releases
+    /// the hand-off (also on failure).
     async fn load_source(
         &self,
         request: &str,
@@ -988,23 +1185,61 @@ impl Agent {
         readers: u32,
         pairs: Vec<Vec<BlockPair>>,
         heads: Option<(&[HeadRead], HeadLoad)>,
+        owned: &[usize],
     ) -> Result<Loaded, AgentError> {
         let peer = self.source_peer(source).await?;
         let claimed = self.claim(&peer, &source.node, request, readers).await?;
-        let slices = heads
-            .map(|(reads, heads)| self.head_slices(&peer, reads, heads))
-            .transpose();
-        let result = match slices {
-            Ok(slices) => self.read(&peer, request, claimed, pairs, slices.as_deref()).await,
-            Err(reason) => Err(AgentError::Read {
+        let planes = self
+            .match_planes(&peer, owned)
+            .map_err(|reason| AgentError::Layers {
                 request: request.to_string(),
-                reason,
-            }),
+                reason: format!("prefill worker {}: {reason}", source.node),
+            });
+        let result = match planes {
+            Ok(planes) => {
+                let slices = heads
+                    .map(|(reads, heads)| self.head_slices(&peer, reads, heads, &planes))
+                    .transpose();
+                match slices {
+                    Ok(slices) => {
+                        self.read(&peer, request, claimed, pairs, slices.as_deref(), &planes)
+                            .await
+                    }
+                    Err(reason) => Err(AgentError::Read {
+                        request: request.to_string(),
+                        reason,
+                    }),
+                }
+            }
+            Err(error) => Err(error),
         };
         if let Err(error) = self.release_claimed(&peer, &source.node, request).await {
             tracing::warn!(request, node = %source.node, %error, "release not acknowledged; the lease will lapse");
         }
         result
+    }
+
+    /// `(local plane, the peer's plane of the same layer)` for each of the `owned` planes.
+    fn match_planes(&self, peer: &Peer, owned: &[usize]) -> Result<Vec<(usize, usize)>, String> {
+        owned
+            .iter()
+            .map(|&local| {
+                let ours = &self.planes[local];
+                let remote = *peer
+                    .planes
+                    .index
+                    .get(&ours.layer)
+                    .ok_or_else(|| format!("it holds no layer {:?}", ours.layer))?;
+                let theirs = peer.planes.names[remote].group;
+                if theirs != ours.group {
+                    return Err(format!(
+                        "layer {:?} is in KV group {} here, {theirs} there",
+                        ours.layer, ours.group
+                    ));
+                }
+                Ok((local, remote))
+            })
+            .collect()
     }
 
     /// Claims a source's hand-off as one of `readers` and releases it unread.
@@ -1023,17 +1258,19 @@ impl Agent {
         .await
     }
 
-    /// Per plane, the byte ranges of a block holding `reads`' heads. Planes of a recurrent state
-    /// or of a DCP-sharded group cannot be cut by heads.
+    /// Per matched plane, the byte ranges of a block holding `reads`' heads. Planes of a
+    /// recurrent state or of a DCP-sharded group cannot be cut by heads.
     fn head_slices(
         &self,
         peer: &Peer,
         reads: &[HeadRead],
         heads: HeadLoad,
+        planes: &[(usize, usize)],
     ) -> Result<Vec<Vec<BlockSlice>>, String> {
         let (remote_heads, local_heads) = (heads.prefill.heads_per_rank(), heads.decode.heads_per_rank());
-        let mut slices = Vec::with_capacity(self.regions.layers.len());
-        for (plane, &group) in self.layout.layer_groups().iter().enumerate() {
+        let mut slices = Vec::with_capacity(planes.len());
+        for &(plane, remote_plane) in planes {
+            let group = self.layout.layer_groups()[plane];
             let spec = self.layout.groups()[group];
             let attention = matches!(spec.kind(), GroupKind::Full | GroupKind::SlidingWindow { .. });
             if !attention || spec.dcp() != 1 {
@@ -1044,15 +1281,7 @@ impl Agent {
                     spec.dcp()
                 ));
             }
-            let (Some(local), Some(remote)) =
-                (self.regions.layers.get(plane), peer.regions.layers.get(plane))
-            else {
-                return Err(format!(
-                    "plane {plane}: this worker places {} planes, the prefill worker {}",
-                    self.regions.layers.len(),
-                    peer.regions.layers.len()
-                ));
-            };
+            let (local, remote) = (self.regions.layers[plane], peer.regions.layers[remote_plane]);
             let mut plane_slices = Vec::new();
             for read in reads {
                 let cut = head_slices(
@@ -1263,8 +1492,38 @@ impl Agent {
                 self.net.clone()
             }
         };
+        let planes = match connection
+            .request::<_, HandoffResponse>(HandoffRequest::Planes, self.limits.request)
+            .await
+        {
+            Ok(HandoffResponse::Planes(planes)) if planes.len() == theirs.regions.layers.len() => planes,
+            Ok(HandoffResponse::Planes(planes)) => {
+                connection.close();
+                return Err(unreachable(format!(
+                    "it names {} planes and places {}",
+                    planes.len(),
+                    theirs.regions.layers.len()
+                )));
+            }
+            Ok(_) => {
+                connection.close();
+                return Err(unreachable(
+                    "it answered the plane query with something else".into(),
+                ));
+            }
+            Err(error) => {
+                connection.close();
+                return Err(unreachable(format!("its planes: {error}")));
+            }
+        };
+        let index = planes
+            .iter()
+            .enumerate()
+            .map(|(plane, name)| (name.layer.clone(), plane))
+            .collect();
         let peer = Peer {
             regions: theirs.regions.clone(),
+            planes: Arc::new(PeerPlanes { names: planes, index }),
             engine: advert.engine.key.clone(),
             reader,
             connection,
@@ -1314,10 +1573,10 @@ impl Agent {
                     tokio::time::sleep(backoff.min(self.limits.claim_wait - waited)).await;
                     backoff = (backoff * 2).min(Duration::from_millis(50));
                 }
-                Ok(HandoffResponse::Released) => {
+                Ok(other @ (HandoffResponse::Released | HandoffResponse::Planes(_))) => {
                     return Err(AgentError::Read {
                         request: request.to_string(),
-                        reason: format!("{node} answered a claim with a release"),
+                        reason: format!("{node} answered a claim with {other:?}"),
                     });
                 }
                 Err(ControlError::Refused(reason)) => {
@@ -1345,10 +1604,36 @@ impl Agent {
         claimed: Claimed,
         pairs: Vec<Vec<BlockPair>>,
         slices: Option<&[Vec<BlockSlice>]>,
+        planes: &[(usize, usize)],
     ) -> Result<Loaded, AgentError> {
         let read_error = |reason: String| AgentError::Read {
             request: request.to_string(),
             reason,
+        };
+        // The matched planes only, in this worker's order: the layers this source holds.
+        let layout = KvLayout::new(
+            self.layout.groups().to_vec(),
+            planes
+                .iter()
+                .map(|&(local, _)| self.layout.layer_groups()[local])
+                .collect(),
+        )
+        .map_err(|error| read_error(error.to_string()))?;
+        let local = RegionLayout {
+            layers: planes
+                .iter()
+                .map(|&(local, _)| self.regions.layers[local])
+                .collect(),
+            generations: self.regions.generations.clone(),
+            ..RegionLayout::default()
+        };
+        let remote = RegionLayout {
+            layers: planes
+                .iter()
+                .map(|&(_, remote)| peer.regions.layers[remote])
+                .collect(),
+            generations: peer.regions.generations.clone(),
+            ..RegionLayout::default()
         };
         // Every source block must be part of the hand-off; its generation now is the one it
         // must still show after the copy.
@@ -1372,8 +1657,8 @@ impl Agent {
         }
         let pairing = Pairing { groups: pairs };
         let plan = match slices {
-            None => plan::plan(&self.layout, &pairing, &self.regions, &peer.regions),
-            Some(slices) => plan::plan_slices(&self.layout, &pairing, &self.regions, &peer.regions, slices),
+            None => plan::plan(&layout, &pairing, &local, &remote),
+            Some(slices) => plan::plan_slices(&layout, &pairing, &local, &remote, slices),
         }
         .map_err(|error| read_error(error.to_string()))?;
         let read = KvRead {
@@ -1475,7 +1760,7 @@ mod tests {
         pdkv_transport::tls::write_cluster_certs(
             &dir,
             "pdkv",
-            &["p0", "d0", "stranger"],
+            &["p0", "p1", "d0", "d1", "stranger"],
             pdkv_transport::tls::Existing::Replace,
         )
         .unwrap();
@@ -1518,6 +1803,7 @@ mod tests {
                     offset: plane * PAGE * u64::from(BLOCKS),
                     bytes_per_block: PAGE,
                     group: 0,
+                    layer: format!("layers.{plane}"),
                 })
                 .collect(),
             num_blocks: BLOCKS,
@@ -1736,6 +2022,184 @@ mod tests {
     /// A decoder that needs none of a hand-off's KV gives it back unread: the prefill frees the
     /// blocks (their generations move) at once, nothing is copied, and the hand-off cannot be
     /// claimed again.
+    /// A leg whose memfd holds one plane of `BLOCKS` pages per layer in `layers`, one full group.
+    fn leg_of_layers(dir: &std::path::Path, node: &str, role: Role, peers: &[&str], layers: &[&str]) -> Leg {
+        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
+        memory
+            .set_len(layers.len() as u64 * PAGE * u64::from(BLOCKS))
+            .unwrap();
+        let mut setup = setup(
+            dir,
+            node,
+            role,
+            peers,
+            Memory::Memfd(memory.as_raw_fd()),
+            EngineChoice::Auto,
+            None,
+        );
+        setup.planes = layers
+            .iter()
+            .enumerate()
+            .map(|(plane, layer)| Plane {
+                region: 0,
+                offset: plane as u64 * PAGE * u64::from(BLOCKS),
+                bytes_per_block: PAGE,
+                group: 0,
+                layer: layer.to_string(),
+            })
+            .collect();
+        Leg {
+            agent: Agent::start(setup).unwrap(),
+            memory,
+        }
+    }
+
+    fn source(leg: &Leg) -> Source {
+        Source {
+            node: leg.agent.node().to_string(),
+            address: address(leg),
+            incarnation: leg.agent.incarnation(),
+        }
+    }
+
+    /// Two decode stages reading by layer from two prefill stages that split the layers
+    /// differently (PP 2 on both legs, stage boundaries apart: the decoder's stages span both
+    /// prefill stages).
+    #[test]
+    fn each_layer_is_read_from_the_pipeline_stage_holding_it_and_every_stage_handoff_ends() {
+        let dir = certs();
+        let decoders = ["d0", "d1"];
+        let stage0 = leg_of_layers(&dir, "p0", Role::Prefill, &decoders, &["l0", "l1"]);
+        let stage1 = leg_of_layers(&dir, "p1", Role::Prefill, &decoders, &["l2", "l3"]);
+        let d0 = leg_of_layers(&dir, "d0", Role::Decode, &["p0", "p1"], &["l1", "l2"]);
+        let d1 = leg_of_layers(&dir, "d1", Role::Decode, &["p0", "p1"], &["l0", "l3"]);
+        // Layer l's block b holds 16·l + b on the prefill leg (plane l mod 2 of stage l div 2).
+        for (stage, leg) in [&stage0, &stage1].into_iter().enumerate() {
+            for plane in 0..2u64 {
+                for block in 0..BLOCKS {
+                    fill(
+                        leg,
+                        plane,
+                        block,
+                        (16 * (2 * stage as u32 + plane as u32) + block) as u8,
+                    );
+                }
+            }
+            leg.agent.announce("r1", vec![vec![3, 5]]).unwrap();
+        }
+        let stages = vec![vec![source(&stage0)], vec![source(&stage1)]];
+        let split = DecodeSplit {
+            stage_readers: 2,
+            ..DecodeSplit::WHOLE
+        };
+        for decoder in [&d0, &d1] {
+            let loaded = decoder
+                .agent
+                .load_stages("r1", stages.clone(), split, pairs(&[(3, 6), (5, 2)]))
+                .unwrap();
+            assert_eq!(loaded.bytes, 4 * PAGE, "two layers of two blocks each");
+        }
+        for (decoder, layers) in [(&d0, [1u32, 2]), (&d1, [0, 3])] {
+            for (plane, layer) in layers.into_iter().enumerate() {
+                for (local, remote) in [(6, 3u32), (2, 5)] {
+                    let expected = (16 * layer + remote) as u8;
+                    assert_eq!(
+                        page(decoder, plane as u64, local),
+                        vec![expected; PAGE as usize],
+                        "layer {layer}"
+                    );
+                }
+                assert_eq!(
+                    page(decoder, plane as u64, 4),
+                    vec![0; PAGE as usize],
+                    "unpaired block untouched"
+                );
+            }
+        }
+        // Each prefill stage was read by both decode stages: its hand-off ends with the second.
+        assert_eq!(stage0.agent.live_handoffs(), 0);
+        assert_eq!(stage1.agent.live_handoffs(), 0);
+        assert_eq!(stage0.agent.finished(), vec!["r1".to_string()]);
+    }
+
+    #[test]
+    fn a_layer_no_prefill_stage_holds_fails_the_load_naming_it_and_gives_the_handoffs_back() {
+        let dir = certs();
+        let stage0 = leg_of_layers(&dir, "p0", Role::Prefill, &["d0"], &["l0", "l1"]);
+        let stage1 = leg_of_layers(&dir, "p1", Role::Prefill, &["d0"], &["l2", "l3"]);
+        let decoder = leg_of_layers(&dir, "d0", Role::Decode, &["p0", "p1"], &["l1", "l9"]);
+        for leg in [&stage0, &stage1] {
+            fill(leg, 1, 3, 7);
+            leg.agent.announce("r1", vec![vec![3]]).unwrap();
+        }
+        let stages = vec![vec![source(&stage0)], vec![source(&stage1)]];
+        let failed = decoder
+            .agent
+            .load_stages("r1", stages, DecodeSplit::WHOLE, pairs(&[(3, 6)]));
+        match failed {
+            Err(AgentError::Layers { request, reason }) => {
+                assert_eq!(request, "r1");
+                assert!(
+                    reason.contains("\"l9\"") && reason.contains("2 pipeline stages"),
+                    "{reason}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(page(&decoder, 0, 6), vec![0; PAGE as usize], "nothing read");
+        assert_eq!(
+            stage0.agent.live_handoffs(),
+            0,
+            "given back, not left to its lease"
+        );
+        assert_eq!(stage1.agent.live_handoffs(), 0);
+    }
+
+    #[test]
+    fn a_layer_two_prefill_stages_hold_fails_the_load_naming_both() {
+        let dir = certs();
+        let stage0 = leg_of_layers(&dir, "p0", Role::Prefill, &["d0"], &["l0", "l1"]);
+        let stage1 = leg_of_layers(&dir, "p1", Role::Prefill, &["d0"], &["l1", "l2"]);
+        let decoder = leg_of_layers(&dir, "d0", Role::Decode, &["p0", "p1"], &["l1"]);
+        for leg in [&stage0, &stage1] {
+            leg.agent.announce("r1", vec![vec![3]]).unwrap();
+        }
+        let stages = vec![vec![source(&stage0)], vec![source(&stage1)]];
+        let failed = decoder
+            .agent
+            .load_stages("r1", stages, DecodeSplit::WHOLE, pairs(&[(3, 6)]));
+        assert!(
+            matches!(&failed, Err(AgentError::Layers { reason, .. }) if reason.contains("\"l1\" is held by prefill stages 0 and 1")),
+            "{failed:?}"
+        );
+        assert_eq!(stage0.agent.live_handoffs(), 0);
+        assert_eq!(stage1.agent.live_handoffs(), 0);
+    }
+
+    #[test]
+    fn a_worker_naming_one_layer_twice_is_refused_at_start() {
+        let dir = certs();
+        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
+        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let mut setup = setup(
+            &dir,
+            "d0",
+            Role::Decode,
+            &["p0"],
+            Memory::Memfd(memory.as_raw_fd()),
+            EngineChoice::Auto,
+            None,
+        );
+        for plane in &mut setup.planes {
+            plane.layer = "l0".into();
+        }
+        match Agent::start(setup) {
+            Err(AgentError::Config(message)) => assert_eq!(message, "planes 0 and 1 both hold layer \"l0\""),
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("started"),
+        }
+    }
+
     #[test]
     fn a_handoff_released_unread_frees_its_blocks_and_copies_nothing() {
         let dir = certs();
@@ -1796,7 +2260,7 @@ mod tests {
             assert!(prefill.agent.revoke("r2"));
             decode
                 .agent
-                .read(&peer, "r2", claimed, pairs(&[(4, 1)]), None)
+                .read(&peer, "r2", claimed, pairs(&[(4, 1)]), None, &[(0, 0), (1, 1)])
                 .await
         });
         match engine {

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use pdkv_core::exchange::BlockPair;
-use pdkv_core::heads::{HeadOrder, HeadSharding};
+use pdkv_core::heads::HeadOrder;
 use pdkv_core::identity::ModelFields;
 use pdkv_core::wire::Role;
 use pyo3::create_exception;
@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::agent::{
-    Agent, AgentError, AgentLimits, AgentSetup, EngineChoice, HeadLoad, Memory, MoriSetup, Plane, Source,
+    Agent, AgentError, AgentLimits, AgentSetup, DecodeSplit, EngineChoice, Memory, MoriSetup, Plane, Source,
 };
 use crate::exchange::parse_groups;
 
@@ -68,6 +68,7 @@ fn to_python(error: AgentError) -> PyErr {
             HandoffEnded::new_err(message)
         }
         AgentError::Restarted { .. } | AgentError::Stale { .. } => StaleKv::new_err(message),
+        AgentError::Layers { .. } => IncompatibleModel::new_err(message),
         AgentError::NotHandedOff { .. } | AgentError::Read { .. } => LoadError::new_err(message),
     }
 }
@@ -118,8 +119,9 @@ impl KvAgent {
     /// (address and length unused), or `fd = -1` for memory of this process the caller keeps
     /// alive and in place while the agent lives: host memory (`device = -1`) or memory of GPU
     /// `device`; `mori_host`: offer (and READ with) a mori engine whose control plane binds that
-    /// host; `planes`: `(region, offset,
-    /// bytes_per_block, group)` for every K, V or state plane, in the same order on both legs;
+    /// host; `planes`: `(region, offset, bytes_per_block, group, layer)` for every K, V or state
+    /// plane, `layer` naming the layer it holds (a decode plane is read from the prefill plane
+    /// of the same layer, whichever pipeline stage holds it);
     /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one);
     /// `data_listen`: its memory server's (default: `listen`'s host, any port); `advertise` and
     /// `data_advertise`: the control and memory server addresses peers reach it at, when they
@@ -140,7 +142,7 @@ impl KvAgent {
         peers: Vec<String>,
         groups_json: &str,
         memory: Vec<(i32, usize, usize, i64)>,
-        planes: Vec<(u32, u64, u64, usize)>,
+        planes: Vec<(u32, u64, u64, usize, String)>,
         num_blocks: u32,
         listen: Option<&str>,
         data_listen: Option<&str>,
@@ -203,11 +205,12 @@ impl KvAgent {
                 .collect(),
             planes: planes
                 .into_iter()
-                .map(|(region, offset, bytes_per_block, group)| Plane {
+                .map(|(region, offset, bytes_per_block, group, layer)| Plane {
                     region,
                     offset,
                     bytes_per_block,
                     group,
+                    layer,
                 })
                 .collect(),
             num_blocks,
@@ -302,58 +305,66 @@ impl KvAgent {
         Ok((loaded.bytes, loaded.runs))
     }
 
-    /// Decode, legs of different tensor-parallel sizes: READs the KV heads this worker (rank
-    /// `rank` of `decode_tp`) holds of request `request` from the prefill workers holding them.
-    /// `sources` lists every prefill worker as `(node, address, incarnation)` in rank order;
-    /// `kv_heads` is the model's KV head count; `rotation` spreads replicated heads over prefill
-    /// ranks (the same on every decode rank); `order` is `"heads_outer"` or `"tokens_outer"`.
-    /// Returns `(bytes, runs)`; raises a `LoadError` subclass naming why the KV must be
-    /// recomputed.
+    /// Decode: READs request `request`'s KV from the prefill workers holding it, as `pairs` say.
+    /// `stages` lists the prefill leg's workers per pipeline stage, each `(node, address,
+    /// incarnation)` in rank order (one stage: the one holding this worker's layers); each of
+    /// this worker's layers is read from the stage holding it. Within a stage, rank `rank` of
+    /// `decode_tp` reads the same rank's blocks whole when the stage runs `decode_tp` ranks,
+    /// else the KV heads it holds from the ranks holding them (`kv_heads`: the model's KV heads;
+    /// `order`: `"heads_outer"`, `"tokens_outer"`, or None where blocks are copied whole only;
+    /// `rotation` spreads replicated heads, the same on every decode rank). `stage_readers`: how
+    /// many of this leg's stages read each prefill worker (1, or this leg's PP size when the legs'
+    /// PP sizes differ). Returns `(bytes, runs)`; raises a `LoadError` subclass naming why the KV
+    /// must be recomputed.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (request, sources, kv_heads, decode_tp, rank, rotation, order, pairs))]
-    fn load_heads(
+    #[pyo3(signature = (request, stages, kv_heads, decode_tp, rank, rotation, order, stage_readers, pairs))]
+    fn load_stages(
         &self,
         py: Python<'_>,
         request: &str,
-        sources: Vec<(String, String, u64)>,
+        stages: Vec<Vec<(String, String, u64)>>,
         kv_heads: u32,
         decode_tp: u32,
         rank: u32,
         rotation: u64,
-        order: &str,
+        order: Option<&str>,
+        stage_readers: u32,
         pairs: Vec<Vec<PairTuple>>,
     ) -> PyResult<(u64, usize)> {
         let order = match order {
-            "heads_outer" => HeadOrder::HeadsOuter,
-            "tokens_outer" => HeadOrder::TokensOuter,
-            other => {
+            None => None,
+            Some("heads_outer") => Some(HeadOrder::HeadsOuter),
+            Some("tokens_outer") => Some(HeadOrder::TokensOuter),
+            Some(other) => {
                 return Err(PyValueError::new_err(format!(
-                    "order must be \"heads_outer\" or \"tokens_outer\", not {other:?}"
+                    "order must be \"heads_outer\", \"tokens_outer\" or None, not {other:?}"
                 )));
             }
         };
-        let sharding = |tp: usize| {
-            let tp = u32::try_from(tp).map_err(|_| PyValueError::new_err(format!("{tp} ranks")))?;
-            HeadSharding::new(kv_heads, tp).map_err(|error| PyValueError::new_err(error.to_string()))
-        };
-        let heads = HeadLoad {
-            prefill: sharding(sources.len())?,
-            decode: sharding(decode_tp as usize)?,
+        let split = DecodeSplit {
+            kv_heads,
+            tp: decode_tp,
             rank,
             rotation,
             order,
+            stage_readers,
         };
-        let sources = sources
+        let stages = stages
             .into_iter()
-            .map(|(node, address, incarnation)| Source {
-                node,
-                address,
-                incarnation,
+            .map(|stage| {
+                stage
+                    .into_iter()
+                    .map(|(node, address, incarnation)| Source {
+                        node,
+                        address,
+                        incarnation,
+                    })
+                    .collect()
             })
             .collect();
         let pairs = to_pairs(pairs);
         let loaded = py
-            .detach(|| self.agent.load_heads(request, sources, heads, pairs))
+            .detach(|| self.agent.load_stages(request, stages, split, pairs))
             .map_err(to_python)?;
         Ok((loaded.bytes, loaded.runs))
     }
@@ -382,8 +393,6 @@ impl KvAgent {
     }
 }
 
-/// Writes a cluster CA and one certificate per node into `dir` (as `pdkv certs init` does):
-/// `ca.pem`, `<node>.pem`, `<node>.key` (keys 0600). Refuses to overwrite existing files.
 /// Python's pair tuples as the exchange's pairs.
 fn to_pairs(pairs: Vec<Vec<PairTuple>>) -> Vec<Vec<BlockPair>> {
     pairs
@@ -402,6 +411,8 @@ fn to_pairs(pairs: Vec<Vec<PairTuple>>) -> Vec<Vec<BlockPair>> {
         .collect()
 }
 
+/// Writes a cluster CA and one certificate per node into `dir` (as `pdkv certs init` does):
+/// `ca.pem`, `<node>.pem`, `<node>.key` (keys 0600). Refuses to overwrite existing files.
 #[pyfunction]
 fn write_cluster_certs(dir: std::path::PathBuf, nodes: Vec<String>) -> PyResult<()> {
     let names: Vec<&str> = nodes.iter().map(String::as_str).collect();

@@ -23,6 +23,19 @@ pub enum HandoffRequest {
         /// The prefill side's request id.
         request: String,
     },
+    /// Which layer each of the worker's planes holds, asked once per connection: a decode worker
+    /// matches its planes to the prefill worker's by layer, so legs that split the layers over
+    /// pipeline stages differently still read each layer from the worker holding it.
+    Planes,
+}
+
+/// The layer one K, V or state plane holds, and the KV group whose block ids index it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlaneName {
+    /// vLLM's layer name (the names of every layer a block-outermost plane packs, joined by `|`).
+    pub layer: String,
+    /// Its KV group.
+    pub group: u32,
 }
 
 /// The prefill worker's answer. Refusals (an ended hand-off, another owner) travel as the
@@ -45,4 +58,6 @@ pub enum HandoffResponse {
     NotYet,
     /// Released.
     Released,
+    /// The worker's planes, in its registration order.
+    Planes(Vec<PlaneName>),
 }

@@ -22,7 +22,7 @@ if os.environ.get("PDKV_REQUIRE_VLLM") != "1":
 import torch  # noqa: E402
 
 import pdkv_vllm  # noqa: E402
-from vllm_harness import BLOCK, LAYOUTS, Leg, global_head, leg_state, run_prefill, tag  # noqa: E402
+from vllm_harness import BLOCK, LAYOUTS, SWEPT, Leg, global_head, leg_state, run_prefill, tag  # noqa: E402
 
 # Prompt lengths: around block edges, (N-1) % B == 0, and lengths where a lookahead tail of k
 # blocks exists on one leg only ((N-1) % B >= B - k), the seed's failing class.
@@ -33,7 +33,9 @@ STEP_BUDGET = 400
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pdkv")
-    nodes = ["p0", "p0-1", "p0-2", "p0-3", "d0", "d0-1", "d0-2", "d0-3", "p1", "d1", "intruder"]
+    # Worker i of a leg of TP x PP workers is <leg>-i (i = stage * TP + rank): up to 6.
+    workers = [f"{leg}-{index}" for leg in ("p0", "d0") for index in range(1, 6)]
+    nodes = ["p0", "d0", *workers, "p1", "d1", "intruder"]
     pdkv_vllm.write_cluster_certs(str(root / "certs"), nodes)
     return root
 
@@ -62,6 +64,10 @@ class Pd:
             # Legs of different TP sizes: every worker talks to every rank of the other leg.
             p_extra = dict(p_extra or {}, peer_tp=d_tp or 1)
             d_extra = dict(d_extra or {}, peer_tp=p_tp or 1)
+        if p_pp != d_pp:
+            # Legs of different PP sizes: every worker talks to every stage of the other leg.
+            p_extra = dict(p_extra or {}, peer_pp=d_pp)
+            d_extra = dict(d_extra or {}, peer_pp=p_pp)
         self.prefill = prefill or LocalPrefill(
             Leg(root, "prefill", p, [d], layout, lookahead=p_lookahead, extra=p_extra, speculative_tokens=p_spec,
                 tp=p_tp, pp=p_pp, **memory)
@@ -128,7 +134,7 @@ class Pd:
                     block = ids[plane.group][position]
                     got = plane.view[block]
                     # Byte-exact against what the prefill wrote for this position ...
-                    assert not self.same_ranks or torch.equal(got, pages[index, plane.index][position]), (
+                    assert not self.same_ranks or torch.equal(got, pages[rank, plane.index][position]), (
                         f"{self.layout} n={n} worker {index} plane {plane.index} position {position}"
                     )
                     # ... and against the definition, token by token.
@@ -248,7 +254,7 @@ def sweep(certs, layout, lengths, seed, engine, **legs):
         pd.close()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", SWEPT)
 def test_kv_allocated_by_vllm_itself_is_read_over_the_network(certs, layout):
     """KV caches allocated by vLLM's own worker code (plain memory, not a memfd): the workers
     offer no shared memory, so the automatic choice is the network, byte-exact all the same."""
@@ -259,7 +265,7 @@ def test_kv_allocated_by_vllm_itself_is_read_over_the_network(certs, layout):
 
 @pytest.mark.parametrize("kv_layout", ["BLNHC", "LBNHC"])
 def test_other_kv_layouts_load_byte_exact_kv_through_shared_memory(certs, kv_layout):
-    for layout in LAYOUTS:
+    for layout in SWEPT:
         sweep(certs, layout, LENGTHS[1::3], 700, "shm", p_lookahead=2, d_lookahead=3, kv_layout=kv_layout)
 
 
@@ -270,7 +276,7 @@ def test_a_layout_whose_blocks_are_not_contiguous_is_refused_by_name(certs):
         Leg(certs, "prefill", "p0", ["d0"], "full", kv_layout="LHBNC")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", SWEPT)
 def test_network_reads_load_byte_exact_kv(certs, layout):
     """The decoder reading over the network engine (as across hosts): the prefill's memory
     server serves only the claimed hand-off's blocks to their owner."""
@@ -279,7 +285,7 @@ def test_network_reads_load_byte_exact_kv(certs, layout):
         sweep(certs, layout, LENGTHS, seed, "net", **legs)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", SWEPT)
 @pytest.mark.parametrize("p_lookahead", [0, 1, 2])
 def test_every_length_and_lookahead_loads_byte_exact_kv(certs, layout, p_lookahead):
     for d_lookahead in range(10):
@@ -713,9 +719,9 @@ def test_kv_offered_for_another_prompt_or_model_is_refused_and_never_cached(cert
 
         fields = params["pdkv"]["model_fields"]
         assert model_identity(fields) == params["pdkv"]["model"], "the digest is of the fields sent"
-        assert fields["pipeline_parallel_size"] == 1 and fields["groups"], fields
+        assert fields["kv_cache_dtype"] == "auto" and fields["groups"], fields
         forged = json.loads(json.dumps(params))
-        forged["pdkv"]["model_fields"]["pipeline_parallel_size"] = 2
+        forged["pdkv"]["model_fields"]["kv_cache_dtype"] = "fp8"
         forged["pdkv"]["model"] = model_identity(forged["pdkv"]["model_fields"])
         pd.decode.add("d-model", ours, 2, forged, 12)
         pd.drive("d-model", unclaimed="p-model")
@@ -929,12 +935,69 @@ def test_pipeline_stages_read_their_own_layers_from_the_prefill_stage_holding_th
         pd.close()
 
 
-def test_legs_of_different_pipeline_sizes_are_refused_naming_them(certs):
-    """A decode stage's layers would span several prefill stages; pdkv reads stage to stage, so
-    the model check refuses the offer, naming both PP sizes, and the prompt is computed here."""
-    pd = Pd(certs, "full", p_pp=2, d_pp=1)
+@pytest.mark.parametrize("layout,p_pp,d_pp,p_tp,d_tp,kv_heads", [
+    ("full", 2, 1, None, None, None),
+    ("full", 1, 2, None, None, None),
+    ("deep", 2, 3, None, None, None),
+    ("deep", 3, 2, None, None, None),
+    ("deep", 3, 1, 2, 1, 4),
+    ("deep", 2, 3, 1, 2, 2),
+])
+def test_legs_of_different_pipeline_sizes_read_each_layer_from_the_stage_holding_it(
+    certs, layout, p_pp, d_pp, p_tp, d_tp, kv_heads
+):
+    """The legs split the layers over different numbers of stages (2 -> 1, 1 -> 2, and 2 <-> 3,
+    whose boundaries fall at different layers; also with TP resharding inside): each decode
+    stage reads every layer it holds from whichever prefill stage holds it, byte-exact against
+    the definition (planes are numbered by their place in the whole model), every prefill
+    stage's hand-off ends with its last reader, and nothing leaks."""
+    pd = Pd(certs, layout, p_pp=p_pp, d_pp=d_pp, p_tp=p_tp, d_tp=d_tp, kv_heads=kv_heads, d_lookahead=1)
     try:
-        assert_offer_refused_naming(pd, "pp", 10, "pipeline_parallel_size", 2, 1)
+        layers = {plane.index for planes in pd.decode.planes for plane in planes}
+        assert layers == {plane.index for planes in pd.prefill.leg.planes for plane in planes}
+        for index, n in enumerate((2, 17, 40, 97)):
+            did = pd.run(f"pp-{layout}-{p_pp}-{d_pp}-{n}", n, seed=600 + index)
+            assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
+            assert pd.decode.computed[did] == 1
+            assert pd.prefill.live_handoffs() == 0, "every stage's hand-off ended with its last reader"
+        counted = pd.decode.scheduler_stats.data
+        assert counted.get("recomputed_requests", 0) == 0, counted
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+def test_a_decode_stage_whose_layers_no_prefill_stage_holds_recomputes_naming_the_layer(certs, caplog):
+    """Equal PP sizes but another split (as an uneven VLLM_PP_LAYER_PARTITION on one leg would
+    make): a decode stage reads only its own stage number, finds a layer that stage does not
+    hold, and the load fails naming the layer; vLLM recomputes the prompt, and the hand-offs end
+    at once rather than by their leases."""
+    import vllm_harness
+
+    pd = Pd(certs, "deep", p_pp=2, d_pp=2, d_lookahead=1)
+    try:
+        original = vllm_harness.stage_layers
+        # The decode leg was built with the standard split; the prefill's boundary is moved by
+        # rebuilding it with stage 0 holding two layers of each group.
+        vllm_harness.stage_layers = lambda layers, stage, pp: (
+            layers if pp == 1 else layers[:2] if stage == 0 else layers[2:]
+        )
+        try:
+            pd.prefill.shutdown()
+            pd.prefill = LocalPrefill(
+                Leg(certs, "prefill", "p0", ["d0"], "deep", pp=2)
+            )
+        finally:
+            vllm_harness.stage_layers = original
+        with caplog.at_level("WARNING", logger="pdkv_vllm.connector"):
+            did = pd.run("uneven", 40, seed=77)
+        assert did in pd.decode.failed_loads and did not in pd.decode.loaded
+        assert pd.decode.computed[did] == 40, "the whole prompt computed here"
+        assert any("no prefill worker of the 1 pipeline stages holds it" in record.getMessage() for record in caplog.records), [
+            record.getMessage() for record in caplog.records
+        ]
+        assert pd.prefill.live_handoffs() == 0
+        pd.assert_no_leaks()
     finally:
         pd.close()
 

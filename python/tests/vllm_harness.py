@@ -114,7 +114,16 @@ LAYOUTS = {
         "dcp": 1,
         "speculative_blocks": 1,
     },
+    # Three layers per group, so pipeline stages of 2 and 3 split them at different layers.
+    "deep": {
+        "groups": [("full", BLOCK, None), ("sliding_window", BLOCK, 40)],
+        "layers": [["f0", "f1", "f2"], ["s0", "s1", "s2"]],
+        "dcp": 1,
+    },
 }
+
+#: The layouts every sweep runs ("deep" is for pipeline stages).
+SWEPT = [name for name in LAYOUTS if name != "deep"]
 
 
 def is_state(kind: str) -> bool:
@@ -506,10 +515,11 @@ class Leg:
 
 
 def record_pages(leg: Leg, rid: str, n: int) -> dict:
-    """The bytes a prefill leg wrote for request ``rid``, per rank, plane and needed position."""
+    """The bytes a prefill leg wrote for request ``rid``, per tensor-parallel rank, plane (its
+    layer's place in the whole model, whichever stage holds it) and needed position."""
     ids = leg.scheduler.kv_cache_manager.get_block_ids(rid)
     pages = {}
-    for rank, planes in enumerate(leg.planes):
+    for (_, rank), planes in zip(leg.ranks, leg.planes):
         for plane in planes:
             kind, _, window = leg.spec["groups"][plane.group]
             block_tokens = leg.block_tokens(plane.group)
