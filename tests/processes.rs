@@ -433,11 +433,11 @@ fn a_decode_leg_refuses_a_prefill_leg_whose_split_it_cannot_reshard() {
         .replacen("role = \"decode\"\n", "role = \"decode\"\ntp = 2\n", 1);
     std::fs::write(&bad, split).unwrap();
     certs_init(&good, &dir.join("certs"));
-    let children = vec![
+    let children = Children(vec![
         spawn_logged(&["router"], &good, &dir.join("router.log")),
         spawn_logged(&["node", "--node", "decode-0"], &good, &dir.join("decode.log")),
         spawn_logged(&["node", "--node", "prefill-0"], &bad, &dir.join("prefill.log")),
-    ];
+    ]);
     let ready_url = format!("http://127.0.0.1:{}/ready", ports[5]);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut last = Value::Null;
@@ -466,7 +466,7 @@ fn a_decode_leg_refuses_a_prefill_leg_whose_split_it_cannot_reshard() {
         ),
         "{reason}"
     );
-    let codes = terminate(children);
+    let codes = children.terminate();
     assert_eq!(
         codes,
         [Some(0); 3],
@@ -489,18 +489,32 @@ fn spawn_logged(args: &[&str], config: &Path, log: &Path) -> Child {
         .unwrap()
 }
 
-/// Sends SIGTERM to every child, then waits for each: their exit codes.
-fn terminate(mut children: Vec<Child>) -> Vec<Option<i32>> {
-    for child in &mut children {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
+/// Processes a test started: killed if the test ends (or fails) before [`Children::terminate`].
+struct Children(Vec<Child>);
+
+impl Children {
+    /// Sends SIGTERM to every child, then waits for each: their exit codes.
+    fn terminate(mut self) -> Vec<Option<i32>> {
+        for child in &mut self.0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        std::mem::take(&mut self.0)
+            .into_iter()
+            .map(|mut child| child.wait().unwrap().code())
+            .collect()
     }
-    children
-        .into_iter()
-        .map(|mut child| child.wait().unwrap().code())
-        .collect()
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// A prefill leg started with another KV layout is refused at handshake: the router's `/ready`
@@ -516,11 +530,11 @@ fn a_leg_with_another_layout_shows_in_the_routers_ready() {
     let bad = dir.join("other-layout.toml");
     std::fs::write(&bad, text.replace("window = 128", "window = 192")).unwrap();
     certs_init(&good, &dir.join("certs"));
-    let children = vec![
+    let children = Children(vec![
         spawn_logged(&["router"], &good, &dir.join("router.log")),
         spawn_logged(&["node", "--node", "decode-0"], &good, &dir.join("decode.log")),
         spawn_logged(&["node", "--node", "prefill-0"], &bad, &dir.join("prefill.log")),
-    ];
+    ]);
     let ready_url = format!("http://127.0.0.1:{}/ready", ports[7]);
     let deadline = Instant::now() + Duration::from_secs(30);
     let reason = loop {
@@ -548,7 +562,7 @@ fn a_leg_with_another_layout_shows_in_the_routers_ready() {
             && reason.contains("prefill-0 full block 64 dcp 1, sliding_window(192)"),
         "{reason}"
     );
-    for code in terminate(children) {
+    for code in children.terminate() {
         assert_eq!(code, Some(0), "SIGTERM drains and exits 0");
     }
     let log = std::fs::read_to_string(dir.join("router.log")).unwrap();

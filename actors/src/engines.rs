@@ -776,7 +776,8 @@ mod tests {
                 )
             )
         };
-        let peer_tp = |text: &str| -> Vec<serde_json::Value> {
+        // A connector setting of each leg, as `pdkv node` passes it.
+        let extra = |text: &str, key: &str| -> Vec<serde_json::Value> {
             let cluster = vllm(text);
             let loopback = ResolvedAddress {
                 bind: "127.0.0.1".parse().unwrap(),
@@ -789,10 +790,11 @@ mod tests {
                     let command = cluster.server_command(node, &loopback);
                     let transfer: serde_json::Value =
                         serde_json::from_str(command.args.last().unwrap()).unwrap();
-                    transfer["kv_connector_extra_config"]["peer_tp"].clone()
+                    transfer["kv_connector_extra_config"][key].clone()
                 })
                 .collect()
         };
+        let peer_tp = |text: &str| extra(text, "peer_tp");
         let tp2 = "engine_args = [\"-tp\", \"2\"]\n";
         let tp4 = "engine_args = [\"--tensor-parallel-size=4\"]\n";
         assert_eq!(
@@ -818,23 +820,6 @@ mod tests {
             "cluster.toml: nodes: prefill legs run different tensor-parallel sizes (p: 2, p2: 1); a leg of the other role reads one size"
         );
         // Pipeline stages: the same, through peer_pp.
-        let extra = |text: &str, key: &str| -> Vec<serde_json::Value> {
-            let cluster = vllm(text);
-            let loopback = ResolvedAddress {
-                bind: "127.0.0.1".parse().unwrap(),
-                advertise: "127.0.0.1".parse().unwrap(),
-            };
-            cluster
-                .nodes
-                .iter()
-                .map(|node| {
-                    let command = cluster.server_command(node, &loopback);
-                    let transfer: serde_json::Value =
-                        serde_json::from_str(command.args.last().unwrap()).unwrap();
-                    transfer["kv_connector_extra_config"][key].clone()
-                })
-                .collect()
-        };
         let pp2 = "engine_args = [\"-pp\", \"2\", \"--tensor-parallel-size\", \"2\"]\n";
         let pp3 = "engine_args = [\"--pipeline-parallel-size=3\", \"-tp\", \"2\"]\n";
         let mixed = legs(pp2, pp3);

@@ -3,6 +3,9 @@
 //! `HeadMap` and `head_slices` give, and must end with exactly the cells of the heads it holds,
 //! by the definition of vLLM's sharding (not by `HeadSharding`).
 
+mod common;
+
+use common::vllm_heads;
 use pdkv_core::exchange::{BlockPair, Pairing};
 use pdkv_core::heads::{HeadMap, HeadOrder, HeadSharding, head_slices};
 use pdkv_core::layout::{GroupSpec, KvLayout};
@@ -11,16 +14,6 @@ use proptest::prelude::*;
 
 const TOKENS: u32 = 4;
 const CELL: u64 = 2; // bytes per (head, token)
-
-/// The heads rank `rank` of `tp` holds of `total`, as vLLM shards them.
-fn owned(total: u32, tp: u32, rank: u32) -> Vec<u32> {
-    if tp <= total {
-        let per = total / tp;
-        (rank * per..(rank + 1) * per).collect()
-    } else {
-        vec![rank * total / tp]
-    }
-}
 
 fn offset(order: HeadOrder, heads: u32, head: u32, token: u32) -> usize {
     let cell = match order {
@@ -71,14 +64,14 @@ fn check(total: u32, tp_p: u32, tp_d: u32, rotation: u64, order: HeadOrder) {
                 .collect(),
         ],
     };
-    let heads_p = owned(total, tp_p, 0).len() as u32;
-    let heads_d = owned(total, tp_d, 0).len() as u32;
+    let heads_p = vllm_heads(total, tp_p, 0).len() as u32;
+    let heads_d = vllm_heads(total, tp_d, 0).len() as u32;
     let bytes_p = u64::from(heads_p * TOKENS) * CELL;
     let bytes_d = u64::from(heads_d * TOKENS) * CELL;
     let prefill: Vec<Vec<u8>> = (0..tp_p)
         .map(|p| {
             (0..=blocks)
-                .flat_map(|b| fill(order, &owned(total, tp_p, p), b))
+                .flat_map(|b| fill(order, &vllm_heads(total, tp_p, p), b))
                 .collect()
         })
         .collect();
@@ -93,8 +86,8 @@ fn check(total: u32, tp_p: u32, tp_d: u32, rotation: u64, order: HeadOrder) {
             readers[p as usize] += 1;
         }
         for read in reads {
-            let holder = owned(total, tp_p, read.prefill_rank);
-            let wanted = owned(total, tp_d, d)[read.local_first as usize];
+            let holder = vllm_heads(total, tp_p, read.prefill_rank);
+            let wanted = vllm_heads(total, tp_d, d)[read.local_first as usize];
             assert!(
                 holder.contains(&wanted),
                 "prefill rank {} does not hold head {wanted}",
@@ -126,7 +119,7 @@ fn check(total: u32, tp_p: u32, tp_d: u32, rotation: u64, order: HeadOrder) {
             let block = &memory[start..start + bytes_d as usize];
             assert_eq!(
                 block,
-                fill(order, &owned(total, tp_d, d), b).as_slice(),
+                fill(order, &vllm_heads(total, tp_d, d), b).as_slice(),
                 "H={total} P{tp_p}->D{tp_d} rotation {rotation} {order:?}: decode rank {d} block {b}"
             );
             assert!(

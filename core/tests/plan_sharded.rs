@@ -5,6 +5,9 @@
 //! heads and tokens vLLM's sharding gives it (written out here, not taken from `KvShards`),
 //! every byte written once.
 
+mod common;
+
+use common::vllm_heads;
 use std::collections::HashMap;
 
 use pdkv_core::exchange::{BlockPair, Pairing};
@@ -27,16 +30,6 @@ struct Split {
 impl Split {
     fn groups(&self) -> u32 {
         self.tp / self.dcp
-    }
-}
-
-/// The heads head group `group` of `groups` holds of `total`, as vLLM shards them.
-fn owned(total: u32, groups: u32, group: u32) -> Vec<u32> {
-    if groups <= total {
-        let per = total / groups;
-        (group * per..(group + 1) * per).collect()
-    } else {
-        vec![group * total / groups]
     }
 }
 
@@ -89,7 +82,7 @@ fn fill(
 
 /// A leg's placement: `split.tp` ranks, rank-major, region ids from `first_region`.
 fn regions(layout: &KvLayout, total: u32, split: Split, blocks: u32, first_region: u32) -> RegionLayout {
-    let held = owned(total, split.groups(), 0).len() as u64;
+    let held = vllm_heads(total, split.groups(), 0).len() as u64;
     let layers = (0..split.tp)
         .flat_map(|_| 0..layout.num_layers())
         .enumerate()
@@ -139,7 +132,7 @@ fn check(total: u32, prefill: Split, decode: Split, rotation: u64, order: HeadOr
     // Prefill memory by region id; decode memory (and write counts) by region id.
     let mut source: HashMap<u32, Vec<u8>> = HashMap::new();
     for p in 0..prefill.tp {
-        let held = owned(total, prefill.groups(), p / prefill.dcp);
+        let held = vllm_heads(total, prefill.groups(), p / prefill.dcp);
         for layer in 0..layers {
             let bytes: Vec<u8> = (0..=BLOCKS)
                 .flat_map(|b| fill(&layout, order, layer, &held, (p % prefill.dcp, prefill.dcp), b))
@@ -171,7 +164,7 @@ fn check(total: u32, prefill: Split, decode: Split, rotation: u64, order: HeadOr
         }
     }
     for d in 0..decode.tp {
-        let held = owned(total, decode.groups(), d / decode.dcp);
+        let held = vllm_heads(total, decode.groups(), d / decode.dcp);
         for layer in 0..layers {
             let placed = local.layers[d as usize * layers + layer];
             let (memory, written) = &target[&placed.region];

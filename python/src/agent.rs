@@ -1850,8 +1850,7 @@ mod tests {
         engine: EngineChoice,
         model: ModelFields,
     ) -> Leg {
-        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
-        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let memory = kv_memfd(2);
         let mut setup = setup(
             dir,
             node,
@@ -1979,8 +1978,7 @@ mod tests {
     #[test]
     fn a_worker_bound_to_every_interface_is_reached_at_its_advertised_addresses() {
         let dir = certs();
-        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
-        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let memory = kv_memfd(2);
         let mut prefill_setup = setup(
             &dir,
             "p0",
@@ -2038,12 +2036,16 @@ mod tests {
     /// A decoder that needs none of a hand-off's KV gives it back unread: the prefill frees the
     /// blocks (their generations move) at once, nothing is copied, and the hand-off cannot be
     /// claimed again.
+    /// A memfd of `planes` planes of `BLOCKS` pages each.
+    fn kv_memfd(planes: u64) -> File {
+        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
+        memory.set_len(planes * PAGE * u64::from(BLOCKS)).unwrap();
+        memory
+    }
+
     /// A leg whose memfd holds one plane of `BLOCKS` pages per layer in `layers`, one full group.
     fn leg_of_layers(dir: &std::path::Path, node: &str, role: Role, peers: &[&str], layers: &[&str]) -> Leg {
-        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
-        memory
-            .set_len(layers.len() as u64 * PAGE * u64::from(BLOCKS))
-            .unwrap();
+        let memory = kv_memfd(layers.len() as u64);
         let mut setup = setup(
             dir,
             node,
@@ -2195,8 +2197,7 @@ mod tests {
     #[test]
     fn a_worker_naming_one_layer_twice_is_refused_at_start() {
         let dir = certs();
-        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
-        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let memory = kv_memfd(2);
         let mut setup = setup(
             &dir,
             "d0",
@@ -2569,8 +2570,7 @@ mod tests {
     #[test]
     fn a_mori_engine_without_the_feature_is_refused_naming_it() {
         let dir = certs();
-        let memory = memfd::MemfdOptions::default().create("kv").unwrap().into_file();
-        memory.set_len(2 * PAGE * u64::from(BLOCKS)).unwrap();
+        let memory = kv_memfd(2);
         let mori = MoriSetup {
             host: "127.0.0.1".into(),
             settings: Default::default(),
