@@ -751,9 +751,10 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
     ``regions`` holds one ``(fd, address, length, device)`` per backing allocation: a memfd
     (``pdkv_vllm.memory``; same-host peers map it), or with ``fd = -1`` plain memory of this
     process (READ over the network) or, with ``device >= 0``, GPU memory (READ by mori).
-    ``planes`` holds ``(region, offset, bytes_per_block, group, layer)`` for every layer page, in
-    ``kv_cache_tensors`` order, ``layer`` naming the layer (a decode plane is read from the
-    prefill plane of the same name, whichever pipeline stage holds it), from
+    ``planes`` holds ``(region, offset, bytes_per_block, group, layer, page_bytes)`` for every
+    layer page, in ``kv_cache_tensors`` order, ``layer`` naming the layer (a decode plane is read
+    from the prefill plane of the same name, whichever pipeline stage holds it; a packed plane
+    names its layers joined by ``|``, one ``page_bytes`` page each), from
     vLLM's own placement: layer ``l`` of block ``b`` at ``offset + l * layer_stride + b *
     block_stride``. A block-outermost layout whose blocks pack every layer's page becomes one plane
     per placement; a layout whose blocks are not contiguous pages is refused."""
@@ -807,7 +808,7 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
         if block_stride == page:
             for index, layer in enumerate(placement.layers):
                 start = base + placement.offset + index * layer_stride
-                planes.append((region, start, page, group_of[layer], layer))
+                planes.append((region, start, page, group_of[layer], layer, page))
         elif (
             block_stride > page
             and len(pages) == 1
@@ -816,7 +817,9 @@ def kv_memory(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]):
             and len(placement.layers) * page <= block_stride
         ):
             # Block-outermost: block b packs every layer's page; it travels as one run.
-            planes.append((region, base + placement.offset, block_stride, layer_groups.pop(), "|".join(placement.layers)))
+            planes.append(
+                (region, base + placement.offset, block_stride, layer_groups.pop(), "|".join(placement.layers), page)
+            )
         else:
             raise ConnectorConfigError(
                 f"layers {placement.layers}: a block is not one contiguous run of memory (block "
@@ -1035,10 +1038,10 @@ class _WorkerSide:
                 "only attention KV without DCP is resharded by heads (a recurrent state or DCP needs "
                 "equal TP sizes)"
             )
-        if self.order is None or self.packed:
+        if self.order is None:
             raise LoadError(
-                "KV is resharded by heads only in a layer-outermost layout whose blocks are "
-                "[heads, tokens, ...] or [tokens, heads, ...] (LBHNC, LBNHC)"
+                "KV is resharded by heads only where a layer's page is [heads, tokens, ...] or "
+                "[tokens, heads, ...] (LBHNC, LBNHC, BLHNC, BLNHC)"
             )
 
     def _release(self, request_id: str, spec: ReleaseSpec) -> None:

@@ -188,6 +188,9 @@ pub struct Plane {
     /// The layer it holds (vLLM's layer name; the names of every layer a block-outermost plane
     /// packs, joined by `|`): a decode plane is read from the prefill plane of the same layer.
     pub layer: String,
+    /// Bytes of one layer's page in a block: `bytes_per_block`, or less when a block packs
+    /// several layers' pages one after another (a block-outermost layout).
+    pub page_bytes: u64,
 }
 
 /// How long a data-connection ticket stays valid, and how many may be outstanding.
@@ -636,6 +639,7 @@ impl Agent {
                 .map(|plane| PlaneName {
                     layer: plane.layer.clone(),
                     group: plane.group as u32,
+                    page_bytes: plane.page_bytes,
                 })
                 .collect(),
         );
@@ -643,6 +647,16 @@ impl Agent {
         for (index, plane) in planes.iter().enumerate() {
             if plane.layer.is_empty() {
                 return Err(config(format!("plane {index} names no layer")));
+            }
+            let packed = plane.page_bytes.checked_mul(plane.pages());
+            if plane.page_bytes == 0 || packed.is_none_or(|bytes| bytes > setup.planes[index].bytes_per_block)
+            {
+                return Err(config(format!(
+                    "plane {index}: {} pages of {} bytes do not fit its {}-byte blocks",
+                    plane.pages(),
+                    plane.page_bytes,
+                    setup.planes[index].bytes_per_block
+                )));
             }
             if let Some(first) = plane_of.insert(plane.layer.clone(), index) {
                 return Err(config(format!(
@@ -1106,8 +1120,8 @@ impl Agent {
         let order = split.order.ok_or_else(|| {
             config(format!(
                 "the prefill leg runs {ranks} tensor-parallel ranks, this leg {}: KV is resharded by \
-                 heads only in a layer-outermost layout whose blocks are [heads, tokens, ...] or \
-                 [tokens, heads, ...] (LBHNC, LBNHC)",
+                 heads only where a layer's page is [heads, tokens, ...] or [tokens, heads, ...] \
+                 (LBHNC, LBNHC, BLHNC, BLNHC)",
                 split.tp
             ))
         })?;
@@ -1297,18 +1311,27 @@ impl Agent {
                     spec.dcp()
                 ));
             }
-            let (local, remote) = (self.regions.layers[plane], peer.regions.layers[remote_plane]);
+            // A block packing several layers holds one page per layer, one after another: each
+            // page is cut alike, at its own offset on either side.
+            let (local, remote) = (&self.planes[plane], &peer.planes.names[remote_plane]);
             let mut plane_slices = Vec::new();
-            for read in reads {
-                let cut = head_slices(
-                    read,
-                    heads.order,
-                    spec.block_size(),
-                    (remote_heads, remote.bytes_per_block),
-                    (local_heads, local.bytes_per_block),
-                )
-                .map_err(|error| format!("plane {plane}: {error}"))?;
-                plane_slices.extend(cut);
+            for page in 0..local.pages() {
+                let (local_base, remote_base) = (page * local.page_bytes, page * remote.page_bytes);
+                for read in reads {
+                    let cut = head_slices(
+                        read,
+                        heads.order,
+                        spec.block_size(),
+                        (remote_heads, remote.page_bytes),
+                        (local_heads, local.page_bytes),
+                    )
+                    .map_err(|error| format!("plane {plane}: {error}"))?;
+                    plane_slices.extend(cut.into_iter().map(|slice| BlockSlice {
+                        local_offset: local_base + slice.local_offset,
+                        remote_offset: remote_base + slice.remote_offset,
+                        ..slice
+                    }));
+                }
             }
             slices.push(plane_slices);
         }
@@ -1820,6 +1843,7 @@ mod tests {
                     bytes_per_block: PAGE,
                     group: 0,
                     layer: format!("layers.{plane}"),
+                    page_bytes: PAGE,
                 })
                 .collect(),
             num_blocks: BLOCKS,
@@ -2064,6 +2088,7 @@ mod tests {
                 bytes_per_block: PAGE,
                 group: 0,
                 layer: layer.to_string(),
+                page_bytes: PAGE,
             })
             .collect();
         Leg {

@@ -119,9 +119,10 @@ impl KvAgent {
     /// (address and length unused), or `fd = -1` for memory of this process the caller keeps
     /// alive and in place while the agent lives: host memory (`device = -1`) or memory of GPU
     /// `device`; `mori_host`: offer (and READ with) a mori engine whose control plane binds that
-    /// host; `planes`: `(region, offset, bytes_per_block, group, layer)` for every K, V or state
-    /// plane, `layer` naming the layer it holds (a decode plane is read from the prefill plane
-    /// of the same layer, whichever pipeline stage holds it);
+    /// host; `planes`: `(region, offset, bytes_per_block, group, layer, page_bytes)` for every
+    /// K, V or state plane, `layer` naming the layer it holds (a decode plane is read from the
+    /// prefill plane of the same layer, whichever pipeline stage holds it; a block-outermost
+    /// plane names each layer it packs, joined by `|`, one `page_bytes` page each);
     /// `listen`: the prefill worker's control address (`host:port`, port 0 picks one);
     /// `data_listen`: its memory server's (default: `listen`'s host, any port); `advertise` and
     /// `data_advertise`: the control and memory server addresses peers reach it at, when they
@@ -142,7 +143,7 @@ impl KvAgent {
         peers: Vec<String>,
         groups_json: &str,
         memory: Vec<(i32, usize, usize, i64)>,
-        planes: Vec<(u32, u64, u64, usize, String)>,
+        planes: Vec<(u32, u64, u64, usize, String, u64)>,
         num_blocks: u32,
         listen: Option<&str>,
         data_listen: Option<&str>,
@@ -205,13 +206,16 @@ impl KvAgent {
                 .collect(),
             planes: planes
                 .into_iter()
-                .map(|(region, offset, bytes_per_block, group, layer)| Plane {
-                    region,
-                    offset,
-                    bytes_per_block,
-                    group,
-                    layer,
-                })
+                .map(
+                    |(region, offset, bytes_per_block, group, layer, page_bytes)| Plane {
+                        region,
+                        offset,
+                        bytes_per_block,
+                        group,
+                        layer,
+                        page_bytes,
+                    },
+                )
                 .collect(),
             num_blocks,
             listen,

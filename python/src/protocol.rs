@@ -36,6 +36,16 @@ pub struct PlaneName {
     pub layer: String,
     /// Its KV group.
     pub group: u32,
+    /// Bytes of one layer's page in a block (the block's bytes unless it packs several layers,
+    /// one page after another).
+    pub page_bytes: u64,
+}
+
+impl PlaneName {
+    /// How many layers' pages a block of the plane packs.
+    pub fn pages(&self) -> u64 {
+        self.layer.split('|').count() as u64
+    }
 }
 
 /// The prefill worker's answer. Refusals (an ended hand-off, another owner) travel as the

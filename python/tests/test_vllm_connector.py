@@ -879,7 +879,7 @@ HETEROGENEOUS_TP = [(4, 1, 2), (4, 2, 1), (4, 4, 2), (2, 1, 4), (1, 1, 2), (1, 2
 
 
 @pytest.mark.parametrize("kv_heads,p_tp,d_tp", HETEROGENEOUS_TP)
-@pytest.mark.parametrize("kv_layout", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("kv_layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
 def test_legs_of_different_tensor_parallel_sizes_load_each_rank_its_heads(certs, kv_heads, p_tp, d_tp, kv_layout):
     """Each decode rank ends with exactly the KV heads vLLM gives it (checked per head against
     the definition), read from the prefill ranks holding them; every hand-off ends (the shared
