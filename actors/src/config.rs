@@ -1103,29 +1103,21 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
     // A connector reads one tensor-parallel and one pipeline-parallel size on the other side
     // (`peer_tp`, `peer_pp`).
     for role in [Role::Prefill, Role::Decode] {
-        for (what, size_of) in [
-            (
-                "tensor",
-                (|parallel: Parallel| parallel.tp) as fn(Parallel) -> u32,
-            ),
-            ("pipeline", |parallel: Parallel| parallel.pp),
-        ] {
-            let sizes: Vec<(&str, u32)> = nodes
-                .iter()
-                .filter(|node| node.role == role)
-                .map(|node| (node.name.0.as_str(), size_of(node.parallel(&engine))))
-                .collect();
-            if let Some((first, size)) = sizes.first()
-                && let Some((other, other_size)) = sizes.iter().find(|(_, other)| other != size)
-            {
-                return Err(ConfigError::invalid(
-                    "nodes",
-                    format!(
-                        "{role} legs run different {what}-parallel sizes ({first}: {size}, {other}: {other_size}); a leg of the other role reads one size"
-                    ),
-                ));
-            }
-        }
+        let legs: Vec<(&str, Parallel)> = nodes
+            .iter()
+            .filter(|node| node.role == role)
+            .map(|node| (node.name.0.as_str(), node.parallel(&engine)))
+            .collect();
+        one_size(
+            role,
+            "tensor",
+            legs.iter().map(|(name, parallel)| (*name, parallel.tp)),
+        )?;
+        one_size(
+            role,
+            "pipeline",
+            legs.iter().map(|(name, parallel)| (*name, parallel.pp)),
+        )?;
     }
     Ok(VllmCluster {
         engine,
@@ -1308,6 +1300,26 @@ fn node_shards(
             format!("{error} (model.kv_heads over tp / dcp head groups)"),
         )
     })
+}
+
+/// Refuses legs of `role` whose `what`-parallel sizes differ, naming the first two.
+fn one_size<'a>(
+    role: Role,
+    what: &str,
+    mut sizes: impl Iterator<Item = (&'a str, u32)>,
+) -> Result<(), ConfigError> {
+    let Some((first, size)) = sizes.next() else {
+        return Ok(());
+    };
+    match sizes.find(|(_, other)| *other != size) {
+        Some((other, other_size)) => Err(ConfigError::invalid(
+            "nodes",
+            format!(
+                "{role} legs run different {what}-parallel sizes ({first}: {size}, {other}: {other_size}); a leg of the other role reads one size"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// How the reference engine's blocks hold `kv_heads` KV heads: heads outside tokens.

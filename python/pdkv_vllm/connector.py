@@ -986,7 +986,8 @@ class _WorkerSide:
             else:
                 # Every decode stage asks every prefill stage for the layers it holds.
                 reading, stage_readers = stages, self.pp
-            resharded = any(len(stage) != self.tp for stage in reading)
+            # Every prefill stage runs one TP size (``_stages`` checks it).
+            resharded = len(reading[0]) != self.tp
             if resharded:
                 self._check_reshardable(len(reading[0]))
             started = time.monotonic()
@@ -1031,7 +1032,7 @@ class _WorkerSide:
 
     def _check_reshardable(self, prefill_tp: int) -> None:
         """Refuses, before anything is claimed, a load across TP sizes this layout cannot take:
-        only attention KV without DCP, laid out layer-outermost, is resharded by heads."""
+        only attention KV without DCP, whose pages order heads and tokens, is resharded by heads."""
         if not resharded_by_heads(self.connector.groups):
             raise LoadError(
                 f"the prefill leg runs {prefill_tp} tensor-parallel ranks, this leg {self.tp}: "

@@ -231,7 +231,7 @@ impl Serving {
 
 struct HandoffService {
     serving: Arc<Serving>,
-    planes: Arc<Vec<PlaneName>>,
+    planes: Arc<PlaneTable>,
 }
 
 impl ControlService for HandoffService {
@@ -276,7 +276,7 @@ impl ControlService for HandoffService {
                 }
                 Ok(HandoffResponse::Released)
             }
-            HandoffRequest::Planes => Ok(HandoffResponse::Planes(self.planes.as_ref().clone())),
+            HandoffRequest::Planes => Ok(HandoffResponse::Planes(self.planes.names.clone())),
         }
     }
 }
@@ -370,17 +370,33 @@ struct Peer {
     connection: PeerConnection,
     regions: RegionLayout,
     /// The layer each of its planes holds.
-    planes: Arc<PeerPlanes>,
+    planes: Arc<PlaneTable>,
     /// The prefill worker's engine, as the chosen engine knows it.
     engine: EngineKey,
     /// The engine that READs from it.
     reader: Arc<dyn ReadEngine>,
 }
 
-/// A prefill worker's planes, by position and by layer.
-struct PeerPlanes {
+/// A worker's planes, by position and by layer.
+struct PlaneTable {
     names: Vec<PlaneName>,
     index: HashMap<String, usize>,
+}
+
+impl PlaneTable {
+    /// Refuses two planes holding one layer, naming them.
+    fn new(names: Vec<PlaneName>) -> Result<Self, String> {
+        let mut index = HashMap::with_capacity(names.len());
+        for (plane, name) in names.iter().enumerate() {
+            if let Some(first) = index.insert(name.layer.clone(), plane) {
+                return Err(format!(
+                    "planes {first} and {plane} both hold layer {:?}",
+                    name.layer
+                ));
+            }
+        }
+        Ok(PlaneTable { names, index })
+    }
 }
 
 /// What a decode worker reads of one prefill pipeline stage: `(prefill rank, readers, the heads
@@ -401,8 +417,7 @@ pub struct Agent {
     layout: KvLayout,
     regions: RegionLayout,
     /// The layer each plane holds, and each layer's plane.
-    planes: Arc<Vec<PlaneName>>,
-    plane_of: HashMap<String, usize>,
+    planes: Arc<PlaneTable>,
     engine: Arc<MappedEngine>,
     /// READs over the network (decode), and the descriptor of the memory server (prefill).
     net: Arc<NetEngine>,
@@ -632,19 +647,16 @@ impl Agent {
         }
         let layer_groups = setup.planes.iter().map(|plane| plane.group).collect();
         let layout = KvLayout::new(setup.groups, layer_groups).map_err(config)?;
-        let planes: Arc<Vec<PlaneName>> = Arc::new(
-            setup
-                .planes
-                .iter()
-                .map(|plane| PlaneName {
-                    layer: plane.layer.clone(),
-                    group: plane.group as u32,
-                    page_bytes: plane.page_bytes,
-                })
-                .collect(),
-        );
-        let mut plane_of = HashMap::with_capacity(planes.len());
-        for (index, plane) in planes.iter().enumerate() {
+        let names: Vec<PlaneName> = setup
+            .planes
+            .iter()
+            .map(|plane| PlaneName {
+                layer: plane.layer.clone(),
+                group: plane.group as u32,
+                page_bytes: plane.page_bytes,
+            })
+            .collect();
+        for (index, plane) in names.iter().enumerate() {
             if plane.layer.is_empty() {
                 return Err(config(format!("plane {index} names no layer")));
             }
@@ -658,13 +670,8 @@ impl Agent {
                     setup.planes[index].bytes_per_block
                 )));
             }
-            if let Some(first) = plane_of.insert(plane.layer.clone(), index) {
-                return Err(config(format!(
-                    "planes {first} and {index} both hold layer {:?}",
-                    plane.layer
-                )));
-            }
         }
+        let planes = Arc::new(PlaneTable::new(names).map_err(config)?);
         let memory = setup
             .memory
             .iter()
@@ -876,7 +883,6 @@ impl Agent {
             layout,
             regions,
             planes,
-            plane_of,
             engine,
             net,
             mori,
@@ -1066,10 +1072,10 @@ impl Agent {
             for ((stage, plan), owned) in stages.iter().zip(&plans).zip(&owned) {
                 for (rank, readers, reads) in &plan.reads {
                     let source = &stage[*rank as usize];
-                    if failure.is_some() || owned.is_empty() {
-                        // Nothing of it is needed here, or the load failed already: take this
-                        // reader's place and give it back, so the hand-off ends with its other
-                        // readers instead of its lease.
+                    if owned.is_empty() {
+                        // Nothing of it is needed here (or nothing at all: the layers did not
+                        // match): take this reader's place and give it back, so the hand-off
+                        // ends with its other readers instead of its lease.
                         parts.push(
                             self.give_back_logged(request, source, *readers)
                                 .map(|()| None)
@@ -1165,13 +1171,13 @@ impl Agent {
             request: request.to_string(),
             reason,
         };
-        let mut owner: Vec<Option<usize>> = vec![None; self.planes.len()];
+        let mut owner: Vec<Option<usize>> = vec![None; self.planes.names.len()];
         for (stage, (sources, plan)) in stages.iter().zip(plans).enumerate() {
             // Every decode rank reads some rank of every stage (it holds at least one head).
             let asked = plan.reads.first().map_or(0, |read| read.0 as usize);
             let peer = self.source_peer(&sources[asked]).await?;
             for plane in peer.planes.names.iter() {
-                let Some(&local) = self.plane_of.get(&plane.layer) else {
+                let Some(&local) = self.planes.index.get(&plane.layer) else {
                     continue;
                 };
                 if let Some(other) = owner[local].replace(stage) {
@@ -1189,7 +1195,7 @@ impl Agent {
                 None => {
                     return Err(layers(format!(
                         "layer {:?}: no prefill worker of the {} pipeline stages holds it",
-                        self.planes[local].layer,
+                        self.planes.names[local].layer,
                         stages.len()
                     )));
                 }
@@ -1212,30 +1218,24 @@ impl Agent {
     ) -> Result<Loaded, AgentError> {
         let peer = self.source_peer(source).await?;
         let claimed = self.claim(&peer, &source.node, request, readers).await?;
-        let planes = self
-            .match_planes(&peer, owned)
-            .map_err(|reason| AgentError::Layers {
-                request: request.to_string(),
-                reason: format!("prefill worker {}: {reason}", source.node),
-            });
-        let result = match planes {
-            Ok(planes) => {
-                let slices = heads
-                    .map(|(reads, heads)| self.head_slices(&peer, reads, heads, &planes))
-                    .transpose();
-                match slices {
-                    Ok(slices) => {
-                        self.read(&peer, request, claimed, pairs, slices.as_deref(), &planes)
-                            .await
-                    }
-                    Err(reason) => Err(AgentError::Read {
-                        request: request.to_string(),
-                        reason,
-                    }),
-                }
-            }
-            Err(error) => Err(error),
-        };
+        let result = async {
+            let planes = self
+                .match_planes(&peer, owned)
+                .map_err(|reason| AgentError::Layers {
+                    request: request.to_string(),
+                    reason: format!("prefill worker {}: {reason}", source.node),
+                })?;
+            let slices = heads
+                .map(|(reads, heads)| self.head_slices(&peer, reads, heads, &planes))
+                .transpose()
+                .map_err(|reason| AgentError::Read {
+                    request: request.to_string(),
+                    reason,
+                })?;
+            self.read(&peer, request, claimed, pairs, slices.as_deref(), &planes)
+                .await
+        }
+        .await;
         if let Err(error) = self.release_claimed(&peer, &source.node, request).await {
             tracing::warn!(request, node = %source.node, %error, "release not acknowledged; the lease will lapse");
         }
@@ -1247,7 +1247,7 @@ impl Agent {
         owned
             .iter()
             .map(|&local| {
-                let ours = &self.planes[local];
+                let ours = &self.planes.names[local];
                 let remote = *peer
                     .planes
                     .index
@@ -1313,7 +1313,7 @@ impl Agent {
             }
             // A block packing several layers holds one page per layer, one after another: each
             // page is cut alike, at its own offset on either side.
-            let (local, remote) = (&self.planes[plane], &peer.planes.names[remote_plane]);
+            let (local, remote) = (&self.planes.names[plane], &peer.planes.names[remote_plane]);
             let mut plane_slices = Vec::new();
             for page in 0..local.pages() {
                 let (local_base, remote_base) = (page * local.page_bytes, page * remote.page_bytes);
@@ -1555,14 +1555,16 @@ impl Agent {
                 return Err(unreachable(format!("its planes: {error}")));
             }
         };
-        let index = planes
-            .iter()
-            .enumerate()
-            .map(|(plane, name)| (name.layer.clone(), plane))
-            .collect();
+        let planes = match PlaneTable::new(planes) {
+            Ok(planes) => planes,
+            Err(error) => {
+                connection.close();
+                return Err(unreachable(format!("its planes: {error}")));
+            }
+        };
         let peer = Peer {
             regions: theirs.regions.clone(),
-            planes: Arc::new(PeerPlanes { names: planes, index }),
+            planes: Arc::new(planes),
             engine: advert.engine.key.clone(),
             reader,
             connection,
@@ -1874,16 +1876,7 @@ mod tests {
         engine: EngineChoice,
         model: ModelFields,
     ) -> Leg {
-        let memory = kv_memfd(2);
-        let mut setup = setup(
-            dir,
-            node,
-            role,
-            peers,
-            Memory::Memfd(memory.as_raw_fd()),
-            engine,
-            None,
-        );
+        let (memory, mut setup) = memfd_setup(dir, node, role, peers, 2, engine);
         setup.model = model;
         let agent = Agent::start(setup).unwrap();
         Leg { agent, memory }
@@ -2002,16 +1995,8 @@ mod tests {
     #[test]
     fn a_worker_bound_to_every_interface_is_reached_at_its_advertised_addresses() {
         let dir = certs();
-        let memory = kv_memfd(2);
-        let mut prefill_setup = setup(
-            &dir,
-            "p0",
-            Role::Prefill,
-            &["d0"],
-            Memory::Memfd(memory.as_raw_fd()),
-            EngineChoice::Auto,
-            None,
-        );
+        let (memory, mut prefill_setup) =
+            memfd_setup(&dir, "p0", Role::Prefill, &["d0"], 2, EngineChoice::Auto);
         let control = std::net::UdpSocket::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -2067,18 +2052,32 @@ mod tests {
         memory
     }
 
-    /// A leg whose memfd holds one plane of `BLOCKS` pages per layer in `layers`, one full group.
-    fn leg_of_layers(dir: &std::path::Path, node: &str, role: Role, peers: &[&str], layers: &[&str]) -> Leg {
-        let memory = kv_memfd(layers.len() as u64);
-        let mut setup = setup(
+    /// [`setup`] over a fresh memfd of `planes` planes, which must outlive the agent.
+    fn memfd_setup(
+        dir: &std::path::Path,
+        node: &str,
+        role: Role,
+        peers: &[&str],
+        planes: u64,
+        engine: EngineChoice,
+    ) -> (File, AgentSetup) {
+        let memory = kv_memfd(planes);
+        let setup = setup(
             dir,
             node,
             role,
             peers,
             Memory::Memfd(memory.as_raw_fd()),
-            EngineChoice::Auto,
+            engine,
             None,
         );
+        (memory, setup)
+    }
+
+    /// A leg whose memfd holds one plane of `BLOCKS` pages per layer in `layers`, one full group.
+    fn leg_of_layers(dir: &std::path::Path, node: &str, role: Role, peers: &[&str], layers: &[&str]) -> Leg {
+        let (memory, mut setup) =
+            memfd_setup(dir, node, role, peers, layers.len() as u64, EngineChoice::Auto);
         setup.planes = layers
             .iter()
             .enumerate()
@@ -2222,16 +2221,7 @@ mod tests {
     #[test]
     fn a_worker_naming_one_layer_twice_is_refused_at_start() {
         let dir = certs();
-        let memory = kv_memfd(2);
-        let mut setup = setup(
-            &dir,
-            "d0",
-            Role::Decode,
-            &["p0"],
-            Memory::Memfd(memory.as_raw_fd()),
-            EngineChoice::Auto,
-            None,
-        );
+        let (_memory, mut setup) = memfd_setup(&dir, "d0", Role::Decode, &["p0"], 2, EngineChoice::Auto);
         for plane in &mut setup.planes {
             plane.layer = "l0".into();
         }
