@@ -346,29 +346,50 @@ impl HttpListener {
         self.local_addr
     }
 
-    /// Serves `app` with `threads` worker threads within `limits`.
+    /// Serves `app` with `threads` worker threads of its own within `limits`.
     pub fn serve(self, app: Router, threads: usize, limits: HttpLimits) -> anyhow::Result<HttpServer> {
-        let HttpListener {
-            socket,
-            bind,
-            local_addr,
-            name,
-        } = self;
+        let name = self.name;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name(format!("pdkv-{name}-http"))
             .enable_all()
             .build()
             .with_context(|| format!("cannot start the {name} HTTP runtime"))?;
+        let handle = runtime.handle().clone();
+        self.serve_on(app, handle, Some(runtime), limits)
+    }
+
+    /// Serves `app` within `limits` on the runtime of the calling thread (inside an actix
+    /// system: the thread its actors run on, so a request reaches them without a thread
+    /// hand-off).
+    pub fn serve_here(self, app: Router, limits: HttpLimits) -> anyhow::Result<HttpServer> {
+        self.serve_on(app, tokio::runtime::Handle::current(), None, limits)
+    }
+
+    fn serve_on(
+        self,
+        app: Router,
+        handle: tokio::runtime::Handle,
+        runtime: Option<tokio::runtime::Runtime>,
+        limits: HttpLimits,
+    ) -> anyhow::Result<HttpServer> {
+        let HttpListener {
+            socket,
+            bind,
+            local_addr,
+            name,
+        } = self;
         let listener = {
-            let _entered = runtime.enter();
+            let _entered = handle.enter();
             // A backlog for bursts of connections (the kernel caps it at somaxconn).
             socket.listen(LISTEN_BACKLOG)
         };
         let listener = match listener {
             Ok(listener) => listener,
             Err(error) => {
-                runtime.shutdown_background();
+                if let Some(runtime) = runtime {
+                    runtime.shutdown_background();
+                }
                 return Err(error).with_context(|| format!("cannot listen on {bind}"));
             }
         };
@@ -377,12 +398,12 @@ impl HttpListener {
         metrics::counter!("pdkv_http_connections_evicted_total", "server" => name).absolute(0);
         metrics::gauge!("pdkv_http_connections_open", "server" => name).set(0.0);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        runtime.spawn(serve(listener, app, name, limits, stopped));
+        handle.spawn(serve(listener, app, name, limits, stopped));
         tracing::info!(%local_addr, cap = limits.cap, "{name} HTTP server listening");
         Ok(HttpServer {
             local_addr,
             stop: Some(stop),
-            runtime: Some(runtime),
+            runtime,
         })
     }
 }

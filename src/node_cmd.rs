@@ -164,7 +164,7 @@ pub fn run_node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             );
         }
         drop(admin);
-        process.shutdown();
+        process.shutdown().await;
         anyhow::Ok(ExitCode::SUCCESS)
     })
 }
@@ -199,6 +199,7 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
         prompt: config.prompt_limit(),
         context: config.context_limit(),
     };
+    let http_threads = config.router.http_threads;
     let (vocab, request_timeout) = (
         config.model.vocab,
         Duration::from_millis(config.limits.request_timeout_ms),
@@ -229,7 +230,10 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
             next_client: Arc::new(AtomicU64::new(1)),
         };
         let app = openai::with_json_errors(openai::routes(api).merge(admin::routes(admin_state)));
-        let http = http_listener.serve(app, 2, limits)?;
+        let http = match http_threads {
+            0 => http_listener.serve_here(app, limits)?,
+            threads => http_listener.serve(app, threads, limits)?,
+        };
         crate::outln!(
             "READY node={ROUTER_NODE} role=router control={} http=http://{}",
             process.control_addr().map_or("?".into(), |addr| addr.to_string()),
@@ -238,7 +242,7 @@ pub fn run_router(args: RouterArgs) -> anyhow::Result<ExitCode> {
         wait_for_shutdown_signal().await?;
         process.drain();
         drop(http);
-        process.shutdown();
+        process.shutdown().await;
         anyhow::Ok(ExitCode::SUCCESS)
     })
 }

@@ -919,13 +919,19 @@ pub fn run(cluster: VllmCluster) -> anyhow::Result<std::process::ExitCode> {
         refresh: None,
     };
     let app = crate::openai::with_json_errors(routes(shared.clone()).merge(admin::routes(admin_state)));
-    let http = listener.serve(app, 2, limits)?;
     let period = Duration::from_millis(cluster.failure.heartbeat_ms);
     let poller = shared.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the router's runtime")?;
+    let http = match cluster.router.http_threads {
+        0 => {
+            let _entered = runtime.enter();
+            listener.serve_here(app, limits)?
+        }
+        threads => listener.serve(app, threads, limits)?,
+    };
     runtime.block_on(async move {
         let polls = tokio::spawn(async move {
             let bound = POLL_BOUND.min(period.max(Duration::from_millis(100)));

@@ -308,12 +308,17 @@ fn http_api_answers_like_openai_and_ctrl_c_leaves_no_process() {
 }
 
 /// 2P2D on loopback: every length matches direct, the router spreads requests over all four
-/// legs, and every leg's blocks are back to capacity afterwards (read from `/metrics`).
+/// legs, and every leg's blocks are back to capacity afterwards (read from `/metrics`). The
+/// nodes keep QUIC on their transport runtimes and the router's API has threads of its own (the
+/// other tests run the defaults: both on the node's own thread).
 #[test]
 fn two_prefill_two_decode_spreads_requests_and_leaks_nothing() {
     let dir = temp_dir("2p2d");
     let config = dir.join("cluster.toml");
-    std::fs::write(&config, cluster_toml(2, 2)).unwrap();
+    let text = cluster_toml(2, 2).replacen("[transport]", "[transport]\ncontrol_thread = \"transport\"", 1)
+        + "[router]\nhttp_threads = 2\n";
+    assert!(text.contains("control_thread"));
+    std::fs::write(&config, text).unwrap();
     let launched = Launched::start(&config, &dir.join("run"));
     let legs: Vec<String> = ["prefill-0", "prefill-1", "decode-0", "decode-1"]
         .iter()

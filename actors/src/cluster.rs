@@ -38,7 +38,9 @@ use tokio::sync::watch;
 
 use crate::Stop;
 use crate::compute::ComputePool;
-use crate::config::{ClusterConfig, LegThreads, LinkKind, NodeConfig, ROUTER_NODE, ReadEngineKind};
+use crate::config::{
+    ClusterConfig, ControlThread, LegThreads, LinkKind, NodeConfig, ROUTER_NODE, ReadEngineKind,
+};
 use crate::engine::Model;
 use crate::error::{RequestError, StartError, ask};
 use crate::exchange::ExchangeActor;
@@ -146,6 +148,9 @@ struct QuicNodes {
     runtime: Option<TransportRuntime>,
     servers: Vec<ControlServer>,
     clients: Vec<ControlClient>,
+    /// Per node: its endpoints run on the thread that shuts the cluster down, so they are closed
+    /// without waiting (that thread could not drive the close while it waits).
+    on_this_thread: Vec<bool>,
     addresses: HashMap<NodeId, SocketAddr>,
     ca: ClusterCa,
     runtime_handle: tokio::runtime::Handle,
@@ -157,13 +162,13 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 impl Drop for QuicNodes {
     fn drop(&mut self) {
         let mut idle: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>> = Vec::new();
-        for server in &self.servers {
+        for ((server, client), here) in self.servers.iter().zip(&self.clients).zip(&self.on_this_thread) {
             server.close();
-            idle.push(Box::pin(server.wait_idle()));
-        }
-        for client in &self.clients {
             client.close();
-            idle.push(Box::pin(client.wait_idle()));
+            if !here {
+                idle.push(Box::pin(server.wait_idle()));
+                idle.push(Box::pin(client.wait_idle()));
+            }
         }
         let Some(runtime) = self.runtime.take() else {
             return;
@@ -209,15 +214,21 @@ impl LocalCluster {
         let mut legs = Vec::with_capacity(config.nodes.len());
         let mut arbiters = Vec::with_capacity(config.nodes.len());
         let mut doors = Vec::with_capacity(config.nodes.len() + 1);
+        // The thread each door's actors run on (`None`: this one), for QUIC on the node's thread.
+        let mut threads: Vec<Option<ArbiterHandle>> = Vec::with_capacity(config.nodes.len() + 1);
         for node in &config.nodes {
             let placement = match config.transport.leg_threads {
                 LegThreads::PerLeg => {
                     let arbiter = Arbiter::new();
                     let handle = arbiter.handle();
                     arbiters.push(arbiter);
+                    threads.push(Some(handle.clone()));
                     Placement::Own(handle)
                 }
-                LegThreads::Shared => Placement::Current,
+                LegThreads::Shared => {
+                    threads.push(None);
+                    Placement::Current
+                }
             };
             let parts = in_process_parts(&config, node, &model, &fabric)?;
             let (leg, door) = start_leg(&config, node, &model, parts, placement)?;
@@ -227,12 +238,13 @@ impl LocalCluster {
         let (router, router_door) = start_router(&config)?;
         let router_incarnation = router_door.hello.incarnation;
         doors.push(router_door);
+        threads.push(None);
         let quic = match config.transport.links {
             LinkKind::Local => {
                 link_locally(&doors).await?;
                 None
             }
-            LinkKind::Quic => Some(link_over_quic(&config, &doors).await?),
+            LinkKind::Quic => Some(link_over_quic(&config, &doors, &threads).await?),
         };
         Ok(LocalCluster {
             config,
@@ -709,9 +721,36 @@ async fn set_link(from: &Door, to: &Door, link: Arc<dyn Link>) -> Result<(), Sta
         .map_err(|error| link_error(&to.hello.node, error))
 }
 
+/// The tokio runtime of the arbiter behind `thread` (`None`: this thread's).
+async fn runtime_of(thread: Option<&ArbiterHandle>) -> Result<tokio::runtime::Handle, StartError> {
+    let Some(arbiter) = thread else {
+        return Ok(tokio::runtime::Handle::current());
+    };
+    let (sender, receiver) = tokio::sync::oneshot::channel();
+    let asked = arbiter.spawn(async move {
+        let _ = sender.send(tokio::runtime::Handle::current());
+    });
+    let stopped = || {
+        link_error(
+            &NodeId("cluster".into()),
+            "a leg's arbiter stopped while starting",
+        )
+    };
+    if !asked {
+        return Err(stopped());
+    }
+    receiver.await.map_err(|_| stopped())
+}
+
 /// Gives every node a control server on loopback with a certificate from a throwaway cluster CA,
-/// and dials every linked pair: the handshake admits each side's hello.
-async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNodes, StartError> {
+/// and dials every linked pair: the handshake admits each side's hello. `threads[i]` is the
+/// arbiter `doors[i]`'s actors run on (`None`: this thread): with `control_thread = "node"` its
+/// QUIC endpoints run there too.
+async fn link_over_quic(
+    config: &ClusterConfig,
+    doors: &[Door],
+    threads: &[Option<ArbiterHandle>],
+) -> Result<QuicNodes, StartError> {
     let setup = |detail: String| link_error(&NodeId("cluster".into()), detail);
     let runtime = TransportRuntime::new(2).map_err(|error| setup(format!("transport runtime: {error}")))?;
     let handle = runtime.handle();
@@ -722,12 +761,17 @@ async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNo
         runtime: None,
         servers: Vec::new(),
         clients: Vec::new(),
+        on_this_thread: Vec::new(),
         addresses: HashMap::new(),
         ca,
         runtime_handle: handle.clone(),
     };
-    for door in doors {
+    for (door, thread) in doors.iter().zip(threads) {
         let node = &door.hello.node;
+        let (handle, closes_here) = match config.transport.control_thread {
+            ControlThread::Transport => (handle.clone(), false),
+            ControlThread::Node => (runtime_of(thread.as_ref()).await?, thread.is_none()),
+        };
         let identity = quic
             .ca
             .identity(&node.0)
@@ -747,6 +791,7 @@ async fn link_over_quic(config: &ClusterConfig, doors: &[Door]) -> Result<QuicNo
         quic.servers.push(server);
         quic.clients
             .push(ControlClient::new(&handle, loopback, &identity).map_err(|error| link_error(node, error))?);
+        quic.on_this_thread.push(closes_here);
     }
     let message_timeout = Duration::from_millis(config.limits.request_timeout_ms);
     for (a, b) in linked_pairs(doors) {

@@ -154,6 +154,20 @@ pub enum LegThreads {
     Shared,
 }
 
+/// Which threads run a node's QUIC endpoints (its control server and client: the protocol
+/// messages and heartbeats, never KV bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ControlThread {
+    /// The node's own thread, the one its actors run on: a message arriving is read and handed
+    /// to the actors without waking another thread.
+    #[default]
+    Node,
+    /// The node's transport runtime, beside the network READ engine: encryption and packet I/O
+    /// never share a thread with the actors, at the cost of a thread hand-off per message.
+    Transport,
+}
+
 /// `[transport]`: how legs move KV bytes and protocol messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -164,6 +178,8 @@ pub struct TransportConfig {
     pub links: LinkKind,
     /// Threads of a cluster in one process: `per_leg` (default) or `shared`.
     pub leg_threads: LegThreads,
+    /// Threads that run QUIC: `node` (default) or `transport`.
+    pub control_thread: ControlThread,
     /// Where KV blocks live: `host` (default) or `gpu`.
     pub kv_memory: KvMemory,
     /// `[transport.mori]`: the mori engine's settings.
@@ -654,6 +670,15 @@ fn check_common(file: &ClusterFile) -> Result<Vec<(NodeId, Role, NodeAddress, La
             ),
         ));
     }
+    if file.router.http_threads > MAX_HTTP_THREADS {
+        return Err(ConfigError::invalid(
+            "router.http_threads",
+            format!(
+                "{} is more than {MAX_HTTP_THREADS} (0 serves the API on the router's own thread)",
+                file.router.http_threads
+            ),
+        ));
+    }
     check_host("router.host", &file.router.host)?;
     if let Some(bind) = &file.router.bind {
         check_host("router.bind", bind)?;
@@ -1042,12 +1067,13 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
     let defaults = TransportConfig::default();
     if transport.links != defaults.links
         || transport.leg_threads != defaults.leg_threads
+        || transport.control_thread != defaults.control_thread
         || transport.kv_memory != defaults.kv_memory
         || transport.mori != defaults.mori
     {
         return Err(ConfigError::invalid(
             "transport",
-            "vLLM legs take only read_engine here (links, leg_threads, kv_memory and [transport.mori] are the reference engine's)",
+            "vLLM legs take only read_engine here (links, leg_threads, control_thread, kv_memory and [transport.mori] are the reference engine's)",
         ));
     }
     if transport.read_engine == ReadEngineKind::Local {
@@ -1222,6 +1248,9 @@ pub const MAX_COMPUTE_WORKERS: usize = 256;
 /// Longest computation a leg may run on its arbiter, in microseconds: lease renewals and
 /// releases wait behind it.
 pub const MAX_INLINE_COMPUTE_US: u64 = 10_000;
+
+/// Most threads the router's HTTP API may be given.
+pub const MAX_HTTP_THREADS: usize = 256;
 
 /// Longest request timeout, lease or wait for blocks a cluster.toml may set: a day. Longer ones
 /// are mistakes (a unit slip, a "never"), and deadlines this far out stay clear of overflow.
@@ -1740,6 +1769,8 @@ mod tests {
         let config = ClusterConfig::embedded_default();
         assert_eq!(config.transport.links, LinkKind::Local);
         assert_eq!(config.transport.leg_threads, LegThreads::PerLeg);
+        assert_eq!(config.transport.control_thread, ControlThread::Node);
+        assert_eq!(config.router.http_threads, 0);
         assert_eq!(
             (config.limits.compute_workers, config.limits.inline_compute_us),
             (2, 100)
@@ -1747,7 +1778,7 @@ mod tests {
         let text = DEFAULT_CLUSTER_TOML
             .replacen(
                 "read_engine = \"shm\"",
-                "read_engine = \"shm\"\nlinks = \"quic\"\nleg_threads = \"shared\"",
+                "read_engine = \"shm\"\nlinks = \"quic\"\nleg_threads = \"shared\"\ncontrol_thread = \"transport\"",
                 1,
             )
             .replacen(
@@ -1758,10 +1789,30 @@ mod tests {
         let config = ClusterConfig::from_toml(&text).unwrap();
         assert_eq!(config.transport.links, LinkKind::Quic);
         assert_eq!(config.transport.leg_threads, LegThreads::Shared);
+        assert_eq!(config.transport.control_thread, ControlThread::Transport);
         assert_eq!(
             (config.limits.compute_workers, config.limits.inline_compute_us),
             (3, 0)
         );
+        let threads = |n: usize| {
+            ClusterConfig::from_toml(&format!("{DEFAULT_CLUSTER_TOML}\n[router]\nhttp_threads = {n}\n"))
+        };
+        assert_eq!(
+            threads(MAX_HTTP_THREADS).unwrap().router.http_threads,
+            MAX_HTTP_THREADS
+        );
+        let refused = threads(MAX_HTTP_THREADS + 1).unwrap_err();
+        assert!(
+            refused.to_string().contains("router.http_threads") && refused.to_string().contains("257"),
+            "{refused}"
+        );
+        let unknown = ClusterConfig::from_toml(&DEFAULT_CLUSTER_TOML.replacen(
+            "read_engine = \"shm\"",
+            "read_engine = \"shm\"\ncontrol_thread = \"router\"",
+            1,
+        ))
+        .unwrap_err();
+        assert!(unknown.to_string().contains("control_thread"), "{unknown}");
     }
 
     /// `read_engine = "mori"`, `kv_memory`, `[transport.mori]` and `[[nodes]] gpu` parse to what

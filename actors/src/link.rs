@@ -140,7 +140,8 @@ impl Link for LocalLink {
 /// A link over an admitted QUIC connection: one long-lived stream of frames. A send takes a
 /// place among at most `in_flight` and writes its frame from the sender's own thread, in order
 /// (the stream sits behind a fair lock): at once when the stream can take it, else from a task
-/// on that thread; quinn's driver on the transport runtime puts it on the wire. The peer's door
+/// on that thread; quinn's driver (on the node's thread, or the transport runtime with
+/// `control_thread = "transport"`) puts it on the wire. The peer's door
 /// takes frames in order without answering them; a refusal is logged on its side (the
 /// protocol's deadlines cover it).
 pub struct QuicLink {

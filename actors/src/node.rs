@@ -29,7 +29,7 @@ use pdkv_transport::tls::NodeIdentity;
 use serde::Serialize;
 
 use crate::cluster::{Door, LegHandle, LegParts, Placement, start_leg, start_router};
-use crate::config::{ClusterConfig, NodeConfig, ROUTER_NODE, ReadEngineKind};
+use crate::config::{ClusterConfig, ControlThread, NodeConfig, ROUTER_NODE, ReadEngineKind};
 use crate::engine::Model;
 use crate::error::StartError;
 use crate::hardware;
@@ -52,8 +52,11 @@ const MAX_TICKETS: usize = 256;
 /// How long a network ticket stays redeemable.
 const TICKET_TTL: Duration = Duration::from_secs(30);
 
-/// Threads of the runtime quinn and the network engine run on.
+/// Threads of the transport runtime: the network READ engine, and quinn with `control_thread = "transport"`.
 const TRANSPORT_THREADS: usize = 2;
+
+/// How long a node stopping waits for its peers to see its connections close.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
 fn setup_error(node: &NodeId, detail: impl std::fmt::Display) -> StartError {
     StartError::Link {
@@ -311,6 +314,12 @@ impl NodeProcess {
             TransportRuntime::new(TRANSPORT_THREADS).map_err(|error| setup_error(&node_id, error))?,
         ));
         let handle = runtime.handle();
+        // QUIC runs where `control_thread` says: on this thread, beside the node's actors, or on
+        // the transport runtime with the network READ engine.
+        let control = match config.transport.control_thread {
+            ControlThread::Node => tokio::runtime::Handle::current(),
+            ControlThread::Transport => handle.clone(),
+        };
         let (role, bind, actors, door, memory_server, tickets, net) = if name == ROUTER_NODE {
             let bind = resolve(config.router.bind_host(), config.router.control_port)
                 .map_err(|detail| setup_error(&node_id, detail))?;
@@ -379,10 +388,10 @@ impl NodeProcess {
             .map(|(peer, _)| control_address(&config, &peer.0))
             .collect::<Result<Vec<SocketAddr>, _>>()
             .and_then(|addresses| {
-                let server = ControlServer::start(&handle, bind, &identity, setup)
+                let server = ControlServer::start(&control, bind, &identity, setup)
                     .map_err(|error| setup_error(&node_id, format!("control server on {bind}: {error}")))?;
                 let client_bind = SocketAddr::new(bind.ip(), 0);
-                let client = ControlClient::with_limits(&handle, client_bind, &identity, &limits)
+                let client = ControlClient::with_limits(&control, client_bind, &identity, &limits)
                     .map_err(|error| setup_error(&node_id, error))?;
                 Ok((server, client, addresses))
             });
@@ -498,8 +507,10 @@ impl NodeProcess {
         }
     }
 
-    /// Closes the control plane and the memory server and stops the actors.
-    pub fn shutdown(mut self) {
+    /// Closes the control plane and the memory server and stops the actors; peers see the
+    /// close (waited for at most [`CLOSE_TIMEOUT`]) before the transport runtime goes. Await it
+    /// on the thread that started the node: QUIC may run there.
+    pub async fn shutdown(mut self) {
         for dialer in &self.dialers {
             dialer.abort();
         }
@@ -507,19 +518,12 @@ impl NodeProcess {
         self.client.close();
         drop(self.memory_server.take());
         self.actors.stop();
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, async {
+            self.server.wait_idle().await;
+            self.client.wait_idle().await;
+        })
+        .await;
         if let Some(runtime) = self.runtime.take() {
-            // Let peers see the close (bounded) before the runtime goes.
-            let (server, client) = (self.server.wait_idle(), self.client.wait_idle());
-            let (done_tx, done_rx) = std::sync::mpsc::sync_channel(1);
-            runtime.handle().spawn(async move {
-                let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                    server.await;
-                    client.await;
-                })
-                .await;
-                let _ = done_tx.send(());
-            });
-            let _ = done_rx.recv_timeout(Duration::from_secs(2));
             runtime.shutdown_background();
         }
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdkv_actors::cluster::LocalCluster;
-use pdkv_actors::config::{ClusterConfig, LinkKind};
+use pdkv_actors::config::{ClusterConfig, ControlThread, LegThreads, LinkKind};
 use pdkv_actors::link::{Link, QuicLink};
 use pdkv_actors::sweep;
 use pdkv_core::wire::{Body, Envelope, GrantId, Incarnation, NodeId, RequestId, Role};
@@ -352,4 +352,21 @@ async fn a_link_delivers_every_envelope_in_send_order_past_its_stream_credit() {
     server.close();
     client.close();
     runtime.shutdown_background();
+}
+
+/// QUIC on the transport runtime instead of the nodes' threads, with a thread per leg and with
+/// one shared thread: the same answers, nothing held after.
+#[actix_rt::test]
+async fn quic_on_the_transport_runtime_serves_as_on_the_nodes_threads() {
+    for leg_threads in [LegThreads::PerLeg, LegThreads::Shared] {
+        for control_thread in [ControlThread::Node, ControlThread::Transport] {
+            let mut config = ClusterConfig::embedded_default();
+            config.transport.links = LinkKind::Quic;
+            config.transport.leg_threads = leg_threads;
+            config.transport.control_thread = control_thread;
+            let cluster = LocalCluster::start(config).await.unwrap();
+            assert_serves_and_is_idle(&cluster).await;
+            cluster.shutdown();
+        }
+    }
 }

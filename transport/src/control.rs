@@ -1,8 +1,9 @@
 //! The control plane: bincode frames over quinn QUIC streams, mutual TLS, a handshake that
 //! refuses incompatible peers.
 //!
-//! quinn runs on its own multi-thread tokio runtime ([`TransportRuntime`]) so encryption and
-//! packet I/O never share a thread with an actix arbiter. A connection starts with one
+//! quinn runs on the tokio runtime its caller names: a node's own thread (an actix arbiter's
+//! runtime, so a frame read is handed to the actors without a thread wake-up) or the
+//! multi-thread [`TransportRuntime`] beside the network READ engine. A connection starts with one
 //! bidirectional stream carrying each side's [`Hello`]: node name, role, protocol version, the
 //! layout's compatibility hash and the READ engines' descriptors. The server admits a client only
 //! if its certificate chains to the cluster CA (TLS), is valid for the node name it claims, that
@@ -31,7 +32,8 @@ const CLOSE_PROTOCOL: u32 = 1;
 /// Application error code sent when a peer is refused at handshake.
 const CLOSE_REFUSED: u32 = 2;
 
-/// The multi-thread tokio runtime quinn and the network READ engine run on.
+/// A multi-thread tokio runtime for the network READ engine (and quinn, where a node keeps it
+/// off its actors' thread).
 #[derive(Debug)]
 pub struct TransportRuntime {
     runtime: tokio::runtime::Runtime,
@@ -914,5 +916,82 @@ mod tests {
         let result =
             runtime.block_on(client.connect(addr, "prefill-0", &hello("decode-0"), Duration::from_secs(10)));
         assert_eq!(result.unwrap_err(), ControlError::Refused("go away".into()));
+    }
+
+    /// Answers with the name of the thread that handled the request.
+    struct WhichThread;
+
+    impl ControlService for WhichThread {
+        type Request = ();
+        type Response = String;
+
+        async fn handle(&self, _peer: &NodeId, _request: ()) -> Result<String, String> {
+            Ok(std::thread::current().name().unwrap_or("unnamed").to_string())
+        }
+    }
+
+    /// A server started on a node's own single-thread runtime serves its peers on that thread
+    /// (no hop through the transport runtime), and one started on the transport runtime on
+    /// the latter's threads.
+    #[test]
+    fn a_server_serves_on_the_runtime_it_was_started_on() {
+        let ca = ClusterCa::generate("threads").unwrap();
+        let transport = TransportRuntime::new(1).unwrap();
+        let (node_tx, node_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let node = std::thread::Builder::new()
+            .name("the-node".into())
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                node_tx.send(runtime.handle().clone()).unwrap();
+                // Drive the runtime until the test is done with it.
+                let _ = runtime.block_on(done_rx);
+            })
+            .unwrap();
+        let node_runtime = node_rx.recv().unwrap();
+        let client = ControlClient::new(
+            &transport.handle(),
+            "127.0.0.1:0".parse().unwrap(),
+            &ca.identity("decode-0").unwrap(),
+        )
+        .unwrap();
+        for (runtime, expected) in [
+            (&node_runtime, "the-node"),
+            (&transport.handle(), "pdkv-transport"),
+        ] {
+            let setup = ServerSetup {
+                cluster: vec![NodeId("prefill-0".into()), NodeId("decode-0".into())],
+                hello: Hello {
+                    role: Role::Prefill,
+                    ..hello("prefill-0")
+                },
+                service: Arc::new(WhichThread),
+                tickets: None,
+                limits: ControlLimits::default(),
+            };
+            let server = ControlServer::start(
+                runtime,
+                "127.0.0.1:0".parse().unwrap(),
+                &ca.identity("prefill-0").unwrap(),
+                setup,
+            )
+            .unwrap();
+            let addr = server.local_addr().unwrap();
+            let answered: String = transport
+                .block_on(async {
+                    let connection = client
+                        .connect(addr, "prefill-0", &hello("decode-0"), Duration::from_secs(10))
+                        .await?;
+                    connection.request((), Duration::from_secs(10)).await
+                })
+                .unwrap();
+            assert_eq!(answered, expected);
+            server.close();
+        }
+        done_tx.send(()).unwrap();
+        node.join().unwrap();
     }
 }

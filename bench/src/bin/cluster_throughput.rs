@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdkv_actors::cluster::LocalCluster;
-use pdkv_actors::config::{ClusterConfig, LegThreads, LinkKind};
+use pdkv_actors::config::{ClusterConfig, ControlThread, LegThreads, LinkKind};
 use pdkv_actors::engine::{Model, argmax, prompt_tokens};
 use pdkv_actors::memory::LegMemory;
 use pdkv_actors::router::Generate;
@@ -120,6 +120,9 @@ const QUIC_ROUNDS: usize = 5;
 struct QuicRound {
     per_leg: Figures,
     shared: Figures,
+    /// The same two clusters with QUIC on the transport runtime (`control_thread = "transport"`).
+    per_leg_transport: Figures,
+    shared_transport: Figures,
     rtt: Duration,
 }
 
@@ -128,11 +131,13 @@ async fn run_cluster(
     config: &ClusterConfig,
     links: LinkKind,
     leg_threads: LegThreads,
+    control_thread: ControlThread,
     prompts: &[Vec<u32>],
 ) -> (Figures, Arc<Model>) {
     let mut config = config.clone();
     config.transport.links = links;
     config.transport.leg_threads = leg_threads;
+    config.transport.control_thread = control_thread;
     let cluster = LocalCluster::start(config).await.expect("cluster starts");
     // Warm up.
     for prompt in prompts.iter().take(50) {
@@ -302,14 +307,24 @@ fn main() {
         let prompts: Vec<Vec<u32>> = (0..requests)
             .map(|i| prompt_tokens(i as u64, PROMPT_TOKENS, config.model.vocab))
             .collect();
-        let (local, model) = run_cluster(&config, LinkKind::Local, LegThreads::PerLeg, &prompts).await;
-        let (shared, _) = run_cluster(&config, LinkKind::Local, LegThreads::Shared, &prompts).await;
+        let node = ControlThread::Node;
+        let (local, model) = run_cluster(&config, LinkKind::Local, LegThreads::PerLeg, node, &prompts).await;
+        let (shared, _) = run_cluster(&config, LinkKind::Local, LegThreads::Shared, node, &prompts).await;
         let mut rounds = Vec::with_capacity(QUIC_ROUNDS);
         for _ in 0..QUIC_ROUNDS {
-            let (per_leg, _) = run_cluster(&config, LinkKind::Quic, LegThreads::PerLeg, &prompts).await;
-            let (shared, _) = run_cluster(&config, LinkKind::Quic, LegThreads::Shared, &prompts).await;
+            let quic = |threads, control| run_cluster(&config, LinkKind::Quic, threads, control, &prompts);
+            let (per_leg, _) = quic(LegThreads::PerLeg, node).await;
+            let (shared, _) = quic(LegThreads::Shared, node).await;
+            let (per_leg_transport, _) = quic(LegThreads::PerLeg, ControlThread::Transport).await;
+            let (shared_transport, _) = quic(LegThreads::Shared, ControlThread::Transport).await;
             let rtt = quic_round_trip(requests.min(2000)).await;
-            rounds.push(QuicRound { per_leg, shared, rtt });
+            rounds.push(QuicRound {
+                per_leg,
+                shared,
+                per_leg_transport,
+                shared_transport,
+                rtt,
+            });
         }
 
         let arbiter = actix::Arbiter::new();
@@ -403,13 +418,29 @@ fn main() {
                 micros(overhead(&round.shared)),
                 ratio(&round.shared, round.rtt),
             );
+            println!(
+                "      QUIC on the transport runtime: {:>6.1} us = {:.2}x with a thread per leg, {:>6.1} us = {:.2}x shared; 16 in flight {:.0} / {:.0} req/s (on the node's thread: {:.0} / {:.0})",
+                micros(overhead(&round.per_leg_transport)),
+                ratio(&round.per_leg_transport, round.rtt),
+                micros(overhead(&round.shared_transport)),
+                ratio(&round.shared_transport, round.rtt),
+                round.per_leg_transport.concurrent_rps,
+                round.shared_transport.concurrent_rps,
+                round.per_leg.concurrent_rps,
+                round.shared.concurrent_rps,
+            );
         }
-        let mut shared_ratios: Vec<f64> = rounds.iter().map(|round| ratio(&round.shared, round.rtt)).collect();
-        shared_ratios.sort_by(f64::total_cmp);
+        let median_ratio = |pick: fn(&QuicRound) -> &Figures| {
+            let mut ratios: Vec<f64> = rounds.iter().map(|round| ratio(pick(round), round.rtt)).collect();
+            ratios.sort_by(f64::total_cmp);
+            ratios[ratios.len() / 2]
+        };
         println!(
-            "  QUIC overhead, median round: {:.2}x with a thread per leg, {:.2}x with one shared thread",
+            "  QUIC overhead, median round: {:.2}x with a thread per leg, {:.2}x with one shared thread (QUIC on the transport runtime: {:.2}x, {:.2}x)",
             ratio(&median.per_leg, median.rtt),
-            shared_ratios[shared_ratios.len() / 2]
+            median_ratio(|round| &round.shared),
+            median_ratio(|round| &round.per_leg_transport),
+            median_ratio(|round| &round.shared_transport),
         );
         let (quic, quic_rtt) = (&median.per_leg, median.rtt);
         processes(&prompts, quic.p50, quic_rtt);
