@@ -62,9 +62,9 @@ pub enum RequestError {
         /// Legs this request failed on and did not try again.
         avoided: Vec<pdkv_core::wire::NodeId>,
     },
-    /// The KV parameters do not fit this decode leg.
-    #[error("bad kv params: {0}")]
-    BadParams(String),
+    /// A leg answered the router with a message of another kind than the one asked for.
+    #[error("unexpected answer {0}")]
+    UnexpectedAnswer(&'static str),
     /// A leg failed the request in `stage`; the failure names the fault.
     #[error("{failure}")]
     Failed {
@@ -180,7 +180,6 @@ impl RequestError {
             RequestError::Alloc(error) => Failure::Alloc(error.clone()),
             RequestError::Grant(error) => Failure::Grant(error.clone()),
             RequestError::Read(error) => Failure::Read(error.to_string()),
-            RequestError::BadParams(detail) => Failure::BadParams(detail.clone()),
             RequestError::Timeout { .. } => Failure::DeadlinePassed,
             RequestError::Failed { failure, .. } => failure.clone(),
             other => Failure::Engine(other.to_string()),

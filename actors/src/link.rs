@@ -20,7 +20,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use actix::{Message, Recipient};
-use pdkv_core::wire::{Body, Envelope, Incarnation, NodeId, RequestId};
+use pdkv_core::wire::{Body, Envelope, Incarnation, LinkFault, NodeId, RequestId};
 use pdkv_transport::control::{ControlError, ControlService, FrameSender, Hello};
 
 /// An envelope that arrived at a door over a link from `peer` (the name the link
@@ -92,6 +92,17 @@ pub enum LinkError {
         /// Why.
         detail: String,
     },
+}
+
+impl LinkError {
+    /// What went wrong, as the wire names it.
+    pub fn fault(&self) -> LinkFault {
+        match self {
+            LinkError::NoLink(_) => LinkFault::NoLink,
+            LinkError::Full { .. } => LinkFault::Full,
+            LinkError::Closed { .. } => LinkFault::Closed,
+        }
+    }
 }
 
 /// Logs a door's refusal of an envelope: a link's sender does not wait for the answer, so this

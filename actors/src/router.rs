@@ -308,7 +308,7 @@ impl Router {
                         && let Some(pending) = self.requests.get_mut(&request)
                     {
                         tracing::warn!(%request, %to, %error, "message not sent");
-                        pending.machine.handle_send_failed(&to, error.to_string());
+                        pending.machine.handle_send_failed(&to, error.fault());
                     }
                 }
                 RouterCommand::Complete(outcome) => {
@@ -415,7 +415,7 @@ impl Router {
                 stage: Stage::Router,
                 failure: pdkv_core::wire::Failure::Unreachable {
                     to: leg,
-                    detail: error.to_string(),
+                    fault: error.fault(),
                 },
             };
             return Box::pin(async move { Err(error) });
@@ -731,10 +731,7 @@ impl Handler<PrefillOnly> for Router {
             match answer.await? {
                 Body::KvReady(params) => Ok(params),
                 Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
-                other => Err(RequestError::BadParams(format!(
-                    "unexpected answer {}",
-                    other.kind()
-                ))),
+                other => Err(RequestError::UnexpectedAnswer(other.kind())),
             }
         })
     }
@@ -780,10 +777,7 @@ impl Handler<DecodeOnly> for Router {
                     Duration::ZERO,
                 )),
                 Body::Failed { stage, reason } => Err(RequestError::from_failure(stage, reason, budget_ms)),
-                other => Err(RequestError::BadParams(format!(
-                    "unexpected answer {}",
-                    other.kind()
-                ))),
+                other => Err(RequestError::UnexpectedAnswer(other.kind())),
             }
         })
     }

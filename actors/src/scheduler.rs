@@ -31,7 +31,7 @@ use pdkv_core::layout::GroupKind;
 use pdkv_core::leg::{Generated, LegConfig};
 use pdkv_core::node::{LegNode, NodeOutput, Refusal};
 use pdkv_core::sampling::{self, Sampling, TokenLogprobs};
-use pdkv_core::wire::{Body, Envelope, Failure, LegLoad, NodeId, RequestId, Role, Stage};
+use pdkv_core::wire::{Body, Envelope, Failure, LegLoad, NodeId, ParamsError, RequestId, Role, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use tokio::sync::watch;
 
@@ -180,9 +180,7 @@ impl Scheduler {
                             Some(transfer) => transfer.send(read).await.unwrap_or_else(|error| {
                                 Err(Failure::Read(format!("transfer actor: {error}")))
                             }),
-                            None => Err(Failure::BadParams(format!(
-                                "{node} is a prefill leg and cannot read"
-                            ))),
+                            None => Err(Failure::BadParams(ParamsError::NotAReader(node))),
                         }
                     };
                     ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {

@@ -33,7 +33,8 @@ use crate::exchange::{self, Pairing, PairingMode};
 use crate::layout::KvLayout;
 use crate::sampling::{Finish, Sampling, TokenLogprobs};
 use crate::wire::{
-    Body, DecodeOutput, Failure, GrantId, Incarnation, InternalFault, KvParams, NodeId, RequestId, Stage,
+    Body, DecodeOutput, Failure, GrantId, Incarnation, InternalFault, KvParams, LinkFault, NodeId,
+    ParamsError, RequestId, Stage,
 };
 
 /// How much of a prompt a prefill leg computes and keeps.
@@ -93,7 +94,7 @@ pub struct GenerationCheck {
 }
 
 /// Why the KV parameters cannot say which generation a paired block had.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum GenerationCheckError {
     /// One generation list per offered group is required.
     #[error("{lists} generation lists for {groups} offered groups")]
@@ -721,10 +722,10 @@ impl DecodeMachine {
         } else if machine.params.offer.num_prompt_tokens != num_tokens {
             machine.fail(
                 Stage::Decode,
-                Failure::BadParams(format!(
-                    "offer is for {} tokens, prompt has {num_tokens}",
-                    machine.params.offer.num_prompt_tokens
-                )),
+                Failure::BadParams(ParamsError::PromptLength {
+                    offer: machine.params.offer.num_prompt_tokens,
+                    prompt: num_tokens,
+                }),
             );
         } else if now_ms >= deadline_ms {
             machine.fail(Stage::Decode, Failure::DeadlinePassed);
@@ -869,7 +870,7 @@ impl DecodeMachine {
         }
         .map_err(Failure::Exchange)?;
         let checks = generation_checks(&self.params, &pairing)
-            .map_err(|error| Failure::BadParams(error.to_string()))?;
+            .map_err(|error| Failure::BadParams(ParamsError::Checks(error)))?;
         Ok((pairing, checks))
     }
 
@@ -1301,7 +1302,7 @@ impl RouterMachine {
 
     /// A message to `to` could not be delivered (its link is down or full): the request fails
     /// at once naming the stage, and the other leg is told to free what it holds.
-    pub fn handle_send_failed(&mut self, to: &NodeId, detail: String) {
+    pub fn handle_send_failed(&mut self, to: &NodeId, fault: LinkFault) {
         if self.state == RouterState::Done {
             return;
         }
@@ -1315,7 +1316,7 @@ impl RouterMachine {
             stage,
             Failure::Unreachable {
                 to: to.clone(),
-                detail,
+                fault,
             },
         );
     }
@@ -1389,7 +1390,7 @@ mod tests {
                 Stage::Prefill,
                 Failure::Refused {
                     node: p.clone(),
-                    reason: "draining".into()
+                    reason: crate::wire::RefusalReason::Draining
                 }
             ),
             Some(p.clone())
@@ -1444,7 +1445,7 @@ mod tests {
                 Stage::Decode,
                 Failure::Unreachable {
                     to: d.clone(),
-                    detail: "x".into()
+                    fault: LinkFault::Closed
                 }
             ),
             Some(d.clone())

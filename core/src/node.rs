@@ -34,7 +34,10 @@ use crate::leg::{
     PrefillMachine, ReadDone,
 };
 use crate::sampling::Sampling;
-use crate::wire::{Body, Envelope, Failure, GrantId, Incarnation, LegLoad, NodeId, RequestId, Role, Stage};
+use crate::wire::{
+    Body, Envelope, Failure, GrantId, Incarnation, LegLoad, NodeId, ParamsError, RefusalReason, RequestId,
+    Role, Stage,
+};
 
 /// Requests a leg remembers having started or seen aborted, so that a duplicated or late
 /// request for one is refused instead of computed again. Each costs about 40 bytes: 640 KiB.
@@ -707,26 +710,32 @@ impl LegNode {
             None => {}
         }
         let refusal = if self.draining {
-            let reason = "draining: the leg is shutting down".to_string();
+            let reason = RefusalReason::Draining;
             let failure = Failure::Refused {
                 node: node.clone(),
-                reason: reason.clone(),
+                reason,
             };
-            Some((failure, Refusal::Busy { node, detail: reason }))
+            Some((
+                failure,
+                Refusal::Busy {
+                    node,
+                    detail: reason.to_string(),
+                },
+            ))
         } else if let Body::Decode { params, sampling, .. } = body {
-            let detail = if let Err(error) = sampling.check() {
-                Some(format!("sampling: {error}"))
+            let error = if let Err(error) = sampling.check() {
+                Some(ParamsError::Sampling(error))
             } else if params.request != request {
-                Some(format!(
-                    "kv params are for {}, the message for {request}",
-                    params.request
-                ))
+                Some(ParamsError::ForAnotherRequest {
+                    params: params.request,
+                    message: request,
+                })
             } else {
                 None
             };
-            detail.map(|detail| {
-                let failure = Failure::BadParams(detail.clone());
-                (failure, Refusal::BadMessage { node, detail })
+            error.map(|error| {
+                let detail = error.to_string();
+                (Failure::BadParams(error), Refusal::BadMessage { node, detail })
             })
         } else {
             None

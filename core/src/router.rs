@@ -133,7 +133,7 @@ mod tests {
         );
         let refused = Failure::Refused {
             node: p1.clone(),
-            reason: "draining".into(),
+            reason: crate::wire::RefusalReason::Draining,
         };
         assert_eq!(
             attempts.retry_after(Stage::Prefill, &refused, &p1, &d),

@@ -54,7 +54,7 @@ impl Default for Sampling {
 }
 
 /// A sampling request no sampler can honour.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum SamplingError {
     /// `temperature` negative or not finite.
     #[error("temperature must be a finite number of at least 0, not {0}")]

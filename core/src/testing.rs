@@ -1268,7 +1268,7 @@ impl Sim {
                 Stage::Router,
                 Failure::Refused {
                     node: self.router.clone(),
-                    reason: "no leg left".into(),
+                    reason: crate::wire::RefusalReason::NoLegLeft,
                 },
             ));
             return self.complete(client, RequestOutcome::Failed { stage, reason });

@@ -9,8 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::allocator::AllocError;
 use crate::exchange::{ExchangeError, Offer};
 use crate::grant::GrantError;
+use crate::leg::GenerationCheckError;
 use crate::plan::PlanError;
-use crate::sampling::{Finish, Sampling, TokenLogprobs};
+use crate::sampling::{Finish, Sampling, SamplingError, TokenLogprobs};
 
 /// A request's id, unique within a cluster run (assigned by the router).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -193,25 +194,25 @@ pub enum Failure {
     Engine(String),
     /// The KV parameters do not fit the decode leg.
     #[error("bad kv params: {0}")]
-    BadParams(String),
+    BadParams(ParamsError),
     /// A leg of the request was lost (its link failed, it restarted).
     #[error("leg {0} was lost")]
     LegLost(NodeId),
     /// A message for the request could not be delivered.
-    #[error("{to} unreachable: {detail}")]
+    #[error("{to} unreachable: {fault}")]
     Unreachable {
         /// The node.
         to: NodeId,
         /// Why.
-        detail: String,
+        fault: LinkFault,
     },
-    /// A leg refused the request (unknown sender, wrong role, shutting down, …).
+    /// A node refused the request.
     #[error("refused by {node}: {reason}")]
     Refused {
         /// The refusing node.
         node: NodeId,
         /// Why.
-        reason: String,
+        reason: RefusalReason,
     },
     /// The client cancelled.
     #[error("cancelled by the client")]
@@ -251,6 +252,61 @@ impl Failure {
             Failure::Internal(_) => "internal",
         }
     }
+}
+
+/// Why a message could not be handed to the link to its node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum LinkFault {
+    /// The sender has no link to the node (never linked, or the link is down).
+    #[error("no link")]
+    NoLink,
+    /// The link has as many messages in flight as it may.
+    #[error("the link is full")]
+    Full,
+    /// The link closed (the node's actors stopped or its connection ended).
+    #[error("the link is closed")]
+    Closed,
+}
+
+/// Why a node refused a request it was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum RefusalReason {
+    /// The leg is draining: it finishes what it has and takes nothing new.
+    #[error("draining: the leg is shutting down")]
+    Draining,
+    /// A router found no leg it had not already failed on.
+    #[error("no leg left to try")]
+    NoLegLeft,
+}
+
+/// Why a decode leg cannot use the KV parameters (or the decode request) it was sent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum ParamsError {
+    /// The offer covers another number of prompt tokens than the prompt sent with it.
+    #[error("offer is for {offer} tokens, prompt has {prompt}")]
+    PromptLength {
+        /// Tokens the offer covers.
+        offer: u64,
+        /// Tokens of the prompt.
+        prompt: u64,
+    },
+    /// The parameters belong to another request than the message carrying them.
+    #[error("kv params are for {params}, the message for {message}")]
+    ForAnotherRequest {
+        /// The request the parameters name.
+        params: RequestId,
+        /// The request of the message.
+        message: RequestId,
+    },
+    /// The sampling asked for cannot be honoured.
+    #[error("sampling: {0}")]
+    Sampling(SamplingError),
+    /// The parameters cannot say which generation a paired block had.
+    #[error("{0}")]
+    Checks(GenerationCheckError),
+    /// A decode request reached a leg that does not read KV.
+    #[error("{0} is a prefill leg and cannot read")]
+    NotAReader(NodeId),
 }
 
 /// A request machine's input that its state says cannot arrive: the shell that drives it broke

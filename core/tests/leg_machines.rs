@@ -954,7 +954,7 @@ fn answers_from_the_wrong_leg_are_ignored() {
 fn an_undeliverable_message_fails_the_request_at_once() {
     let mut machine = router();
     drain_router(&mut machine);
-    machine.handle_send_failed(&node("p"), "link to p is full".into());
+    machine.handle_send_failed(&node("p"), pdkv_core::wire::LinkFault::Full);
     assert_eq!(
         drain_router(&mut machine),
         vec![
@@ -966,13 +966,13 @@ fn an_undeliverable_message_fails_the_request_at_once() {
                 stage: Stage::Prefill,
                 reason: Failure::Unreachable {
                     to: node("p"),
-                    detail: "link to p is full".into()
+                    fault: pdkv_core::wire::LinkFault::Full
                 }
             }),
         ]
     );
     assert!(machine.is_done());
-    machine.handle_send_failed(&node("d"), "again".into());
+    machine.handle_send_failed(&node("d"), pdkv_core::wire::LinkFault::Closed);
     assert_eq!(
         drain_router(&mut machine),
         vec![],
@@ -1126,11 +1126,11 @@ fn only_a_lost_or_refusing_prefill_leg_is_retried_and_only_before_it_commits() {
     let (p, d) = (node("p"), node("d"));
     let unreachable = |to: &NodeId| Failure::Unreachable {
         to: to.clone(),
-        detail: "link gone".into(),
+        fault: pdkv_core::wire::LinkFault::Closed,
     };
     let refused = |by: &NodeId| Failure::Refused {
         node: by.clone(),
-        reason: "draining".into(),
+        reason: pdkv_core::wire::RefusalReason::Draining,
     };
     for reason in [Failure::LegLost(p.clone()), unreachable(&p), refused(&p)] {
         assert!(may_retry_prefill(Stage::Prefill, &reason, &p), "{reason}");
@@ -1167,11 +1167,11 @@ fn a_request_starts_over_without_the_leg_that_failed_it() {
             Failure::LegLost(d.clone()),
             Failure::Unreachable {
                 to: d.clone(),
-                detail: "gone".into(),
+                fault: pdkv_core::wire::LinkFault::NoLink,
             },
             Failure::Refused {
                 node: d.clone(),
-                reason: "draining".into(),
+                reason: pdkv_core::wire::RefusalReason::Draining,
             },
         ] {
             assert_eq!(

@@ -9,10 +9,12 @@ use pdkv_core::allocator::Allocator;
 use pdkv_core::exchange::PairingMode;
 use pdkv_core::grant::GrantTable;
 use pdkv_core::layout::{GroupSpec, KvLayout};
+use pdkv_core::leg::GenerationCheckError;
 use pdkv_core::leg::{LegConfig, PrefillTokens};
 use pdkv_core::node::{LegNode, NodeConfig, NodeOutput, Refusal};
+use pdkv_core::sampling::{Sampling, SamplingError};
 use pdkv_core::wire::{
-    Body, Envelope, Failure, GrantId, Incarnation, KvParams, NodeId, RequestId, Role, Stage,
+    Body, Envelope, Failure, GrantId, Incarnation, KvParams, NodeId, ParamsError, RequestId, Role, Stage,
 };
 
 const LEASE_MS: u64 = 50;
@@ -182,6 +184,96 @@ fn a_draining_leg_refuses_new_requests_and_tells_the_router_why() {
         other => panic!("{other:?}"),
     }
     assert!(prefill_leg.is_idle());
+}
+
+/// KV parameters a decode leg cannot use are refused with the typed reason the router is told,
+/// before any block is allocated.
+#[test]
+fn a_decode_leg_names_what_is_wrong_with_the_kv_params_it_was_sent() {
+    let mut prefill_leg = leg(Role::Prefill, 4);
+    let params = granted(&mut prefill_leg, 1, 9, 0);
+    let decode = |request: u64, prompt: u32, params: &KvParams, temperature: f32| {
+        let body = Body::Decode {
+            prompt: (0..prompt).collect(),
+            params: params.clone(),
+            max_tokens: 1,
+            stream: false,
+            sampling: Sampling {
+                temperature,
+                ..Sampling::default()
+            },
+        };
+        envelope(request, "router", body)
+    };
+    let told = |leg: &mut LegNode| -> Vec<Failure> {
+        outputs(leg)
+            .into_iter()
+            .filter_map(|output| match output {
+                NodeOutput::Send(out) => match out.body {
+                    Body::Failed { reason, .. } => Some(reason),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect()
+    };
+    let mut decode_leg = leg(Role::Decode, 4);
+    let refused = decode_leg.handle_envelope(Role::Router, decode(2, 9, &params, 0.0), 0);
+    assert!(matches!(refused, Err(Refusal::BadMessage { .. })), "{refused:?}");
+    assert_eq!(
+        told(&mut decode_leg),
+        [Failure::BadParams(ParamsError::ForAnotherRequest {
+            params: RequestId(1),
+            message: RequestId(2),
+        })]
+    );
+    let refused = decode_leg.handle_envelope(Role::Router, decode(1, 9, &params, -1.0), 0);
+    assert!(matches!(refused, Err(Refusal::BadMessage { .. })), "{refused:?}");
+    assert_eq!(
+        told(&mut decode_leg),
+        [Failure::BadParams(ParamsError::Sampling(
+            SamplingError::Temperature("-1".into())
+        ))]
+    );
+    // The offer covers 9 tokens; a prompt of 8 sent with it is not the prompt it was made for.
+    decode_leg
+        .handle_envelope(Role::Router, decode(1, 8, &params, 0.0), 0)
+        .unwrap();
+    assert_eq!(
+        told(&mut decode_leg),
+        [Failure::BadParams(ParamsError::PromptLength {
+            offer: 9,
+            prompt: 8
+        })]
+    );
+    // Generations that do not match the offered blocks one to one.
+    let mut short = params.clone();
+    short.generations[0].pop();
+    decode_leg
+        .handle_envelope(
+            Role::Router,
+            decode(
+                3,
+                9,
+                &KvParams {
+                    request: RequestId(3),
+                    ..short
+                },
+                0.0,
+            ),
+            0,
+        )
+        .unwrap();
+    let failures = told(&mut decode_leg);
+    assert!(
+        matches!(
+            failures.as_slice(),
+            [Failure::BadParams(ParamsError::Checks(
+                GenerationCheckError::GenerationCount { group: 0, .. }
+            ))]
+        ),
+        "{failures:?}"
+    );
 }
 
 #[test]

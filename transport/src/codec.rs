@@ -20,8 +20,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 /// exchange, plan and grant errors instead of their text; the prompt travels once, in the decode
 /// request, not back and forth inside the KV parameters. 5: the hello names the model
 /// fields two nodes must agree on (`pdkv_core::identity::ModelFields`). 6: a vLLM connector's claim
-/// says how many decode workers read the hand-off (legs of different tensor-parallel sizes).
-pub const PROTOCOL_VERSION: u32 = 6;
+/// says how many decode workers read the hand-off (legs of different tensor-parallel sizes). 7: a
+/// failure's bad KV parameters are typed (`pdkv_core::wire::ParamsError`), not text.
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// QUIC ALPN of the pdkv control plane.
 pub const ALPN: &[u8] = b"pdkv/1";
