@@ -443,13 +443,26 @@ fn main() {
             median_ratio(|round| &round.shared_transport),
         );
         let (quic, quic_rtt) = (&median.per_leg, median.rtt);
-        processes(&prompts, quic.p50, quic_rtt);
+        // The launched cluster twice, alternating, as shipped and with QUIC and the router's
+        // HTTP API on runtimes of their own (the placement before `control_thread`).
+        let apart = format!("{CONFIG}[transport]\ncontrol_thread = \"transport\"\n[router]\nhttp_threads = 2\n");
+        for round in 0..2 {
+            println!("multi-process round {}:", round + 1);
+            processes(CONFIG, "as shipped", &prompts, quic.p50, quic_rtt);
+            processes(&apart, "QUIC and HTTP on threads of their own", &prompts, quic.p50, quic_rtt);
+        }
     });
 }
 
 /// Serial requests through `pdkv launch` of the same cluster, over HTTP; prints the overhead
 /// over the in-process QUIC cluster's p50 and against the round trips the path needs.
-fn processes(prompts: &[Vec<u32>], in_process_quic_p50: Duration, quic_rtt: Duration) {
+fn processes(
+    config_text: &str,
+    label: &str,
+    prompts: &[Vec<u32>],
+    in_process_quic_p50: Duration,
+    quic_rtt: Duration,
+) {
     let Some(pdkv) = std::env::current_exe()
         .ok()
         .and_then(|exe| exe.parent().map(|dir| dir.join("pdkv")))
@@ -461,7 +474,7 @@ fn processes(prompts: &[Vec<u32>], in_process_quic_p50: Duration, quic_rtt: Dura
     let dir = std::env::temp_dir().join(format!("pdkv-bench-processes-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("run dir");
     let config = dir.join("cluster.toml");
-    std::fs::write(&config, CONFIG).expect("config");
+    std::fs::write(&config, config_text).expect("config");
     let mut launch = std::process::Command::new(pdkv)
         .args(["launch", "--config"])
         .arg(&config)
@@ -524,7 +537,7 @@ fn processes(prompts: &[Vec<u32>], in_process_quic_p50: Duration, quic_rtt: Dura
     let (p50, http_p50) = (percentile(&latencies, 0.5), percentile(&http, 0.5));
     let needed = http_p50 + quic_rtt * 2;
     println!(
-        "multi-process cluster over HTTP, a process per leg and the router: p50 {:>6.1} us, p99 {:>6.1} us (router's stages p50: prefill {:.1} us, decode {:.1} us)",
+        "multi-process cluster over HTTP, a process per leg and the router, {label}: p50 {:>6.1} us, p99 {:>6.1} us (router's stages p50: prefill {:.1} us, decode {:.1} us)",
         micros(p50),
         micros(percentile(&latencies, 0.99)),
         prefill_ms[prefill_ms.len() / 2] * 1e3,
