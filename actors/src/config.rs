@@ -23,7 +23,7 @@ use pdkv_core::wire::NodeId;
 use pdkv_transport::mori::MoriSettings;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::ModelParams;
+use crate::engine::{ModelParams, rank_block_bytes};
 
 /// The shipped default cluster, embedded so `pdkv demo` runs with no file.
 pub const DEFAULT_CLUSTER_TOML: &str = include_str!("../../cluster.toml");
@@ -1403,7 +1403,7 @@ fn reference_weight_count(layout: &KvLayout, d_model: u64, vocab: u64) -> Option
 pub const ALLOCATOR_BYTES_PER_BLOCK: u64 = 128;
 
 /// Memory a leg split as `shards` needs for `blocks` blocks per group: every layer's region
-/// of `blocks + 1` blocks on every rank (the same sizes as `engine::Model::bytes_per_block`),
+/// of `blocks + 1` blocks on every rank ([`rank_block_bytes`], as the engine lays them out),
 /// the generation tables, and the allocator's bookkeeping; `None` on overflow.
 pub fn leg_memory_bytes(
     layout: &KvLayout,
@@ -1411,26 +1411,14 @@ pub fn leg_memory_bytes(
     shards: KvShards,
     blocks: u32,
 ) -> Option<u64> {
-    let tp = u64::from(shards.tp());
-    let state_share = (model.d_model as u64).div_ceil(tp);
-    // K and V of one head for one token, in f32.
-    let head_cell = (model.head_dim() as u64).checked_mul(8)?;
+    let ranks = u64::from(shards.tp());
     let blocks = u64::from(blocks) + 1;
     let per_group_block = 4 + ALLOCATOR_BYTES_PER_BLOCK;
     let mut total = blocks
         .checked_mul(per_group_block)?
         .checked_mul(layout.groups().len() as u64)?;
     for &group in layout.layer_groups() {
-        let spec = layout.groups()[group];
-        let block_bytes = match spec.kind() {
-            GroupKind::Mamba | GroupKind::MambaAlign => state_share.checked_mul(4)?.checked_mul(tp)?,
-            _ => spec
-                .effective_block_size()
-                .checked_mul(head_cell)?
-                .checked_mul(u64::from(shards.heads().heads_per_rank()))?
-                // Each head group holds every token once over its DCP ranks.
-                .checked_mul(u64::from(shards.heads().tp()))?,
-        };
+        let block_bytes = rank_block_bytes(model, &layout.groups()[group], shards)?.checked_mul(ranks)?;
         total = total.checked_add(blocks.checked_mul(block_bytes)?)?;
     }
     Some(total)

@@ -18,7 +18,7 @@
 use pdkv_core::allocator::window_floor;
 use pdkv_core::block::{BlockId, NULL_BLOCK};
 use pdkv_core::heads::KvShards;
-use pdkv_core::layout::{GroupKind, KvLayout};
+use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
 use pdkv_transport::region::RegionError;
 
 use crate::memory::LegMemory;
@@ -135,16 +135,8 @@ impl Model {
     /// tokens); for mamba, the rank's share of the state vector ([`state_share`]).
     pub fn bytes_per_block(&self, layer: usize, shards: KvShards) -> u64 {
         let group = &self.layout.groups()[self.layout.layer_groups()[layer]];
-        match group.kind() {
-            GroupKind::Mamba | GroupKind::MambaAlign => {
-                state_share(self.params.d_model, shards.tp(), 0).len() as u64 * 4
-            }
-            _ => {
-                u64::from(shards.heads().heads_per_rank())
-                    * (group.effective_block_size() / u64::from(shards.dcp()))
-                    * self.head_cell_bytes()
-            }
-        }
+        rank_block_bytes(&self.params, group, shards)
+            .expect("block sizes were checked against max_leg_bytes when the config was loaded")
     }
 
     /// Bytes of one head's K and V for one token.
@@ -325,6 +317,24 @@ pub fn state_share(d: usize, tp: u32, rank: u32) -> std::ops::Range<usize> {
     let share = d.div_ceil(tp as usize);
     let start = (rank as usize * share).min(d);
     start..(start + share).min(d)
+}
+
+/// Bytes one block of a layer in `group` takes on one rank of a leg split as `shards`
+/// ([`Model::bytes_per_block`]); every rank holds as many (a mamba state's last share may use
+/// fewer of them). `None` on overflow.
+pub fn rank_block_bytes(params: &ModelParams, group: &GroupSpec, shards: KvShards) -> Option<u64> {
+    match group.kind() {
+        GroupKind::Mamba | GroupKind::MambaAlign => {
+            (state_share(params.d_model, shards.tp(), 0).len() as u64).checked_mul(4)
+        }
+        _ => {
+            // K and V of one head for one token, in f32.
+            let head_cell = (params.head_dim() as u64).checked_mul(8)?;
+            u64::from(shards.heads().heads_per_rank())
+                .checked_mul(group.effective_block_size() / u64::from(shards.dcp()))?
+                .checked_mul(head_cell)
+        }
+    }
 }
 
 /// A running digest over every generated step's logits.
