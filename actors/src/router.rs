@@ -15,11 +15,9 @@ use std::time::{Duration, Instant};
 use actix::{
     Actor, ActorFutureExt, Context, Handler, Message, ResponseActFuture, ResponseFuture, WrapFuture,
 };
-use pdkv_core::leg::{RequestOutcome, RouterCommand, RouterMachine};
-use pdkv_core::proxy;
-use pdkv_core::router::Attempts;
+use pdkv_core::router::{Answer, ClientRequest, Dispatcher, ProbeAnswer, RouterOutput, Ticket};
 use pdkv_core::sampling::Sampling;
-use pdkv_core::wire::{Body, Envelope, Incarnation, KvParams, LegLoad, NodeId, RequestId, Role, Stage};
+use pdkv_core::wire::{Body, Envelope, Failure, Incarnation, KvParams, LegLoad, NodeId, RequestId, Stage};
 use pdkv_transport::clock::MonotonicClock;
 use pdkv_transport::control::{Hello, check_compat};
 use tokio::sync::oneshot;
@@ -33,74 +31,36 @@ use crate::timer::{self, MachineTimer};
 /// What a client waits on.
 type Reply = oneshot::Sender<Result<Output, RequestError>>;
 
-struct Pending {
-    machine: RouterMachine,
-    reply: Option<Reply>,
-    timer: MachineTimer,
-    started: Instant,
-    /// When the prefill leg's KV parameters arrived.
-    kv_ready: Option<Instant>,
+/// A client waiting for its request's answer.
+struct Waiting {
+    reply: Reply,
     /// Where the decode leg's streamed tokens go (a streaming client).
     stream: Option<TokenStream>,
-    /// What a retry needs: the request as the client sent it, its deadline, tries so far and
-    /// the prefill legs it failed on.
-    prompt: Arc<[u32]>,
-    max_tokens: u32,
-    sampling: Arc<Sampling>,
-    deadline_ms: u64,
-    /// Retries so far, the legs to avoid, and the tokens the client was streamed (core's rules).
-    attempts: Attempts,
-    client: Option<u64>,
-}
-
-/// A client's request about to start on some legs (first time, or again).
-struct Attempt {
-    prompt: Arc<[u32]>,
-    max_tokens: u32,
-    sampling: Arc<Sampling>,
-    deadline_ms: u64,
-    stream: Option<TokenStream>,
-    reply: Reply,
     started: Instant,
-    /// Retries so far, the legs to avoid, and the tokens the client was streamed.
-    attempts: Attempts,
-    /// The error to give the client if no leg is left to try.
-    last_error: Option<RequestError>,
-    /// The client's name for the request ([`Generate::client`]).
-    client: Option<u64>,
+    /// When the current attempt's KV parameters arrived.
+    kv_ready: Option<Instant>,
 }
 
 /// The client's end of a streaming request: tokens as the decode leg generates them. Bounded
 /// by the request's `max_tokens` (each message carries at least one token).
 pub type TokenStream = tokio::sync::mpsc::Sender<Vec<u32>>;
 
-/// A request sent to one leg outside any [`RouterMachine`] (diagnosis and tests): the first
-/// answer about it is handed back as is.
-struct Probe {
-    reply: oneshot::Sender<Body>,
-    leg: NodeId,
-}
-
-/// The router actor.
+/// The router actor: the door and links of the router node around core's [`Dispatcher`],
+/// which holds every rule (leg choice, attempts, retries, streamed-token skip, probes).
 pub struct Router {
     hello: Hello,
     peers: Peers,
     clock: MonotonicClock,
-    next_request: u64,
-    next_prefill: usize,
-    next_decode: usize,
-    selection: Selection,
     request_timeout_ms: u64,
     prompt_limit: PromptLimit,
     mailbox: usize,
-    requests: HashMap<RequestId, Pending>,
-    probes: HashMap<RequestId, Probe>,
-    /// Each leg's last load report.
-    loads: HashMap<NodeId, LegLoad>,
-    /// Times a request may start over on another prefill leg (`[failure] max_retries`).
-    max_retries: u32,
-    /// The request each cancellable client request currently runs as (a retry moves it).
-    clients: HashMap<u64, RequestId>,
+    dispatcher: Dispatcher,
+    /// Clients waiting, by ticket.
+    waiting: HashMap<Ticket, Waiting>,
+    /// Diagnosis requests waiting for a leg's first answer.
+    probes: HashMap<RequestId, oneshot::Sender<Result<Body, RequestError>>>,
+    /// The one timer, at the dispatcher's next deadline.
+    timer: MachineTimer,
 }
 
 /// The first request id of a router incarnation. Legs key requests (and the tombstones of
@@ -122,100 +82,36 @@ impl Router {
         mailbox: usize,
     ) -> Self {
         Router {
-            next_request: first_request_id(hello.incarnation),
-            max_retries: 0,
-            clients: HashMap::new(),
-            selection,
+            dispatcher: Dispatcher::new(selection, 0, first_request_id(hello.incarnation)),
             peers: Peers::new(hello.node.clone(), hello.incarnation),
             hello,
             clock: MonotonicClock::new(),
-            next_prefill: 0,
-            next_decode: 0,
             request_timeout_ms,
             prompt_limit,
             mailbox,
-            requests: HashMap::new(),
+            waiting: HashMap::new(),
             probes: HashMap::new(),
-            loads: HashMap::new(),
+            timer: None,
         }
     }
 
-    /// A leg (that incarnation of it) is gone: its load report goes, and every request on it
-    /// fails, or starts over where the policy allows.
-    fn leg_lost(&mut self, leg: &NodeId, ctx: &mut Context<Self>) {
-        self.loads.remove(leg);
-        let affected: Vec<RequestId> = self
-            .requests
-            .iter()
-            .filter(|(_, pending)| {
-                let (prefill, decode) = pending.machine.legs();
-                prefill == leg || decode == leg
-            })
-            .map(|(&request, _)| request)
-            .collect();
-        for request in affected {
-            if let Some(pending) = self.requests.get_mut(&request) {
-                pending.machine.handle_peer_lost(leg);
-            }
-            self.drive(request, ctx);
-        }
-    }
-
-    /// Lets a request start over on another prefill leg up to `max_retries` times.
+    /// Lets a request start over on other legs up to `max_retries` times.
     pub fn with_retries(mut self, max_retries: u32) -> Self {
-        self.max_retries = max_retries;
+        self.dispatcher.set_max_retries(max_retries);
         self
     }
 
-    /// Starts a request on legs it has not failed on: a new machine under a new id, with what
-    /// is left of the client's deadline. Answers the client at once if no leg is left.
-    fn start_request(&mut self, attempt: Attempt, ctx: &mut Context<Self>) {
-        let legs = self
-            .pick(Role::Prefill, attempt.attempts.avoid())
-            .and_then(|prefill| Ok((prefill, self.pick(Role::Decode, attempt.attempts.avoid())?)));
-        let (prefill, decode) = match legs {
-            Ok(legs) => legs,
-            Err(error) => {
-                let _ = attempt.reply.send(Err(attempt.last_error.unwrap_or(error)));
-                return;
-            }
-        };
-        let request = self.new_request();
+    /// Tells the dispatcher whether `node` is a leg it may use now: admitted and linked both
+    /// ways. A leg that went (or restarted) fails the requests it served.
+    fn sync_leg(&mut self, node: &NodeId, ctx: &mut Context<Self>) {
+        let leg = self
+            .peers
+            .linked_hellos()
+            .find(|hello| hello.node == *node)
+            .map(|hello| (hello.role, hello.incarnation));
         let now = self.clock.now_ms();
-        if attempt.attempts.retries() > 0 {
-            tracing::info!(%request, prefill = %prefill.node, attempt = attempt.attempts.retries(), "retrying on other legs");
-            metrics::counter!("pdkv_retries_total").increment(1);
-        }
-        let machine = RouterMachine::new(
-            request,
-            attempt.prompt.to_vec(),
-            attempt.max_tokens,
-            (prefill.node, prefill.incarnation),
-            (decode.node, decode.incarnation),
-            attempt.deadline_ms,
-            now,
-        )
-        .with_streaming(attempt.stream.is_some())
-        .with_sampling(Sampling::clone(&attempt.sampling));
-        let pending = Pending {
-            machine,
-            reply: Some(attempt.reply),
-            timer: None,
-            started: attempt.started,
-            kv_ready: None,
-            stream: attempt.stream,
-            prompt: attempt.prompt,
-            max_tokens: attempt.max_tokens,
-            sampling: attempt.sampling,
-            deadline_ms: attempt.deadline_ms,
-            attempts: attempt.attempts,
-            client: attempt.client,
-        };
-        if let Some(client) = attempt.client {
-            self.clients.insert(client, request);
-        }
-        self.requests.insert(request, pending);
-        self.drive(request, ctx);
+        self.dispatcher.set_leg(node, leg, now);
+        self.carry_out(ctx);
     }
 
     /// Refuses a prompt no leg can hold before any leg does work for it.
@@ -234,206 +130,130 @@ impl Router {
         Ok(())
     }
 
-    /// The next leg of `role` among those linked both ways (in name order), chosen by the one
-    /// rule both routers share ([`proxy::choose`]): `least_loaded` takes the leg with the
-    /// fewest requests — this router's in flight there, or the leg's own last report (which
-    /// also counts other routers' requests), whichever is more — then the one whose scarcest
-    /// group has the largest free share; ties go in turn. `round_robin`: each in turn.
-    fn pick(&mut self, role: Role, avoid: &[NodeId]) -> Result<Hello, RequestError> {
-        let mut legs: Vec<&Hello> = self
-            .peers
-            .linked_hellos()
-            .filter(|hello| hello.role == role)
-            .collect();
-        legs.sort_by(|a, b| a.node.cmp(&b.node));
-        let views: Vec<proxy::LegView> = legs
-            .iter()
-            .map(|leg| {
-                let in_flight = self
-                    .requests
-                    .values()
-                    .filter(|pending| {
-                        let (prefill, decode) = pending.machine.legs();
-                        *prefill == leg.node || *decode == leg.node
-                    })
-                    .count();
-                let report = self.loads.get(&leg.node);
-                proxy::LegView {
-                    healthy: true,
-                    in_flight: u32::try_from(in_flight).unwrap_or(u32::MAX),
-                    reported: report.map_or(0, |load| u32::try_from(load.requests).unwrap_or(u32::MAX)),
-                    kv_usage: report.map_or(0.0, |load| 1.0 - load.free_share()),
-                }
-            })
-            .collect();
-        let avoided: Vec<usize> = (0..legs.len())
-            .filter(|&index| avoid.contains(&legs[index].node))
-            .collect();
-        let turn = match role {
-            Role::Prefill => &mut self.next_prefill,
-            _ => &mut self.next_decode,
-        };
-        match proxy::choose(&views, &avoided, self.selection, turn) {
-            Some(index) => Ok(legs[index].clone()),
-            None => Err(RequestError::NoLeg {
-                role,
-                avoided: avoid.to_vec(),
-            }),
-        }
-    }
-
-    fn new_request(&mut self) -> RequestId {
-        let request = RequestId(self.next_request);
-        self.next_request += 1;
-        request
-    }
-
-    fn drive(&mut self, request: RequestId, ctx: &mut Context<Self>) {
+    /// Carries out what the dispatcher asks, in order, then arms the timer at its next deadline.
+    fn carry_out(&mut self, ctx: &mut Context<Self>) {
         let now = self.clock.now_ms();
-        let mut retry = None;
-        loop {
-            let Some(pending) = self.requests.get_mut(&request) else {
-                return;
-            };
-            let Some(command) = pending.machine.poll_command() else {
-                break;
-            };
-            match command {
-                RouterCommand::Send { to, body } => {
-                    let budget_ms = pending
-                        .machine
-                        .poll_timeout()
-                        .map_or(0, |deadline| deadline.saturating_sub(now));
-                    if let Err(error) = self.peers.send(&to, request, budget_ms, body)
-                        && let Some(pending) = self.requests.get_mut(&request)
-                    {
-                        tracing::warn!(%request, %to, %error, "message not sent");
-                        pending.machine.handle_send_failed(&to, error.fault());
+        while let Some(output) = self.dispatcher.poll_output() {
+            match output {
+                RouterOutput::Send(out) => {
+                    if let Err(error) = self.peers.send(&out.to, out.request, out.budget_ms, out.body) {
+                        tracing::warn!(request = %out.request, to = %out.to, %error, "message not sent");
+                        self.dispatcher
+                            .handle_send_failed(out.request, &out.to, error.fault(), now);
                     }
                 }
-                RouterCommand::Complete(outcome) => {
-                    // Start over on other legs, from the prompt, within the same deadline, where
-                    // core's rules allow it.
-                    let lost = match &outcome {
-                        RequestOutcome::Failed { stage, reason } if pending.reply.is_some() => {
-                            let (prefill, decode) = pending.machine.legs();
-                            let (prefill, decode) = (prefill.clone(), decode.clone());
-                            pending.attempts.retry_after(*stage, reason, &prefill, &decode)
-                        }
-                        _ => None,
-                    };
-                    if let (Some(lost), RequestOutcome::Failed { stage, reason }) = (lost, &outcome)
-                        && let Some(reply) = pending.reply.take()
-                    {
-                        tracing::warn!(%request, leg = %lost, %reason, "starting over without a failed leg");
-                        retry = Some(Attempt {
-                            prompt: pending.prompt.clone(),
-                            max_tokens: pending.max_tokens,
-                            sampling: pending.sampling.clone(),
-                            deadline_ms: pending.deadline_ms,
-                            stream: pending.stream.take(),
-                            reply,
-                            started: pending.started,
-                            attempts: pending.attempts.clone(),
-                            last_error: Some(RequestError::from_failure(
-                                *stage,
-                                reason.clone(),
-                                self.request_timeout_ms,
-                            )),
-                            client: pending.client,
-                        });
-                        continue;
+                RouterOutput::Started {
+                    request,
+                    prefill,
+                    decode,
+                    retries,
+                    ..
+                } => {
+                    tracing::debug!(%request, %prefill, %decode, "request started");
+                    if retries > 0 {
+                        tracing::info!(%request, %prefill, attempt = retries, "retrying on other legs");
+                        metrics::counter!("pdkv_retries_total").increment(1);
                     }
-                    let result = match outcome {
-                        RequestOutcome::Output(output) => {
+                }
+                RouterOutput::Retrying { lost, reason, .. } => {
+                    tracing::warn!(leg = %lost, %reason, "starting over without a failed leg");
+                }
+                RouterOutput::Prefilled { ticket } => {
+                    if let Some(waiting) = self.waiting.get_mut(&ticket) {
+                        waiting.kv_ready.get_or_insert_with(Instant::now);
+                    }
+                }
+                RouterOutput::Tokens { ticket, tokens } => {
+                    if let Some(stream) = self
+                        .waiting
+                        .get(&ticket)
+                        .and_then(|waiting| waiting.stream.as_ref())
+                        && stream.try_send(tokens).is_err()
+                    {
+                        // The client went away, or sent more than it has room for: the answer
+                        // still carries every token.
+                        tracing::debug!(%ticket, "streamed tokens dropped");
+                    }
+                }
+                RouterOutput::Done { ticket, answer } => {
+                    let Some(waiting) = self.waiting.remove(&ticket) else {
+                        continue;
+                    };
+                    let result = match answer {
+                        Answer::Output { request, output } => {
                             let done = Instant::now();
-                            let kv_ready = pending.kv_ready.unwrap_or(done);
+                            let kv_ready = waiting.kv_ready.unwrap_or(done);
                             Ok(Output::from_decode(
                                 request,
                                 output,
-                                kv_ready.saturating_duration_since(pending.started),
+                                kv_ready.saturating_duration_since(waiting.started),
                                 done.saturating_duration_since(kv_ready),
                             ))
                         }
-                        RequestOutcome::Failed { stage, reason } => {
-                            tracing::debug!(%request, %stage, %reason, "request failed");
+                        Answer::Failed { stage, reason } => {
+                            tracing::debug!(%ticket, %stage, %reason, "request failed");
                             Err(RequestError::from_failure(stage, reason, self.request_timeout_ms))
                         }
+                        Answer::NoLeg { role, avoided } => Err(RequestError::NoLeg { role, avoided }),
                     };
-                    if let Some(reply) = pending.reply.take() {
-                        // The client may have gone; nothing else waits for the answer.
-                        let _ = reply.send(result);
-                    }
+                    // The client may have gone; nothing else waits for the answer.
+                    let _ = waiting.reply.send(result);
+                }
+                RouterOutput::Probed { request, answer } => {
+                    let Some(reply) = self.probes.remove(&request) else {
+                        continue;
+                    };
+                    let result = match answer {
+                        ProbeAnswer::Answered(body) => Ok(body),
+                        ProbeAnswer::TimedOut => Err(RequestError::Timeout {
+                            stage: Stage::Router.as_str(),
+                            after_ms: self.request_timeout_ms,
+                        }),
+                        ProbeAnswer::Unreachable { to, fault } => Err(RequestError::Failed {
+                            stage: Stage::Router,
+                            failure: Failure::Unreachable { to, fault },
+                        }),
+                    };
+                    let _ = reply.send(result);
                 }
             }
         }
-        if let Some(attempt) = retry {
-            self.start_request(attempt, ctx);
-        }
-        let Some(pending) = self.requests.get_mut(&request) else {
-            return;
-        };
-        if pending.machine.is_done() {
-            if let Some(mut pending) = self.requests.remove(&request) {
-                timer::cancel(&mut pending.timer, ctx);
-                if let Some(client) = pending.client
-                    && self.clients.get(&client) == Some(&request)
-                {
-                    self.clients.remove(&client);
-                }
-            }
-            return;
-        }
-        let next = pending.machine.poll_timeout();
         timer::rearm(
-            &mut pending.timer,
-            next,
+            &mut self.timer,
+            self.dispatcher.poll_timeout(),
             now,
             ctx,
-            move |router: &mut Router, ctx| {
+            |router: &mut Router, ctx| {
+                router.timer = None;
                 let now = router.clock.now_ms();
-                if let Some(pending) = router.requests.get_mut(&request) {
-                    pending.timer = None;
-                    pending.machine.handle_timeout(now);
-                }
-                router.drive(request, ctx);
+                router.dispatcher.handle_timeout(now);
+                router.carry_out(ctx);
             },
         );
     }
 
-    /// Sends one message to one leg outside any machine and waits (bounded) for its first answer.
+    /// Sends one message to one leg outside any request and waits (bounded by the request
+    /// timeout) for its first answer.
     fn probe(
         &mut self,
         request: RequestId,
         leg: NodeId,
         body: Body,
+        ctx: &mut Context<Self>,
     ) -> ResponseFuture<Result<Body, RequestError>> {
         let (reply, answer) = oneshot::channel();
-        let budget_ms = self.request_timeout_ms;
-        if let Err(error) = self.peers.send(&leg, request, budget_ms, body) {
-            let error = RequestError::Failed {
-                stage: Stage::Router,
-                failure: pdkv_core::wire::Failure::Unreachable {
-                    to: leg,
-                    fault: error.fault(),
-                },
-            };
-            return Box::pin(async move { Err(error) });
-        }
-        self.probes.insert(request, Probe { reply, leg });
-        let timeout = Duration::from_millis(budget_ms);
+        self.probes.insert(request, reply);
+        let now = self.clock.now_ms();
+        let deadline = now.saturating_add(self.request_timeout_ms);
+        self.dispatcher.probe(request, leg, body, deadline, now);
+        self.carry_out(ctx);
         Box::pin(async move {
-            match tokio::time::timeout(timeout, answer).await {
-                Ok(Ok(body)) => Ok(body),
-                Ok(Err(_)) => Err(RequestError::Mailbox {
+            answer.await.unwrap_or_else(|_| {
+                Err(RequestError::Mailbox {
                     actor: "router",
                     detail: "stopped".into(),
-                }),
-                Err(_) => Err(RequestError::Timeout {
-                    stage: Stage::Router.as_str(),
-                    after_ms: budget_ms,
-                }),
-            }
+                })
+            })
         })
     }
 }
@@ -454,8 +274,8 @@ impl Handler<Admit> for Router {
         let node = msg.hello.node.clone();
         if let Some(old) = self.peers.admit(msg.hello, msg.dialed_in) {
             tracing::warn!(leg = %node, %old, "leg restarted: failing its requests");
-            self.leg_lost(&node, ctx);
         }
+        self.sync_leg(&node, ctx);
         Ok(())
     }
 }
@@ -468,15 +288,16 @@ impl Handler<LinkLost> for Router {
             return;
         }
         tracing::warn!(leg = %msg.peer, reason = %msg.reason, "leg lost: failing its requests");
-        self.leg_lost(&msg.peer, ctx);
+        self.sync_leg(&msg.peer, ctx);
     }
 }
 
 impl Handler<SetLink> for Router {
     type Result = ();
 
-    fn handle(&mut self, msg: SetLink, _ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: SetLink, ctx: &mut Self::Context) -> Self::Result {
         self.peers.set_link(&msg.peer, msg.link);
+        self.sync_leg(&msg.peer, ctx);
     }
 }
 
@@ -485,18 +306,10 @@ impl Handler<Inbound> for Router {
 
     fn handle(&mut self, msg: Inbound, ctx: &mut Self::Context) -> Self::Result {
         let (peer, request, kind) = (msg.peer.clone(), msg.envelope.request, msg.envelope.body.kind());
-        let taken = self.take(msg, ctx);
-        if let Err(refusal) = &taken {
-            log_refusal(&peer, request, kind, refusal);
+        if let Err(refusal) = self.peers.check(&msg) {
+            log_refusal(&peer, request, kind, &refusal);
+            return Err(refusal);
         }
-        taken
-    }
-}
-
-impl Router {
-    /// Checks an inbound envelope and acts on it; the error is why it was refused.
-    fn take(&mut self, msg: Inbound, ctx: &mut Context<Self>) -> Result<(), Refusal> {
-        self.peers.check(&msg)?;
         let Envelope {
             request,
             from,
@@ -504,59 +317,10 @@ impl Router {
             body,
             ..
         } = msg.envelope;
-        match body {
-            Body::Load(load) => {
-                self.loads.insert(from, load);
-                return Ok(());
-            }
-            Body::Tokens { tokens } => {
-                let Some(pending) = self
-                    .requests
-                    .get_mut(&request)
-                    .filter(|pending| pending.machine.legs().1 == &from)
-                else {
-                    return Ok(());
-                };
-                // A retried request streams on from where the client is.
-                let fresh = pending.attempts.take_streamed(&tokens);
-                if fresh.is_empty() {
-                    return Ok(());
-                }
-                if let Some(stream) = &pending.stream
-                    && stream.try_send(fresh.to_vec()).is_err()
-                {
-                    // The client went away, or sent more than it has room for: the answer
-                    // still carries every token.
-                    tracing::debug!(%request, "streamed tokens dropped");
-                }
-                return Ok(());
-            }
-            _ => {}
-        }
-        if self.probes.get(&request).is_some_and(|probe| probe.leg == from) {
-            if let Some(probe) = self.probes.remove(&request) {
-                let _ = probe.reply.send(body);
-            }
-            return Ok(());
-        }
-        if let Body::KvReady(params) = &body {
-            tracing::debug!(%request, prefill = %from, grant = params.grant.0, "prefilled");
-        }
-        if self.requests.contains_key(&request) {
-            if let Some(pending) = self.requests.get_mut(&request) {
-                if matches!(body, Body::KvReady(_)) && pending.kv_ready.is_none() {
-                    pending.kv_ready = Some(Instant::now());
-                }
-                pending.machine.handle_message(&from, incarnation, body);
-            }
-            self.drive(request, ctx);
-        } else if let Body::KvReady(params) = body {
-            // A grant for a request that is over: free it now rather than at lease end.
-            tracing::debug!(%request, leg = %from, grant = params.grant.0, "late grant aborted");
-            if let Err(error) = self.peers.send(&from, request, 0, Body::Abort) {
-                tracing::warn!(%request, leg = %from, %error, "abort not sent");
-            }
-        }
+        let now = self.clock.now_ms();
+        self.dispatcher
+            .handle_message(&from, incarnation, request, body, now);
+        self.carry_out(ctx);
         Ok(())
     }
 }
@@ -570,7 +334,7 @@ impl Handler<LegLoads> for Router {
     type Result = actix::MessageResult<LegLoads>;
 
     fn handle(&mut self, _msg: LegLoads, _ctx: &mut Self::Context) -> Self::Result {
-        actix::MessageResult(self.loads.clone())
+        actix::MessageResult(self.dispatcher.loads().clone())
     }
 }
 
@@ -652,15 +416,11 @@ impl Handler<Cancel> for Router {
     type Result = ();
 
     fn handle(&mut self, msg: Cancel, ctx: &mut Self::Context) -> Self::Result {
-        let Some(request) = self.clients.remove(&msg.client) else {
-            return;
-        };
-        if let Some(pending) = self.requests.get_mut(&request) {
-            tracing::info!(%request, "client gone: aborting both legs");
-            metrics::counter!("pdkv_requests_total", "outcome" => "cancelled").increment(1);
-            pending.machine.handle_cancel();
-        }
-        self.drive(request, ctx);
+        tracing::info!(client = msg.client, "client gone: aborting both legs");
+        metrics::counter!("pdkv_requests_total", "outcome" => "cancelled").increment(1);
+        let now = self.clock.now_ms();
+        self.dispatcher.cancel(msg.client, now);
+        self.carry_out(ctx);
     }
 }
 
@@ -672,19 +432,24 @@ impl Handler<Generate> for Router {
             return Box::pin(actix::fut::ready(Err(error)));
         }
         let (reply, answer) = oneshot::channel();
-        let attempt = Attempt {
-            prompt: msg.prompt,
+        let now = self.clock.now_ms();
+        let request = ClientRequest {
+            prompt: msg.prompt.to_vec(),
             max_tokens: msg.max_tokens,
-            sampling: Arc::new(msg.sampling),
-            deadline_ms: self.clock.now_ms().saturating_add(self.request_timeout_ms),
-            stream: msg.stream,
-            reply,
-            started: Instant::now(),
-            attempts: Attempts::new(self.max_retries),
-            last_error: None,
+            sampling: msg.sampling,
+            stream: msg.stream.is_some(),
+            deadline_ms: now.saturating_add(self.request_timeout_ms),
             client: msg.client,
         };
-        self.start_request(attempt, ctx);
+        let ticket = self.dispatcher.submit(request, now);
+        let waiting = Waiting {
+            reply,
+            stream: msg.stream,
+            started: Instant::now(),
+            kv_ready: None,
+        };
+        self.waiting.insert(ticket, waiting);
+        self.carry_out(ctx);
         Box::pin(
             async move {
                 answer.await.unwrap_or_else(|_| {
@@ -716,9 +481,9 @@ pub struct PrefillOnly {
 impl Handler<PrefillOnly> for Router {
     type Result = ResponseFuture<Result<KvParams, RequestError>>;
 
-    fn handle(&mut self, msg: PrefillOnly, _ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: PrefillOnly, ctx: &mut Self::Context) -> Self::Result {
         let budget_ms = self.request_timeout_ms;
-        let request = self.new_request();
+        let request = self.dispatcher.new_request();
         let answer = self.probe(
             request,
             msg.prefill,
@@ -726,6 +491,7 @@ impl Handler<PrefillOnly> for Router {
                 prompt: msg.prompt,
                 decode: msg.decode,
             },
+            ctx,
         );
         Box::pin(async move {
             match answer.await? {
@@ -754,7 +520,7 @@ pub struct DecodeOnly {
 impl Handler<DecodeOnly> for Router {
     type Result = ResponseFuture<Result<Output, RequestError>>;
 
-    fn handle(&mut self, msg: DecodeOnly, _ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: DecodeOnly, ctx: &mut Self::Context) -> Self::Result {
         let budget_ms = self.request_timeout_ms;
         let request = msg.params.request;
         let answer = self.probe(
@@ -767,6 +533,7 @@ impl Handler<DecodeOnly> for Router {
                 stream: false,
                 sampling: Sampling::default(),
             },
+            ctx,
         );
         Box::pin(async move {
             match answer.await? {

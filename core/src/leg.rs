@@ -1238,6 +1238,12 @@ impl RouterMachine {
         (self.state != RouterState::Done).then_some(self.deadline_ms)
     }
 
+    /// Whether the decode leg was asked to decode (the prefill leg's KV parameters arrived)
+    /// and the request is still open.
+    pub fn is_decoding(&self) -> bool {
+        self.state == RouterState::Decoding
+    }
+
     /// A message about this request arrived from `from` (incarnation `incarnation`).
     pub fn handle_message(&mut self, from: &NodeId, incarnation: Incarnation, body: Body) {
         if self.incarnations.get(from) != Some(&incarnation) {

@@ -1,8 +1,8 @@
 //! A deterministic simulation of the leg protocol over the shipped objects (after quinn-proto's
 //! `Pair` and TigerBeetle's VOPR): every leg is a [`LegNode`] (its allocator, grant table,
 //! request machines, tombstones, role table, wait queue, draining and lease expiry are the code
-//! that ships), and the router is one [`RouterMachine`] per attempt with the core [`Attempts`]
-//! deciding retries and the streamed-token skip, legs chosen by [`proxy::choose`]. The
+//! that ships), and the router is the shipped [`Dispatcher`] (leg choice, attempts, retries,
+//! the streamed-token skip, late grants: the actix router is a shell around the same). The
 //! simulation itself is only the world: virtual time, the network (messages bincode-encoded in
 //! transit, dropped, duplicated, delayed and so reordered), byte arenas that READs copy between,
 //! compute and generation with their timing, and kills, freezes, drains and restarts.
@@ -38,13 +38,10 @@ use crate::codec;
 use crate::exchange::{Pairing, PairingMode};
 use crate::grant::GrantTable;
 use crate::layout::{GroupKind, GroupSpec, KvLayout};
-use crate::leg::{
-    Generated, GenerationCheck, LegConfig, PrefillTokens, ReadDone, RequestOutcome, RouterCommand,
-    RouterMachine,
-};
+use crate::leg::{Generated, GenerationCheck, LegConfig, PrefillTokens, ReadDone, RequestOutcome};
 use crate::node::{LegNode, NodeConfig, NodeOutput, Outbound, Refusal};
-use crate::proxy::{self, Policy};
-use crate::router::Attempts;
+use crate::proxy::Policy;
+use crate::router::{Answer, ClientRequest, Dispatcher, RouterOutput, Ticket};
 use crate::wire::{Body, Envelope, Failure, GrantId, Incarnation, NodeId, RequestId, Role, Stage};
 
 /// How many prefill and decode legs a scenario runs.
@@ -581,28 +578,21 @@ impl SimLeg {
     }
 }
 
-/// A client's request at the router, across its attempts.
+/// What the simulation knows of a client's request, to check the router against.
 #[derive(Debug)]
 struct Client {
     prompt: Vec<u32>,
     max_tokens: u32,
-    stream: bool,
     deadline_ms: u64,
-    attempts: Attempts,
-    /// Legs named by each failed attempt's failure, from the definition (not from
-    /// [`Attempts`]): no later attempt may run on one.
+    /// Legs named by each failed attempt's failure, from the definition (not from the
+    /// dispatcher): no later attempt may run on one.
     failed_on: Vec<NodeId>,
-    /// The failure that ended the last attempt, answered if no leg is left to retry on.
-    last_failure: Option<(Stage, Failure)>,
+    /// The legs of the current attempt.
+    legs: Option<(NodeId, NodeId)>,
     /// Tokens the client was streamed, in order.
     received: Vec<u32>,
-}
-
-/// One attempt at the router.
-#[derive(Debug)]
-struct Route {
-    machine: RouterMachine,
-    client: RequestId,
+    /// Attempts that failed and were retried.
+    retries: u32,
 }
 
 /// One simulated cluster and its clock.
@@ -617,14 +607,13 @@ struct Sim {
     by_name: HashMap<NodeId, usize>,
     router: NodeId,
     router_incarnation: Incarnation,
-    /// The router's view of each leg's incarnation.
+    /// The router's view of each leg's incarnation (its door).
     router_known: HashMap<NodeId, Incarnation>,
-    policy: Policy,
-    turns: [usize; 2],
-    max_retries: u32,
+    /// The router's rules, as shipped.
+    dispatcher: Dispatcher,
+    /// Open client requests.
     clients: BTreeMap<RequestId, Client>,
-    routes: BTreeMap<RequestId, Route>,
-    next_attempt: u64,
+    tickets: HashMap<Ticket, RequestId>,
     prompts: BTreeMap<RequestId, Vec<u32>>,
     outcomes: BTreeMap<RequestId, RequestOutcome>,
     engine: Engine,
@@ -708,6 +697,10 @@ pub fn simulate(config: SimConfig) -> SimReport {
     } else {
         Policy::RoundRobin
     };
+    let mut dispatcher = Dispatcher::new(policy, max_retries, 1 << 32);
+    for leg in &legs {
+        dispatcher.set_leg(&leg.name, Some((leg.role, leg.incarnation)), 0);
+    }
     let mut sim = Sim {
         seed: config.seed,
         now_ms: 0,
@@ -719,12 +712,9 @@ pub fn simulate(config: SimConfig) -> SimReport {
         router: NodeId(ROUTER.into()),
         router_incarnation: Incarnation(rng.next()),
         router_known,
-        policy,
-        turns: [0, 0],
-        max_retries,
+        dispatcher,
         clients: BTreeMap::new(),
-        routes: BTreeMap::new(),
-        next_attempt: 1 << 32,
+        tickets: HashMap::new(),
         prompts: BTreeMap::new(),
         outcomes: BTreeMap::new(),
         engine: if rng.chance(500) {
@@ -986,8 +976,8 @@ impl Sim {
     fn run(&mut self) {
         loop {
             if self.report.steps >= MAX_STEPS {
-                let open: Vec<_> = self.routes.keys().collect();
-                let message = format!("no quiesce within {MAX_STEPS} steps; open attempts {open:?}");
+                let open: Vec<_> = self.clients.keys().collect();
+                let message = format!("no quiesce within {MAX_STEPS} steps; open requests {open:?}");
                 self.violation(message);
                 return;
             }
@@ -1013,32 +1003,26 @@ impl Sim {
         self.quiesce();
     }
 
-    /// The earliest timer of any router machine, or of any leg that is not frozen.
+    /// The earliest timer of the router, or of any leg that is not frozen.
     fn next_timer(&self) -> Option<u64> {
-        let routes = self
-            .routes
-            .values()
-            .filter_map(|route| route.machine.poll_timeout());
         let legs = self
             .legs
             .iter()
             .filter_map(|leg| leg.node.poll_timeout().map(|at| at.max(leg.frozen_until_ms)));
-        routes.chain(legs).min()
+        legs.chain(self.dispatcher.poll_timeout()).min()
     }
 
     fn fire_timers(&mut self) {
         let now = self.now_ms;
-        let due: Vec<RequestId> = self
-            .routes
-            .iter()
-            .filter(|(_, route)| route.machine.poll_timeout().is_some_and(|at| at <= now))
-            .map(|(&attempt, _)| attempt)
-            .collect();
-        for attempt in due {
-            if let Some(route) = self.routes.get_mut(&attempt) {
-                route.machine.handle_timeout(now);
+        if self.dispatcher.poll_timeout().is_some_and(|at| at <= now) {
+            self.dispatcher.handle_timeout(now);
+            if self.dispatcher.poll_timeout().is_some_and(|at| at <= now) {
+                self.violation(
+                    "the router's timer is still due after handle_timeout (the shell would spin)".into(),
+                );
+                self.stuck = true;
             }
-            self.drain_route(attempt);
+            self.carry_out_router();
         }
         for leg in 0..self.legs.len() {
             let state = &mut self.legs[leg];
@@ -1155,29 +1139,18 @@ impl Sim {
                 self.legs[leg].node.drain();
             }
             Event::Cancel { client } => {
-                let attempt = self
-                    .routes
-                    .iter()
-                    .find(|(_, route)| route.client == client)
-                    .map(|(&attempt, _)| attempt);
-                if let Some(attempt) = attempt {
+                if self.clients.contains_key(&client) {
                     self.count(Fault::Cancel);
-                    if let Some(route) = self.routes.get_mut(&attempt) {
-                        route.machine.handle_cancel();
-                    }
-                    self.drain_route(attempt);
+                    self.dispatcher.cancel(client.0, now);
+                    self.carry_out_router();
                 }
             }
             Event::Detected { leg, incarnation } => {
                 let name = self.legs[leg].name.clone();
                 self.router_known.insert(name.clone(), incarnation);
-                let open: Vec<RequestId> = self.routes.keys().copied().collect();
-                for attempt in open {
-                    if let Some(route) = self.routes.get_mut(&attempt) {
-                        route.machine.handle_peer_lost(&name);
-                    }
-                    self.drain_route(attempt);
-                }
+                let role = self.legs[leg].role;
+                self.dispatcher.set_leg(&name, Some((role, incarnation)), now);
+                self.carry_out_router();
                 // Every other leg's link to the old incarnation dropped: its shell tells the node.
                 let now = self.now_ms;
                 for index in 0..self.legs.len() {
@@ -1192,7 +1165,7 @@ impl Sim {
         }
     }
 
-    /// A client's request arrives at the router.
+    /// A client's request arrives at the router, which has just had every leg's load report.
     fn start_client(&mut self, client: RequestId) {
         let Some(prompt) = self.prompts.get(&client).cloned() else {
             return;
@@ -1201,168 +1174,124 @@ impl Sim {
         if stream {
             self.report.streamed += 1;
         }
+        let now = self.now_ms;
+        for leg in &self.legs {
+            let (name, incarnation) = (&leg.name, leg.incarnation);
+            let report = Body::Load(leg.node.load());
+            self.dispatcher
+                .handle_message(name, incarnation, RequestId(0), report, now);
+        }
+        let request = ClientRequest {
+            prompt: prompt.clone(),
+            max_tokens: 1 + self.rng.below(MAX_TOKENS) as u32,
+            sampling: crate::sampling::Sampling::default(),
+            stream,
+            deadline_ms: now + BUDGET_MS,
+            client: Some(client.0),
+        };
         let state = Client {
             prompt,
-            max_tokens: 1 + self.rng.below(MAX_TOKENS) as u32,
-            stream,
-            deadline_ms: self.now_ms + BUDGET_MS,
-            attempts: Attempts::new(self.max_retries),
+            max_tokens: request.max_tokens,
+            deadline_ms: request.deadline_ms,
             failed_on: Vec::new(),
-            last_failure: None,
+            legs: None,
             received: Vec::new(),
+            retries: 0,
         };
         self.clients.insert(client, state);
-        self.start_attempt(client);
+        let ticket = self.dispatcher.submit(request, now);
+        self.tickets.insert(ticket, client);
+        self.carry_out_router();
     }
 
-    /// The router's choice of a leg of `role`, avoiding `avoid`, as the shipped router chooses.
-    fn pick(&mut self, role: Role, avoid: &[NodeId]) -> Option<NodeId> {
-        let legs: Vec<usize> = (0..self.legs.len())
-            .filter(|&leg| self.legs[leg].role == role)
-            .collect();
-        let views: Vec<proxy::LegView> = legs
-            .iter()
-            .map(|&leg| {
-                let name = &self.legs[leg].name;
-                let in_flight = self
-                    .routes
-                    .values()
-                    .filter(|route| {
-                        let (prefill, decode) = route.machine.legs();
-                        prefill == name || decode == name
-                    })
-                    .count();
-                proxy::LegView {
-                    healthy: true,
-                    in_flight: in_flight as u32,
-                    reported: 0,
-                    kv_usage: 1.0 - self.legs[leg].node.load().free_share(),
-                }
-            })
-            .collect();
-        let avoided: Vec<usize> = (0..legs.len())
-            .filter(|&index| avoid.contains(&self.legs[legs[index]].name))
-            .collect();
-        let turn = &mut self.turns[usize::from(role == Role::Decode)];
-        proxy::choose(&views, &avoided, self.policy, turn).map(|index| self.legs[legs[index]].name.clone())
-    }
-
-    /// Starts an attempt of a client's request on legs it has not failed on, or answers the
-    /// client when none is left.
-    fn start_attempt(&mut self, client: RequestId) {
-        let Some(state) = self.clients.get(&client) else {
-            return;
-        };
-        let avoid = state.attempts.avoid().to_vec();
-        let (prompt, max_tokens, stream, deadline) = (
-            state.prompt.clone(),
-            state.max_tokens,
-            state.stream,
-            state.deadline_ms,
-        );
-        let legs = self
-            .pick(Role::Prefill, &avoid)
-            .and_then(|prefill| Some((prefill, self.pick(Role::Decode, &avoid)?)));
-        let Some((prefill, decode)) = legs else {
-            let (stage, reason) = self.clients[&client].last_failure.clone().unwrap_or((
-                Stage::Router,
-                Failure::Refused {
-                    node: self.router.clone(),
-                    reason: crate::wire::RefusalReason::NoLegLeft,
-                },
-            ));
-            return self.complete(client, RequestOutcome::Failed { stage, reason });
-        };
-        let failed_on = &self.clients[&client].failed_on;
-        if let Some(leg) = [&prefill, &decode]
-            .into_iter()
-            .find(|leg| failed_on.contains(leg))
-        {
-            let message = format!("{client}: an attempt runs on {leg}, which failed an earlier attempt");
-            self.violation(message);
-        }
-        let attempt = RequestId(self.next_attempt);
-        self.next_attempt += 1;
-        let machine = RouterMachine::new(
-            attempt,
-            prompt,
-            max_tokens,
-            (prefill.clone(), self.router_known[&prefill]),
-            (decode.clone(), self.router_known[&decode]),
-            deadline,
-            self.now_ms,
-        )
-        .with_streaming(stream);
-        self.routes.insert(attempt, Route { machine, client });
-        self.drain_route(attempt);
-    }
-
-    /// Carries out a router machine's commands.
-    fn drain_route(&mut self, attempt: RequestId) {
-        let mut retry = None;
-        while let Some(command) = self
-            .routes
-            .get_mut(&attempt)
-            .and_then(|route| route.machine.poll_command())
-        {
-            let Some(route) = self.routes.get(&attempt) else {
-                return;
-            };
-            let client = route.client;
-            match command {
-                RouterCommand::Send { to, body } => {
-                    let deadline = self.clients.get(&client).map_or(0, |state| state.deadline_ms);
-                    let out = Outbound {
-                        to,
-                        request: attempt,
-                        budget_ms: deadline.saturating_sub(self.now_ms),
-                        body,
-                    };
-                    self.send(self.router.clone(), self.router_incarnation, out);
-                }
-                RouterCommand::Complete(RequestOutcome::Failed { stage, reason }) => {
-                    let (prefill, decode) = {
-                        let (prefill, decode) = route.machine.legs();
-                        (prefill.clone(), decode.clone())
-                    };
-                    let Some(state) = self.clients.get_mut(&client) else {
+    /// Carries out what the router's dispatcher asks, checking it against the definitions.
+    fn carry_out_router(&mut self) {
+        while let Some(output) = self.dispatcher.poll_output() {
+            match output {
+                RouterOutput::Send(out) => self.send(self.router.clone(), self.router_incarnation, out),
+                RouterOutput::Started {
+                    ticket,
+                    prefill,
+                    decode,
+                    ..
+                } => {
+                    let Some(state) = self
+                        .tickets
+                        .get(&ticket)
+                        .and_then(|client| self.clients.get_mut(client))
+                    else {
                         continue;
                     };
-                    state
-                        .failed_on
-                        .extend(legs_named(stage, &reason, &prefill, &decode));
-                    if state
-                        .attempts
-                        .retry_after(stage, &reason, &prefill, &decode)
-                        .is_some()
-                    {
-                        state.last_failure = Some((stage, reason));
-                        retry = Some(client);
-                    } else {
-                        self.complete(client, RequestOutcome::Failed { stage, reason });
+                    let failed = [&prefill, &decode]
+                        .into_iter()
+                        .find(|leg| state.failed_on.contains(leg))
+                        .cloned();
+                    state.legs = Some((prefill, decode));
+                    if let Some(leg) = failed {
+                        let client = self.tickets[&ticket];
+                        let message =
+                            format!("{client}: an attempt runs on {leg}, which failed an earlier attempt");
+                        self.violation(message);
                     }
                 }
-                RouterCommand::Complete(outcome) => self.complete(client, outcome),
+                RouterOutput::Retrying {
+                    ticket,
+                    stage,
+                    reason,
+                    ..
+                } => {
+                    let Some(state) = self
+                        .tickets
+                        .get(&ticket)
+                        .and_then(|client| self.clients.get_mut(client))
+                    else {
+                        continue;
+                    };
+                    if let Some((prefill, decode)) = state.legs.take() {
+                        state
+                            .failed_on
+                            .extend(legs_named(stage, &reason, &prefill, &decode));
+                    }
+                    state.retries += 1;
+                    self.report.retried += u32::from(state.retries == 1);
+                }
+                RouterOutput::Prefilled { .. } | RouterOutput::Probed { .. } => {}
+                RouterOutput::Tokens { ticket, tokens } => {
+                    if let Some(state) = self
+                        .tickets
+                        .get(&ticket)
+                        .and_then(|client| self.clients.get_mut(client))
+                    {
+                        state.received.extend(tokens);
+                    }
+                }
+                RouterOutput::Done { ticket, answer } => {
+                    let Some(client) = self.tickets.remove(&ticket) else {
+                        self.violation(format!("{ticket} ended twice"));
+                        continue;
+                    };
+                    let outcome = match answer {
+                        Answer::Output { output, .. } => RequestOutcome::Output(output),
+                        Answer::Failed { stage, reason } => RequestOutcome::Failed { stage, reason },
+                        Answer::NoLeg { .. } => RequestOutcome::Failed {
+                            stage: Stage::Router,
+                            reason: Failure::Refused {
+                                node: self.router.clone(),
+                                reason: crate::wire::RefusalReason::NoLegLeft,
+                            },
+                        },
+                    };
+                    self.complete(client, outcome);
+                }
             }
-        }
-        if self
-            .routes
-            .get(&attempt)
-            .is_some_and(|route| route.machine.is_done())
-        {
-            self.routes.remove(&attempt);
-        }
-        if let Some(client) = retry {
-            self.report.retried += u32::from(self.clients[&client].attempts.retries() == 1);
-            self.start_attempt(client);
         }
     }
 
     fn complete(&mut self, client: RequestId, outcome: RequestOutcome) {
-        let Some(state) = self.clients.get(&client) else {
+        let Some(state) = self.clients.remove(&client) else {
             return;
         };
-        let (prompt, max_tokens, received) = (state.prompt.clone(), state.max_tokens, state.received.clone());
+        let (prompt, max_tokens, received) = (state.prompt, state.max_tokens, state.received);
         let deadline = state.deadline_ms;
         if self.now_ms > deadline {
             self.violation(format!(
@@ -1450,34 +1379,9 @@ impl Sim {
             // The router's door refuses what a leg's old incarnation says.
             return self.refuse("stale_incarnation");
         }
-        if let Body::Tokens { tokens } = body {
-            let Some(route) = self
-                .routes
-                .get(&request)
-                .filter(|route| route.machine.legs().1 == &from)
-            else {
-                return;
-            };
-            let client = route.client;
-            if let Some(state) = self.clients.get_mut(&client) {
-                let fresh = state.attempts.take_streamed(&tokens).to_vec();
-                state.received.extend(fresh);
-            }
-            return;
-        }
-        if let Some(route) = self.routes.get_mut(&request) {
-            route.machine.handle_message(&from, incarnation, body);
-            self.drain_route(request);
-        } else if let Body::KvReady(_) = body {
-            // A grant for an attempt that is over: free it now.
-            let out = Outbound {
-                to: from,
-                request,
-                budget_ms: 0,
-                body: Body::Abort,
-            };
-            self.send(self.router.clone(), self.router_incarnation, out);
-        }
+        self.dispatcher
+            .handle_message(&from, incarnation, request, body, self.now_ms);
+        self.carry_out_router();
     }
 
     /// Carries out what a leg's node asks, in order.
@@ -1829,14 +1733,10 @@ impl Sim {
     fn check_step(&mut self) {
         let now = self.now_ms;
         let late = self
-            .routes
-            .values()
-            .find(|route| {
-                self.clients
-                    .get(&route.client)
-                    .is_some_and(|state| now > state.deadline_ms)
-            })
-            .map(|route| route.client);
+            .clients
+            .iter()
+            .find(|(_, state)| now > state.deadline_ms)
+            .map(|(&client, _)| client);
         if let Some(client) = late {
             self.violation(format!("{client} still open after its deadline"));
         }
