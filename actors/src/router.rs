@@ -158,7 +158,8 @@ impl Router {
                 RouterOutput::Retrying { lost, reason, .. } => {
                     tracing::warn!(leg = %lost, %reason, "starting over without a failed leg");
                 }
-                RouterOutput::Prefilled { ticket } => {
+                RouterOutput::Prefilled { ticket, request } => {
+                    tracing::debug!(%request, "prefilled");
                     if let Some(waiting) = self.waiting.get_mut(&ticket) {
                         waiting.kv_ready.get_or_insert_with(Instant::now);
                     }

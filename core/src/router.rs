@@ -201,6 +201,8 @@ pub enum RouterOutput {
     Prefilled {
         /// The client request.
         ticket: Ticket,
+        /// The attempt.
+        request: RequestId,
     },
     /// Tokens the client has not seen yet, in order (a streaming client).
     Tokens {
@@ -471,7 +473,8 @@ impl Dispatcher {
                     if !attempt.prefilled && attempt.machine.is_decoding() {
                         attempt.prefilled = true;
                         let ticket = attempt.ticket;
-                        self.outputs.push_back(RouterOutput::Prefilled { ticket });
+                        self.outputs
+                            .push_back(RouterOutput::Prefilled { ticket, request });
                     }
                     self.drive(request, now_ms);
                 }
@@ -881,7 +884,13 @@ mod tests {
             30,
         );
         let out = outputs(&mut dispatcher);
-        assert_eq!(out[0], RouterOutput::Prefilled { ticket });
+        assert_eq!(
+            out[0],
+            RouterOutput::Prefilled {
+                ticket,
+                request: RequestId(101)
+            }
+        );
         assert!(
             matches!(&out[1], RouterOutput::Send(Outbound { to, body: Body::Decode { .. }, .. }) if *to == node("d1"))
         );
