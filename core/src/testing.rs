@@ -1204,6 +1204,15 @@ impl Sim {
         self.carry_out_router();
     }
 
+    /// The open client request a router ticket stands for.
+    fn client_of<'a>(
+        tickets: &HashMap<Ticket, RequestId>,
+        clients: &'a mut BTreeMap<RequestId, Client>,
+        ticket: Ticket,
+    ) -> Option<&'a mut Client> {
+        tickets.get(&ticket).and_then(|client| clients.get_mut(client))
+    }
+
     /// Carries out what the router's dispatcher asks, checking it against the definitions.
     fn carry_out_router(&mut self) {
         while let Some(output) = self.dispatcher.poll_output() {
@@ -1215,11 +1224,7 @@ impl Sim {
                     decode,
                     ..
                 } => {
-                    let Some(state) = self
-                        .tickets
-                        .get(&ticket)
-                        .and_then(|client| self.clients.get_mut(client))
-                    else {
+                    let Some(state) = Self::client_of(&self.tickets, &mut self.clients, ticket) else {
                         continue;
                     };
                     let failed = [&prefill, &decode]
@@ -1240,11 +1245,7 @@ impl Sim {
                     reason,
                     ..
                 } => {
-                    let Some(state) = self
-                        .tickets
-                        .get(&ticket)
-                        .and_then(|client| self.clients.get_mut(client))
-                    else {
+                    let Some(state) = Self::client_of(&self.tickets, &mut self.clients, ticket) else {
                         continue;
                     };
                     if let Some((prefill, decode)) = state.legs.take() {
@@ -1257,11 +1258,7 @@ impl Sim {
                 }
                 RouterOutput::Prefilled { .. } | RouterOutput::Probed { .. } => {}
                 RouterOutput::Tokens { ticket, tokens } => {
-                    if let Some(state) = self
-                        .tickets
-                        .get(&ticket)
-                        .and_then(|client| self.clients.get_mut(client))
-                    {
+                    if let Some(state) = Self::client_of(&self.tickets, &mut self.clients, ticket) {
                         state.received.extend(tokens);
                     }
                 }
