@@ -174,7 +174,8 @@ pub(crate) fn complete(
         }
         let mut last_token: Option<Instant> = None;
         let mut done = false;
-        for line in BufReader::new(response.into_body().into_reader()).lines() {
+        let mut reader = BufReader::new(response.into_body().into_reader());
+        for line in (&mut reader).lines() {
             let line = line.map_err(|error| error.to_string())?;
             let Some(data) = line.strip_prefix("data: ") else {
                 continue;
@@ -220,6 +221,9 @@ pub(crate) fn complete(
         if !done {
             return Err("the stream ended without [DONE]".into());
         }
+        // Read the body to its end (the chunked encoding's last chunk): a body left unread
+        // closes the connection, and every request would pay a new one.
+        std::io::copy(&mut reader, &mut std::io::sink()).map_err(|error| error.to_string())?;
         Ok(())
     })();
     sample.latency_s = started.elapsed().as_secs_f64();
@@ -628,8 +632,69 @@ fn plot(samples: &[Sample], path: &std::path::Path) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Backoff, quantile};
-    use std::time::Duration;
+    use super::{Backoff, complete, quantile};
+    use pdkv_core::sampling::Sampling;
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::TcpListener;
+    use std::time::{Duration, Instant};
+
+    /// Serves `requests` streamed completions over HTTP/1.1 keep-alive on loopback and returns
+    /// how many connections they came on.
+    fn serve_streams(listener: TcpListener, requests: usize) -> usize {
+        let mut connections = 0;
+        let mut served = 0;
+        while served < requests {
+            let (stream, _) = listener.accept().expect("accept");
+            stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            connections += 1;
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut writer = stream;
+            while served < requests {
+                let mut length = 0;
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        break;
+                    }
+                    if let Some(value) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = value.trim().parse().unwrap();
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                }
+                if line != "\r\n" {
+                    break; // The client closed this connection.
+                }
+                reader.read_exact(&mut vec![0; length]).unwrap();
+                let events = "data: {\"choices\":[{\"token_ids\":[7]}]}\n\ndata: [DONE]\n\n";
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{events}\r\n0\r\n\r\n",
+                    events.len()
+                );
+                writer.write_all(response.as_bytes()).unwrap();
+                served += 1;
+            }
+        }
+        connections
+    }
+
+    /// Streamed completions one after another reuse one connection: the stream is read to its
+    /// end, so no request pays for a new connection (and the latencies do not include one).
+    #[test]
+    fn streamed_completions_reuse_one_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let server = std::thread::spawn(move || serve_streams(listener, 3));
+        let agent = crate::launch::http_agent(Duration::from_secs(5));
+        for _ in 0..3 {
+            let sample = complete(&agent, &base, &[1, 2, 3], 1, &Sampling::default(), Instant::now());
+            assert_eq!(sample.error, None);
+            assert_eq!(sample.token_ids, vec![7]);
+        }
+        assert_eq!(server.join().unwrap(), 1, "connections for three requests");
+    }
 
     #[test]
     fn an_unreachable_router_is_tried_again_after_growing_pauses() {
