@@ -417,10 +417,11 @@ impl Handler<Cancel> for Router {
     type Result = ();
 
     fn handle(&mut self, msg: Cancel, ctx: &mut Self::Context) -> Self::Result {
-        tracing::info!(client = msg.client, "client gone: aborting both legs");
-        metrics::counter!("pdkv_requests_total", "outcome" => "cancelled").increment(1);
         let now = self.clock.now_ms();
-        self.dispatcher.cancel(msg.client, now);
+        if self.dispatcher.cancel(msg.client, now) {
+            tracing::info!(client = msg.client, "client gone: aborting both legs");
+            metrics::counter!("pdkv_requests_total", "outcome" => "cancelled").increment(1);
+        }
         self.carry_out(ctx);
     }
 }
@@ -435,7 +436,7 @@ impl Handler<Generate> for Router {
         let (reply, answer) = oneshot::channel();
         let now = self.clock.now_ms();
         let request = ClientRequest {
-            prompt: msg.prompt.to_vec(),
+            prompt: msg.prompt,
             max_tokens: msg.max_tokens,
             sampling: msg.sampling,
             stream: msg.stream.is_some(),

@@ -12,6 +12,7 @@
 //! Non-goals: sending, timing, prompt limits (the shell does).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 
 use crate::leg::{RequestOutcome, RouterCommand, RouterMachine, leg_to_retry_without};
 use crate::node::Outbound;
@@ -110,8 +111,8 @@ impl std::fmt::Display for Ticket {
 /// What a client asks the router for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClientRequest {
-    /// Prompt tokens (checked by the shell against its limits).
-    pub prompt: Vec<u32>,
+    /// Prompt tokens (checked by the shell against its limits), shared with the shell.
+    pub prompt: Arc<[u32]>,
     /// Tokens to generate.
     pub max_tokens: u32,
     /// How the decode leg chooses tokens.
@@ -245,8 +246,6 @@ struct Running {
     ticket: Ticket,
     /// Whether its KV parameters arrived.
     prefilled: bool,
-    /// Whether its outcome was taken (its legs no longer count it in flight).
-    over: bool,
     /// Its deadline, as indexed in [`Dispatcher::deadlines`].
     deadline_ms: u64,
 }
@@ -322,8 +321,7 @@ impl Dispatcher {
         self.open.len()
     }
 
-    /// Attempts and probes still running (an attempt whose outcome was taken runs until its
-    /// last message is out).
+    /// Attempts and probes still running.
     pub fn running(&self) -> usize {
         self.running.len() + self.probes.len()
     }
@@ -351,7 +349,7 @@ impl Dispatcher {
         if known.is_some() {
             self.legs.remove(node);
             self.loads.remove(node);
-            let affected: Vec<RequestId> = self
+            let affected = self
                 .running
                 .iter()
                 .filter(|(_, attempt)| {
@@ -359,7 +357,7 @@ impl Dispatcher {
                     prefill == node || decode == node
                 })
                 .map(|(&request, _)| request)
-                .collect();
+                .collect::<Vec<_>>();
             for request in affected {
                 if let Some(attempt) = self.running.get_mut(&request) {
                     attempt.machine.handle_peer_lost(node);
@@ -368,11 +366,10 @@ impl Dispatcher {
             }
         }
         if let Some((role, incarnation)) = leg {
-            let in_flight = 0;
             let leg = Leg {
                 role,
                 incarnation,
-                in_flight,
+                in_flight: 0,
             };
             self.legs.insert(node.clone(), leg);
         }
@@ -398,18 +395,20 @@ impl Dispatcher {
     }
 
     /// The client named `client` went away: its current attempt tells both legs to free what
-    /// they hold, and the request ends as cancelled.
-    pub fn cancel(&mut self, client: u64, now_ms: u64) {
+    /// they hold, and the request ends as cancelled. Whether a request was in flight under
+    /// that name.
+    pub fn cancel(&mut self, client: u64, now_ms: u64) -> bool {
         let Some(ticket) = self.clients.remove(&client) else {
-            return;
+            return false;
         };
         let Some(request) = self.open.get(&ticket).and_then(|open| open.current) else {
-            return;
+            return false;
         };
         if let Some(attempt) = self.running.get_mut(&request) {
             attempt.machine.handle_cancel();
         }
         self.drive(request, now_ms);
+        true
     }
 
     /// Sends `body` about `request` to `leg` outside any attempt; its first answer, or none by
@@ -440,14 +439,16 @@ impl Dispatcher {
                 self.loads.insert(from.clone(), load);
             }
             Body::Tokens { tokens } => {
-                let Some(attempt) = self
+                let Some(ticket) = self
                     .running
                     .get(&request)
-                    .filter(|attempt| attempt.machine.legs().1 == from && !attempt.over)
+                    .filter(|attempt| attempt.machine.legs().1 == from)
+                    .map(|attempt| attempt.ticket)
                 else {
                     return;
                 };
-                let ticket = attempt.ticket;
+                // An attempt is running only until its outcome is taken (`drive` drops it), so
+                // these tokens are the current attempt's.
                 let Some(open) = self.open.get_mut(&ticket) else {
                     return;
                 };
@@ -601,7 +602,7 @@ impl Dispatcher {
         let wanted = &open.request;
         let machine = RouterMachine::new(
             request,
-            wanted.prompt.clone(),
+            wanted.prompt.to_vec(),
             wanted.max_tokens,
             prefill.clone(),
             decode.clone(),
@@ -622,7 +623,6 @@ impl Dispatcher {
             machine,
             ticket,
             prefilled: false,
-            over: false,
             deadline_ms,
         };
         self.running.insert(request, attempt);
@@ -647,16 +647,14 @@ impl Dispatcher {
             let ticket = attempt.ticket;
             match command {
                 RouterCommand::Send { to, body } => {
-                    let deadline = self.open.get(&ticket).map_or(0, |open| open.request.deadline_ms);
                     self.outputs.push_back(RouterOutput::Send(Outbound {
                         to,
                         request,
-                        budget_ms: deadline.saturating_sub(now_ms),
+                        budget_ms: attempt.deadline_ms.saturating_sub(now_ms),
                         body,
                     }));
                 }
                 RouterCommand::Complete(outcome) => {
-                    attempt.over = true;
                     let (prefill, decode) = attempt.machine.legs();
                     let (prefill, decode) = (prefill.clone(), decode.clone());
                     for node in [&prefill, &decode] {
@@ -781,7 +779,7 @@ mod tests {
 
     fn ask(stream: bool, client: Option<u64>) -> ClientRequest {
         ClientRequest {
-            prompt: vec![1, 2, 3],
+            prompt: vec![1, 2, 3].into(),
             max_tokens: 4,
             sampling: Sampling::default(),
             stream,
@@ -1041,7 +1039,8 @@ mod tests {
             0,
         );
         outputs(&mut dispatcher);
-        dispatcher.cancel(42, 5);
+        assert!(dispatcher.cancel(42, 5));
+        assert!(!dispatcher.cancel(42, 5), "the request is over");
         let out = outputs(&mut dispatcher);
         assert_eq!(
             out[..2],

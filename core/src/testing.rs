@@ -1139,9 +1139,8 @@ impl Sim {
                 self.legs[leg].node.drain();
             }
             Event::Cancel { client } => {
-                if self.clients.contains_key(&client) {
+                if self.dispatcher.cancel(client.0, now) {
                     self.count(Fault::Cancel);
-                    self.dispatcher.cancel(client.0, now);
                     self.carry_out_router();
                 }
             }
@@ -1182,7 +1181,7 @@ impl Sim {
                 .handle_message(name, incarnation, RequestId(0), report, now);
         }
         let request = ClientRequest {
-            prompt: prompt.clone(),
+            prompt: prompt.as_slice().into(),
             max_tokens: 1 + self.rng.below(MAX_TOKENS) as u32,
             sampling: crate::sampling::Sampling::default(),
             stream,
