@@ -349,7 +349,7 @@ impl Dispatcher {
         if known.is_some() {
             self.legs.remove(node);
             self.loads.remove(node);
-            let affected = self
+            let mut affected = self
                 .running
                 .iter()
                 .filter(|(_, attempt)| {
@@ -358,6 +358,9 @@ impl Dispatcher {
                 })
                 .map(|(&request, _)| request)
                 .collect::<Vec<_>>();
+            // In the order the attempts started, so that the retries they start (and the ids
+            // those get) do not depend on a hash map's order: a seed replays.
+            affected.sort_unstable();
             for request in affected {
                 if let Some(attempt) = self.running.get_mut(&request) {
                     attempt.machine.handle_peer_lost(node);
