@@ -264,7 +264,7 @@ pub fn pair(layout: &KvLayout, offer: &Offer, need: &Need) -> Result<Pairing, Ex
         .enumerate()
     {
         for (leg, list) in [(Role::Prefill, remote), (Role::Decode, local)] {
-            if list.spec != *spec {
+            if !list.spec.pairs_with(spec) {
                 return Err(ExchangeError::GroupSpecMismatch {
                     group,
                     leg,
@@ -493,10 +493,16 @@ fn describe_spec_difference(ours: &GroupSpec, theirs: &GroupSpec) -> String {
             ours.kind().window().unwrap_or(0),
             theirs.kind().window().unwrap_or(0)
         )
-    } else if ours.block_size() != theirs.block_size() {
-        format!("block_size {} vs {}", ours.block_size(), theirs.block_size())
     } else {
-        format!("dcp {} vs {}", ours.dcp(), theirs.dcp())
+        format!(
+            "scheduler block of {} tokens (block_size {} x dcp {}) vs {} (block_size {} x dcp {})",
+            ours.effective_block_size(),
+            ours.block_size(),
+            ours.dcp(),
+            theirs.effective_block_size(),
+            theirs.block_size(),
+            theirs.dcp()
+        )
     }
 }
 

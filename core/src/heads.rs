@@ -220,37 +220,75 @@ pub enum HeadOrder {
     TokensOuter,
 }
 
-/// The tokens of every block one rank holds under decode context parallelism (DCP): token `i`
-/// of a block sits on DCP rank `i mod dcp`, in that rank's slot `i div dcp` (vLLM's layout with
-/// `cp_kv_cache_interleave_size = 1`). A leg without DCP holds every token ([`TokenShard::WHOLE`]).
+/// The tokens of every block one rank holds under decode context parallelism (DCP), as vLLM
+/// places them (`compute_slot_mapping`): runs of `interleave` tokens go to DCP ranks in turn, so
+/// token `i` of a block sits on DCP rank `(i div interleave) mod dcp`, in that rank's slot
+/// `(i div (dcp * interleave)) * interleave + i mod interleave`. `interleave` is vLLM's
+/// `cp_kv_cache_interleave_size`: 1 spreads single tokens, a rank's block size gives each rank
+/// whole runs of a block. A leg without DCP holds every token ([`TokenShard::WHOLE`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenShard {
     /// The leg's DCP size.
     pub dcp: u32,
     /// This rank's place among them.
     pub rank: u32,
+    /// Consecutive tokens one DCP rank holds before the next rank's turn.
+    pub interleave: u32,
 }
 
 impl TokenShard {
     /// Every token of the block, in order.
-    pub const WHOLE: TokenShard = TokenShard { dcp: 1, rank: 0 };
+    pub const WHOLE: TokenShard = TokenShard {
+        dcp: 1,
+        rank: 0,
+        interleave: 1,
+    };
 
-    /// Slots one rank's block holds for a block of `tokens` tokens.
+    /// Slots one rank's block holds for a block of `tokens` tokens: the block must split into
+    /// whole turns of every DCP rank.
     fn slots(&self, tokens: u32) -> Result<u32, HeadError> {
-        if self.dcp == 0 || self.rank >= self.dcp {
+        if self.dcp == 0 || self.rank >= self.dcp || self.interleave == 0 {
             return Err(HeadError::NoTokenShard {
                 dcp: self.dcp,
                 rank: self.rank,
+                interleave: self.interleave,
             });
         }
-        if !tokens.is_multiple_of(self.dcp) {
+        if !tokens.is_multiple_of(self.dcp.saturating_mul(self.interleave)) {
             return Err(HeadError::TokensNotSplit {
                 tokens,
                 dcp: self.dcp,
+                interleave: self.interleave,
             });
         }
         Ok(tokens / self.dcp)
     }
+
+    /// Whether this rank holds token `token` of a block.
+    pub fn holds(&self, token: u32) -> bool {
+        (token / self.interleave) % self.dcp == self.rank
+    }
+
+    /// The slot of this rank's block holding token `token` (one it [holds](Self::holds)).
+    pub fn slot(&self, token: u32) -> u32 {
+        (token / (self.dcp * self.interleave)) * self.interleave + token % self.interleave
+    }
+
+    /// Whether this rank and `other` hold a token in common in blocks of any size both split:
+    /// their placements repeat every `dcp * interleave` tokens.
+    pub fn meets(&self, other: &TokenShard) -> bool {
+        let period = |shard: &TokenShard| u64::from(shard.dcp) * u64::from(shard.interleave);
+        let (a, b) = (period(self), period(other));
+        if a == 0 || b == 0 {
+            return false;
+        }
+        let span = a / gcd(a, b) * b;
+        (0..span).any(|token| u32::try_from(token).is_ok_and(|token| self.holds(token) && other.holds(token)))
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// One side of a read within a block: the heads and tokens the rank's block holds, in
@@ -273,6 +311,7 @@ pub struct RankBlock {
 pub struct KvShards {
     heads: HeadSharding,
     dcp: u32,
+    interleave: u32,
 }
 
 impl KvShards {
@@ -288,7 +327,21 @@ impl KvShards {
         Ok(KvShards {
             heads: HeadSharding::new(kv_heads, tp / dcp)?,
             dcp,
+            interleave: 1,
         })
+    }
+
+    /// The same split with `interleave` consecutive tokens per DCP rank's turn (vLLM's
+    /// `cp_kv_cache_interleave_size`; [`KvShards::new`] takes 1).
+    pub fn with_interleave(self, interleave: u32) -> Result<Self, HeadError> {
+        if interleave == 0 {
+            return Err(HeadError::NoTokenShard {
+                dcp: self.dcp,
+                rank: 0,
+                interleave,
+            });
+        }
+        Ok(KvShards { interleave, ..self })
     }
 
     /// Ranks of the leg (its TP size).
@@ -316,6 +369,7 @@ impl KvShards {
         TokenShard {
             dcp: self.dcp,
             rank: rank % self.dcp,
+            interleave: self.interleave,
         }
     }
 
@@ -366,22 +420,20 @@ pub fn shard_slices(
         index * remote_unit
     };
     let mut cells: Vec<BlockSlice> = (0..tokens)
-        .filter(|token| {
-            token % remote.tokens.dcp == remote.tokens.rank && token % local.tokens.dcp == local.tokens.rank
-        })
+        .filter(|&token| remote.tokens.holds(token) && local.tokens.holds(token))
         .flat_map(|token| {
             (0..read.count).map(move |head| BlockSlice {
                 remote_offset: cell(
                     remote.heads,
                     remote_slots,
                     read.remote_first + head,
-                    token / remote.tokens.dcp,
+                    remote.tokens.slot(token),
                 ),
                 local_offset: cell(
                     local.heads,
                     local_slots,
                     read.local_first + head,
-                    token / local.tokens.dcp,
+                    local.tokens.slot(token),
                 ),
                 len: remote_unit,
             })
@@ -492,20 +544,24 @@ pub enum HeadError {
         dcp: u32,
     },
     /// A DCP share that does not exist.
-    #[error("DCP rank {rank} of {dcp} does not exist")]
+    #[error("DCP rank {rank} of {dcp} with an interleave of {interleave} tokens does not exist")]
     NoTokenShard {
         /// DCP size.
         dcp: u32,
         /// DCP rank asked for.
         rank: u32,
+        /// Tokens per DCP rank's turn.
+        interleave: u32,
     },
     /// A block's tokens do not split evenly over the DCP ranks.
-    #[error("a block of {tokens} tokens does not split over {dcp} DCP ranks")]
+    #[error("a block of {tokens} tokens does not split over {dcp} DCP ranks in turns of {interleave} tokens")]
     TokensNotSplit {
         /// Tokens per block.
         tokens: u32,
         /// DCP size.
         dcp: u32,
+        /// Tokens per DCP rank's turn.
+        interleave: u32,
     },
     /// A read names heads past a rank's heads.
     #[error("head read {0:?} lies outside a rank's heads")]
@@ -646,6 +702,143 @@ mod tests {
         assert_eq!(
             head_slices(&past, HeadOrder::HeadsOuter, 4, (4, 128), (2, 64)),
             Err(HeadError::ReadOutsideBlock(past))
+        );
+    }
+
+    /// Where each token of a block lands, by vLLM's definition of the interleave: runs of
+    /// `interleave` tokens go to DCP ranks in turn, each rank filling its slots in order.
+    fn placed(tokens: u32, dcp: u32, interleave: u32) -> Vec<(u32, u32)> {
+        let mut next_slot = vec![0; dcp as usize];
+        (0..tokens)
+            .map(|token| {
+                let rank = (token / interleave) % dcp;
+                let slot = next_slot[rank as usize];
+                next_slot[rank as usize] += 1;
+                (rank, slot)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn token_shards_place_tokens_as_vllm_interleaves_them() {
+        for dcp in 1..=4 {
+            for interleave in [1, 2, 4, 8] {
+                let tokens = 8 * dcp;
+                let placed = placed(tokens, dcp, interleave);
+                for rank in 0..dcp {
+                    let shard = TokenShard {
+                        dcp,
+                        rank,
+                        interleave,
+                    };
+                    assert_eq!(shard.slots(tokens), Ok(8));
+                    for (token, &(owner, slot)) in (0..tokens).zip(&placed) {
+                        assert_eq!(
+                            shard.holds(token),
+                            owner == rank,
+                            "dcp {dcp} interleave {interleave} token {token}"
+                        );
+                        if owner == rank {
+                            assert_eq!(
+                                shard.slot(token),
+                                slot,
+                                "dcp {dcp} interleave {interleave} token {token}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        let shard = TokenShard {
+            dcp: 2,
+            rank: 0,
+            interleave: 16,
+        };
+        assert_eq!(
+            shard.slots(48),
+            Err(HeadError::TokensNotSplit {
+                tokens: 48,
+                dcp: 2,
+                interleave: 16
+            })
+        );
+        assert_eq!(
+            TokenShard {
+                dcp: 2,
+                rank: 2,
+                interleave: 1
+            }
+            .slots(4),
+            Err(HeadError::NoTokenShard {
+                dcp: 2,
+                rank: 2,
+                interleave: 1
+            })
+        );
+    }
+
+    #[test]
+    fn token_shards_meet_where_they_hold_a_token_in_common() {
+        let shard = |dcp, rank, interleave| TokenShard {
+            dcp,
+            rank,
+            interleave,
+        };
+        // Two ranks by single tokens against four by single tokens: even tokens only meet even.
+        assert!(shard(2, 0, 1).meets(&shard(4, 2, 1)));
+        assert!(!shard(2, 0, 1).meets(&shard(4, 1, 1)));
+        // Runs of 4 over 2 ranks against single tokens over 2: every rank meets every rank.
+        assert!(shard(2, 1, 4).meets(&shard(2, 0, 1)));
+        // Runs of 8 over 2 against runs of 4 over 4: rank 0's first run is ranks 0 and 1's.
+        assert!(shard(2, 0, 8).meets(&shard(4, 1, 4)));
+        assert!(!shard(2, 0, 8).meets(&shard(4, 2, 4)));
+        assert!(TokenShard::WHOLE.meets(&shard(4, 3, 2)));
+    }
+
+    #[test]
+    fn a_whole_block_splits_into_the_runs_each_interleaved_rank_holds() {
+        // Prefill holds all 8 tokens of a block ([H=1, N=8, C]); decode DCP 2 in runs of 2:
+        // rank 1 holds tokens 2, 3, 6, 7 in its slots 0 .. 4.
+        let read = HeadRead {
+            prefill_rank: 0,
+            remote_first: 0,
+            local_first: 0,
+            count: 1,
+        };
+        let slices = shard_slices(
+            &read,
+            HeadOrder::HeadsOuter,
+            8,
+            RankBlock {
+                heads: 1,
+                tokens: TokenShard::WHOLE,
+                block_bytes: 8 * 4,
+            },
+            RankBlock {
+                heads: 1,
+                tokens: TokenShard {
+                    dcp: 2,
+                    rank: 1,
+                    interleave: 2,
+                },
+                block_bytes: 4 * 4,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            slices,
+            vec![
+                BlockSlice {
+                    remote_offset: 2 * 4,
+                    local_offset: 0,
+                    len: 2 * 4
+                },
+                BlockSlice {
+                    remote_offset: 6 * 4,
+                    local_offset: 2 * 4,
+                    len: 2 * 4
+                },
+            ]
         );
     }
 }

@@ -171,6 +171,13 @@ impl GroupSpec {
         u64::from(self.block_size) * u64::from(self.dcp)
     }
 
+    /// Whether a leg of this group and a leg of `other` can pair block for block: the same kind
+    /// and window, and scheduler blocks of the same tokens. How each leg splits a block over its
+    /// DCP ranks (`block_size` per rank times `dcp`) is its own, as its TP split is.
+    pub fn pairs_with(&self, other: &GroupSpec) -> bool {
+        self.kind == other.kind && self.effective_block_size() == other.effective_block_size()
+    }
+
     /// Blocks a leg holds for `tokens` tokens in this group (`cdiv(tokens, B_eff)`); mamba: 1.
     pub fn blocks_for_tokens(&self, tokens: u64) -> u64 {
         match self.kind {

@@ -223,7 +223,7 @@ fn mismatched_layouts_between_legs_are_refused() {
     for (spec, detail) in [
         (
             GroupSpec::sliding_window(32, W, 1).unwrap(),
-            "block_size 64 vs 32",
+            "scheduler block of 64 tokens (block_size 64 x dcp 1) vs 32 (block_size 32 x dcp 1)",
         ),
         (GroupSpec::full(B, 1).unwrap(), "kind sliding_window vs full"),
     ] {
@@ -234,6 +234,24 @@ fn mismatched_layouts_between_legs_are_refused() {
             format!("group 1: prefill leg's spec differs from the layout: {detail}")
         );
     }
+    // A leg splitting the same scheduler blocks over DCP ranks pairs block for block; one whose
+    // scheduler blocks hold other tokens does not.
+    let whole = exchange::offer(&layout, N, &seed_lists(10, 0)).unwrap();
+    let mut split = whole.clone();
+    split.groups[0].spec = GroupSpec::full(B / 4, 4).unwrap();
+    assert_eq!(
+        exchange::pair(&layout, &split, &need).unwrap(),
+        exchange::pair(&layout, &whole, &need).unwrap()
+    );
+    split.groups[0].spec = GroupSpec::full(B, 2).unwrap();
+    assert_eq!(
+        exchange::pair(&layout, &split, &need).unwrap_err().to_string(),
+        format!(
+            "group 0: prefill leg's spec differs from the layout: scheduler block of {B} tokens \
+             (block_size {B} x dcp 1) vs {} (block_size {B} x dcp 2)",
+            2 * B
+        )
+    );
     let hybrid =
         KvLayout::one_layer_per_group(vec![GroupSpec::full(B, 1).unwrap(), GroupSpec::mamba()]).unwrap();
     assert_eq!(
@@ -244,7 +262,11 @@ fn mismatched_layouts_between_legs_are_refused() {
     sharded.groups[0].spec = GroupSpec::full(B, 2).unwrap();
     assert_eq!(
         exchange::pair(&layout, &offer, &sharded).unwrap_err().to_string(),
-        "group 0: decode leg's spec differs from the layout: dcp 1 vs 2"
+        format!(
+            "group 0: decode leg's spec differs from the layout: scheduler block of {B} tokens \
+             (block_size {B} x dcp 1) vs {} (block_size {B} x dcp 2)",
+            2 * B
+        )
     );
     let mut short = offer.clone();
     short.groups.pop();

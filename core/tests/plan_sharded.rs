@@ -334,7 +334,11 @@ fn a_state_or_indivisible_heads_across_sizes_is_refused_by_kind() {
     let local = regions(&odd, 4, Split { tp: 1, dcp: 1 }, 5, 0);
     assert!(matches!(
         plan_sharded(&odd, &pairing(&odd), &local, &remote, heads, 0),
-        Err(PlanError::Heads(HeadError::TokensNotSplit { tokens: 6, dcp: 4 }))
+        Err(PlanError::Heads(HeadError::TokensNotSplit {
+            tokens: 6,
+            dcp: 4,
+            interleave: 1
+        }))
     ));
     // plan_sharded refuses a state before planning anything.
     let remote = regions(&with_state, 4, Split { tp: 2, dcp: 1 }, 4, 100);
