@@ -1126,8 +1126,8 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
             engine.device,
         )?);
     }
-    // A connector reads one tensor-parallel and one pipeline-parallel size on the other side
-    // (`peer_tp`, `peer_pp`).
+    // A connector reads one tensor-parallel, pipeline-parallel and DCP size on the other side
+    // (`peer_tp`, `peer_pp`, `peer_dcp`).
     for role in [Role::Prefill, Role::Decode] {
         let legs: Vec<(&str, Parallel)> = nodes
             .iter()
@@ -1143,6 +1143,11 @@ fn vllm_cluster(file: ClusterFile) -> Result<VllmCluster, ConfigError> {
             role,
             "pipeline",
             legs.iter().map(|(name, parallel)| (*name, parallel.pp)),
+        )?;
+        one_size(
+            role,
+            "decode-context",
+            legs.iter().map(|(name, parallel)| (*name, parallel.dcp)),
         )?;
     }
     Ok(VllmCluster {

@@ -107,13 +107,18 @@ pub struct VllmEngine {
 }
 
 /// A vLLM leg's parallel layout: how many tensor-parallel ranks and pipeline stages its engine
-/// runs (its connector's workers are `tp × pp`, numbered stage-major).
+/// runs (its connector's workers are `tp × pp`, numbered stage-major), and how its ranks split
+/// each block's tokens (decode context parallelism).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Parallel {
     /// Tensor-parallel ranks per stage.
     pub tp: u32,
     /// Pipeline stages.
     pub pp: u32,
+    /// Decode-context-parallel ranks (taken from the TP ranks).
+    pub dcp: u32,
+    /// Consecutive tokens per DCP rank's turn (1 without DCP).
+    pub dcp_interleave: u32,
 }
 
 /// One vLLM leg.
@@ -311,8 +316,9 @@ impl VllmNode {
         })
     }
 
-    /// Its engine's tensor- and pipeline-parallel sizes, from the server flags
-    /// (`--tensor-parallel-size N` / `-tp N`, `--pipeline-parallel-size N` / `-pp N`, also
+    /// Its engine's tensor- and pipeline-parallel sizes and its DCP split, from the server flags
+    /// (`--tensor-parallel-size N` / `-tp N`, `--pipeline-parallel-size N` / `-pp N`,
+    /// `--decode-context-parallel-size N` / `-dcp N`, `--cp-kv-cache-interleave-size N`, also
     /// `--flag=N`; the last one given wins), each default 1.
     pub fn parallel(&self, engine: &VllmEngine) -> Parallel {
         let args: Vec<&str> = engine
@@ -338,9 +344,16 @@ impl VllmNode {
             }
             size
         };
+        let dcp = size("--decode-context-parallel-size", "-dcp");
         Parallel {
             tp: size("--tensor-parallel-size", "-tp"),
             pp: size("--pipeline-parallel-size", "-pp"),
+            dcp,
+            dcp_interleave: if dcp > 1 {
+                size("--cp-kv-cache-interleave-size", "--cp-kv-cache-interleave-size")
+            } else {
+                1
+            },
         }
     }
 
@@ -437,6 +450,10 @@ impl VllmCluster {
             }
             if peer.pp != own.pp {
                 settings["peer_pp"] = peer.pp.into();
+            }
+            if (peer.dcp, peer.dcp_interleave) != (own.dcp, own.dcp_interleave) {
+                settings["peer_dcp"] = peer.dcp.into();
+                settings["peer_dcp_interleave"] = peer.dcp_interleave.into();
             }
         }
         if node.role == Role::Prefill {
@@ -808,6 +825,25 @@ mod tests {
         // Equal sizes: each worker reads its own rank, no peer_tp.
         assert_eq!(
             peer_tp(&legs(tp2, tp2)),
+            [serde_json::Value::Null, serde_json::Value::Null]
+        );
+        // DCP splits: each worker reads every rank when they differ, through peer_dcp.
+        let dcp2 = "engine_args = [\"-tp\", \"2\", \"-dcp\", \"2\", \"--cp-kv-cache-interleave-size=8\"]\n";
+        let split = legs(dcp2, tp2);
+        assert_eq!(
+            (extra(&split, "peer_dcp"), extra(&split, "peer_dcp_interleave")),
+            (
+                vec![serde_json::json!(1), serde_json::json!(2)],
+                vec![serde_json::json!(1), serde_json::json!(8)]
+            )
+        );
+        assert_eq!(
+            extra(&split, "peer_tp"),
+            [serde_json::Value::Null, serde_json::Value::Null],
+            "one TP size"
+        );
+        assert_eq!(
+            extra(&legs(dcp2, dcp2), "peer_dcp"),
             [serde_json::Value::Null, serde_json::Value::Null]
         );
         // Two prefill legs of different sizes: a decode leg's connector reads one size.

@@ -273,9 +273,11 @@ impl KvLayout {
         self.digest(true)
     }
 
-    /// The digest of the groups alone (kinds, block sizes, windows, DCP factors), without the
-    /// layer-to-group map: what two workers agree on when they match layers by name instead of
-    /// by position (pipeline stages that split a model's layers differently).
+    /// The digest of the groups as the exchange pairs them (kinds, windows, tokens per scheduler
+    /// block), without the layer-to-group map or how a leg splits a block over its DCP ranks:
+    /// what two workers agree on when they match layers by name instead of by position
+    /// (pipeline stages that split a model's layers differently) and may split blocks over
+    /// different DCP sizes ([`GroupSpec::pairs_with`]).
     pub fn groups_hash(&self) -> u64 {
         self.digest(false)
     }
@@ -285,7 +287,7 @@ impl KvLayout {
         hasher.update(if with_layers {
             &b"pdkv-layout-v1"[..]
         } else {
-            &b"pdkv-groups-v1"[..]
+            &b"pdkv-groups-v2"[..]
         });
         hasher.update((self.groups.len() as u64).to_le_bytes());
         for group in &self.groups {
@@ -297,8 +299,12 @@ impl KvLayout {
             };
             hasher.update([tag]);
             hasher.update(window.to_le_bytes());
-            hasher.update(group.block_size.to_le_bytes());
-            hasher.update(group.dcp.to_le_bytes());
+            if with_layers {
+                hasher.update(group.block_size.to_le_bytes());
+                hasher.update(group.dcp.to_le_bytes());
+            } else {
+                hasher.update(group.effective_block_size().to_le_bytes());
+            }
         }
         if with_layers {
             hasher.update((self.layer_groups.len() as u64).to_le_bytes());
@@ -567,6 +573,13 @@ mod tests {
         assert_ne!(stage0.groups_hash(), one_group.groups_hash());
         // Not the full digest of a layout that happens to have no per-layer part.
         assert_ne!(one_group.groups_hash(), one_group.compat_hash());
+        // Scheduler blocks of 64 tokens, whole or split over 4 DCP ranks: one pairing; blocks of
+        // 128 tokens: another.
+        let split = KvLayout::new(vec![GroupSpec::full(16, 4).unwrap()], vec![0, 0]).unwrap();
+        assert_eq!(split.groups_hash(), one_group.groups_hash());
+        assert_ne!(split.compat_hash(), one_group.compat_hash());
+        let wider = KvLayout::new(vec![GroupSpec::full(64, 2).unwrap()], vec![0, 0]).unwrap();
+        assert_ne!(wider.groups_hash(), one_group.groups_hash());
     }
 
     #[test]

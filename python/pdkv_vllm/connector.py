@@ -92,6 +92,8 @@ MAX_LOAD_THREADS = 256
 #: Most ranks and stages a leg of the other role may be set to run.
 MAX_PEER_TP = 1024
 MAX_PEER_PP = 256
+#: Most tokens a DCP rank's turn may be set to hold (within any block size).
+MAX_DCP_INTERLEAVE = 1 << 20
 
 
 class ConnectorConfigError(ValueError):
@@ -123,11 +125,13 @@ class Settings:
     pp_rank: int | None
     peer_tp: int | None
     peer_pp: int | None
+    peer_dcp: int | None
+    peer_dcp_interleave: int | None
 
     KNOWN = {
         "node", "certs", "peers", "listen", "data_listen", "advertise", "data_advertise", "read_engine", "mori_host", "mori_port", "lease_ms", "claim_wait_ms", "connect_timeout_ms",
         "request_timeout_ms", "read_timeout_ms", "max_handoffs", "load_threads", "rank", "pp_rank", "peer_tp",
-        "peer_pp",
+        "peer_pp", "peer_dcp", "peer_dcp_interleave",
     }
 
     @classmethod
@@ -200,12 +204,26 @@ class Settings:
             pp_rank=pp_rank,
             peer_tp=None if extra.get("peer_tp") is None else positive("peer_tp", 1, MAX_PEER_TP),
             peer_pp=None if extra.get("peer_pp") is None else positive("peer_pp", 1, MAX_PEER_PP),
+            peer_dcp=None if extra.get("peer_dcp") is None else positive("peer_dcp", 1, MAX_PEER_TP),
+            peer_dcp_interleave=(
+                None
+                if extra.get("peer_dcp_interleave") is None
+                else positive("peer_dcp_interleave", 1, MAX_DCP_INTERLEAVE)
+            ),
         )
 
 
 def kv_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> list[dict]:
     """pdkv's description of vLLM's KV-cache groups; refuses what pdkv cannot pair."""
-    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    pcp = getattr(parallel, "prefill_context_parallel_size", 1)
+    if pcp != 1:
+        # PCP interleaves tokens over pcp * dcp ranks (vLLM's total CP world); pdkv's split of a
+        # block over ranks knows DCP only.
+        raise ConnectorConfigError(
+            f"prefill_context_parallel_size {pcp}: pdkv pairs legs without prefill context parallelism"
+        )
     groups = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -269,6 +287,8 @@ class LoadSpec:
     # Spreads heads every prefill rank replicates (MLA, TP beyond the KV heads) over the prefill
     # ranks, request by request; the same on every decode rank.
     rotation: int = 0
+    # How the prefill leg splits a block's tokens over its DCP ranks: (size, interleave).
+    prefill_dcp: tuple[int, int] = (1, 1)
 
 
 @dataclasses.dataclass
@@ -329,13 +349,34 @@ def speculative_fields(vllm_config: "VllmConfig") -> dict | None:
     }
 
 
+def dcp_split(vllm_config: "VllmConfig") -> dict:
+    """How this leg splits a scheduler block's tokens over its DCP ranks: ``{"size": dcp,
+    "interleave": I}``, runs of ``I`` tokens to each DCP rank in turn (vLLM's
+    ``cp_kv_cache_interleave_size``). Travels with every offer, so a decode leg of another split
+    reads each token from the prefill rank holding it."""
+    parallel = vllm_config.parallel_config
+    dcp = parallel.decode_context_parallel_size
+    return {"size": dcp, "interleave": getattr(parallel, "cp_kv_cache_interleave_size", 1) if dcp > 1 else 1}
+
+
+def valid_dcp_split(split: Any) -> tuple[int, int] | None:
+    """``(size, interleave)`` from an offer's ``dcp`` entry (absent: no DCP), None if malformed."""
+    if split is None:
+        return (1, 1)
+    if not isinstance(split, dict):
+        return None
+    values = (split.get("size"), split.get("interleave"))
+    if any(isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 1 << 31 for value in values):
+        return None
+    return values
+
+
 def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
     name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
     sizes, windows), a drafter's KV-relevant config and the parallel
-    layout (DCP must match; TP may differ where attention KV is resharded by heads, see
-    :func:`resharded_by_heads`; PP may differ: a decode worker reads each layer from the prefill
-    stage holding it). Equal on two legs serving the same model the same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
+    layout (TP and DCP may differ where only attention KV is exchanged, see :func:`reshardable`;
+    PP may differ: a decode worker reads each layer from the prefill stage holding it). Equal on two legs serving the same model the same way. It travels in every ``kv_transfer_params`` beside its digest (the decode scheduler
     refuses another model's offer before allocating anything) and in every worker's handshake
     (a decode worker and a prefill worker that differ refuse each other before a byte moves:
     the load fails and vLLM recomputes); either refusal names each differing field with both
@@ -353,23 +394,30 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
         "hidden_size": getattr(text, "hidden_size", None),
         "kv_heads": model.get_total_num_kv_heads(),
         "head_size": model.get_head_size(),
-        "groups": groups,
+        # A group as the exchange pairs it: a scheduler block of block_size * dcp tokens, however
+        # a leg splits it over its DCP ranks.
+        "groups": [
+            {key: value for key, value in dict(group, block_size=group["block_size"] * group.get("dcp", 1)).items() if key != "dcp"}
+            if "block_size" in group
+            else group
+            for group in groups
+        ],
         "speculative": speculative_fields(vllm_config),
-        "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
     }
-    # Attention KV is resharded by heads between legs of different TP sizes (each decode rank
-    # reads the heads it holds from the prefill ranks holding them); a recurrent state, and KV
-    # interleaved over DCP ranks, are not: there the TP sizes must match.
-    if not resharded_by_heads(groups):
+    # Attention KV is resharded between legs of different TP or DCP sizes (each decode rank
+    # reads the heads and tokens it holds from the prefill ranks holding them); a recurrent state
+    # is not: there both sizes must match.
+    if not reshardable(groups):
         fields["tensor_parallel_size"] = parallel.tensor_parallel_size
+        fields["decode_context_parallel_size"] = parallel.decode_context_parallel_size
     # Plain JSON values: the fields travel in kv_transfer_params through HTTP.
     return json.loads(json.dumps(fields, default=str))
 
 
-def resharded_by_heads(groups: list[dict]) -> bool:
-    """Whether legs of different tensor-parallel sizes can exchange this layout's KV: attention
-    groups only, none sharded over DCP ranks."""
-    return all(group["kind"] in ("full", "sliding_window") and group.get("dcp", 1) == 1 for group in groups)
+def reshardable(groups: list[dict]) -> bool:
+    """Whether legs of different tensor-parallel or DCP sizes can exchange this layout's KV:
+    attention groups only (heads and tokens; a recurrent state is neither)."""
+    return all(group["kind"] in ("full", "sliding_window") for group in groups)
 
 
 def page_order(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]) -> str | None:
@@ -433,6 +481,7 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
         # Not the layers holding KV: a pipeline-parallel leg's scheduler sees its first stage's
         # only (vLLM builds it from worker 0's config); workers match layers by name instead.
         self.model_fields = model_fields(vllm_config, self.groups)
+        self.dcp = dcp_split(vllm_config)
         self.model_identity = model_identity(self.model_fields)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
@@ -542,6 +591,8 @@ def malformed(ours: Any) -> str | None:
         pp = worker.get("pp", 0)
         if isinstance(pp, bool) or not isinstance(pp, int) or pp < 0:
             return f"workers[{index}].pp is not a pipeline stage"
+    if valid_dcp_split(ours.get("dcp")) is None:
+        return "dcp is not {\"size\": n, \"interleave\": n} of positive sizes"
     return None
 
 
@@ -672,6 +723,7 @@ class _SchedulerSide:
             workers=list(ours["workers"]),
             pairs=[[tuple(p) for p in group] for group in pairs],
             rotation=self.loads_planned,
+            prefill_dcp=valid_dcp_split(ours.get("dcp")),
         )
         self.loads_planned += 1
 
@@ -733,6 +785,7 @@ class _SchedulerSide:
                 "model_fields": self.connector.model_fields,
                 "offer": offered,
                 "workers": self.workers,
+                "dcp": self.connector.dcp,
             },
         }
         if not any(blocks):
@@ -840,6 +893,7 @@ class _WorkerSide:
         self.pp_rank = self._pp_rank()
         self.tp = connector._vllm_config.parallel_config.tensor_parallel_size
         self.pp = connector._vllm_config.parallel_config.pipeline_parallel_size
+        self.dcp = (connector.dcp["size"], connector.dcp["interleave"])
         # This worker's place among its leg's workers (stage-major, as the handshake keys them):
         # its node name and ports follow it.
         self.index = self.pp_rank * self.tp + self.rank
@@ -925,13 +979,17 @@ class _WorkerSide:
     def _peer_names(self) -> list[str]:
         """The other leg's workers this one talks to: worker i of leg ``peer`` (numbered
         stage-major, ``stage * peer_tp + rank``) is ``peer`` (i = 0) or ``peer-i``. The same rank
-        only when the legs' TP sizes match, every rank (``peer_tp`` of them) when they differ, as
-        each decode rank may read any prefill rank; the same stage only when the legs' PP sizes
+        only when the legs' TP sizes and DCP splits match, every rank (``peer_tp`` of them) when
+        either differs (``peer_dcp``, ``peer_dcp_interleave``), as each decode rank may read any
+        prefill rank; the same stage only when the legs' PP sizes
         match, every stage (``peer_pp`` of them) when they differ, as a decode stage reads each
         of its layers from the prefill stage holding it."""
         peer_tp = self.settings.peer_tp or self.tp
         peer_pp = self.settings.peer_pp or self.pp
-        ranks = [self.rank] if peer_tp == self.tp else list(range(peer_tp))
+        peer_dcp = (self.settings.peer_dcp or self.dcp[0], self.settings.peer_dcp_interleave or self.dcp[1])
+        if peer_dcp[0] == 1:
+            peer_dcp = (1, 1)  # no DCP: the interleave means nothing
+        ranks = [self.rank] if peer_tp == self.tp and peer_dcp == self.dcp else list(range(peer_tp))
         stages = [self.pp_rank] if peer_pp == self.pp else list(range(peer_pp))
         indices = [stage * peer_tp + rank for stage in stages for rank in ranks]
         return [peer if index == 0 else f"{peer}-{index}" for peer in self.settings.peers for index in indices]
@@ -987,9 +1045,9 @@ class _WorkerSide:
                 # Every decode stage asks every prefill stage for the layers it holds.
                 reading, stage_readers = stages, self.pp
             # Every prefill stage runs one TP size (``_stages`` checks it).
-            resharded = len(reading[0]) != self.tp
+            resharded = len(reading[0]) != self.tp or spec.prefill_dcp != self.dcp
             if resharded:
-                self._check_reshardable(len(reading[0]))
+                self._check_reshardable(len(reading[0]), spec.prefill_dcp)
             started = time.monotonic()
             num_bytes, runs = self.agent.load_stages(
                 spec.remote_request,
@@ -1001,6 +1059,8 @@ class _WorkerSide:
                 self.order if resharded else None,
                 stage_readers,
                 spec.pairs,
+                self.dcp,
+                spec.prefill_dcp,
             )
             with self.lock:
                 self.stats.record_load(time.monotonic() - started, num_bytes, runs)
@@ -1030,14 +1090,14 @@ class _WorkerSide:
             raise LoadError(f"the prefill leg's pipeline stages run different tensor-parallel sizes {sorted(sizes)}")
         return [stages[stage] for stage in range(len(stages))]
 
-    def _check_reshardable(self, prefill_tp: int) -> None:
-        """Refuses, before anything is claimed, a load across TP sizes this layout cannot take:
-        only attention KV without DCP, whose pages order heads and tokens, is resharded by heads."""
-        if not resharded_by_heads(self.connector.groups):
+    def _check_reshardable(self, prefill_tp: int, prefill_dcp: tuple[int, int]) -> None:
+        """Refuses, before anything is claimed, a load across TP or DCP splits this layout cannot
+        take: only attention KV, whose pages order heads and tokens, is resharded."""
+        if not reshardable(self.connector.groups):
             raise LoadError(
-                f"the prefill leg runs {prefill_tp} tensor-parallel ranks, this leg {self.tp}: "
-                "only attention KV without DCP is resharded by heads (a recurrent state or DCP needs "
-                "equal TP sizes)"
+                f"the prefill leg runs {prefill_tp} tensor-parallel ranks and DCP {prefill_dcp[0]} "
+                f"(interleave {prefill_dcp[1]}), this leg {self.tp} and DCP {self.dcp[0]} (interleave "
+                f"{self.dcp[1]}): only attention KV is resharded (a recurrent state needs equal splits)"
             )
         if self.order is None:
             raise LoadError(

@@ -24,7 +24,7 @@ use futures_util::future::{LocalBoxFuture, join_all};
 
 use pdkv_core::block::BlockId;
 use pdkv_core::exchange::{BlockPair, Pairing};
-use pdkv_core::heads::{HeadMap, HeadOrder, HeadRead, HeadSharding, head_slices};
+use pdkv_core::heads::{HeadMap, HeadOrder, HeadRead, KvShards, RankBlock, TokenShard, shard_slices};
 use pdkv_core::identity::ModelFields;
 use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
 use pdkv_core::leg::GenerationCheck;
@@ -479,6 +479,10 @@ pub struct DecodeSplit {
     /// reads prefill stage s (one PP size), this leg's PP size when every stage asks every
     /// prefill stage for the layers it holds (legs of different PP sizes).
     pub stage_readers: u32,
+    /// How this leg splits a block's tokens over its DCP ranks.
+    pub dcp: DcpSplit,
+    /// How the prefill leg does.
+    pub prefill_dcp: DcpSplit,
 }
 
 impl DecodeSplit {
@@ -490,17 +494,46 @@ impl DecodeSplit {
         rotation: 0,
         order: None,
         stage_readers: 1,
+        dcp: DcpSplit::NONE,
+        prefill_dcp: DcpSplit::NONE,
     };
 }
 
-/// How a decode worker's leg and the prefill leg shard KV heads when their tensor-parallel sizes
-/// differ: which heads this worker holds, and how a block orders heads and tokens.
+/// How a leg splits each scheduler block's tokens over its decode-context-parallel (DCP) ranks:
+/// vLLM's `decode_context_parallel_size` and `cp_kv_cache_interleave_size` (see
+/// [`TokenShard`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DcpSplit {
+    /// DCP ranks (1: every rank holds every token).
+    pub size: u32,
+    /// Consecutive tokens per DCP rank's turn.
+    pub interleave: u32,
+}
+
+impl DcpSplit {
+    /// No DCP.
+    pub const NONE: DcpSplit = DcpSplit {
+        size: 1,
+        interleave: 1,
+    };
+
+    /// `tp` ranks holding `kv_heads` KV heads split this way.
+    fn shards(self, kv_heads: u32, tp: u32) -> Result<KvShards, AgentError> {
+        KvShards::new(kv_heads, tp, self.size)
+            .and_then(|shards| shards.with_interleave(self.interleave))
+            .map_err(config)
+    }
+}
+
+/// How a decode worker's leg and the prefill leg split KV when their tensor-parallel or DCP
+/// splits differ: which heads and tokens this worker holds, and how a block orders heads and
+/// tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadLoad {
-    /// The prefill leg's sharding (its TP size is the number of sources).
-    pub prefill: HeadSharding,
-    /// The decode leg's sharding.
-    pub decode: HeadSharding,
+    /// The prefill leg's split (its TP size is the number of sources).
+    pub prefill: KvShards,
+    /// The decode leg's split.
+    pub decode: KvShards,
     /// This worker's tensor-parallel rank.
     pub rank: u32,
     /// Spreads replicated heads over prefill ranks (any per-request number, the same on every
@@ -1029,8 +1062,9 @@ impl Agent {
     /// prefill workers holding it. `stages` lists the prefill leg's workers per pipeline stage,
     /// in rank order (one stage: the one holding this worker's layers). Each of this worker's
     /// layers is read from the stage holding it (matched by layer name); within a stage, from
-    /// the rank of the same number when the stage runs this leg's TP size, else the heads this
-    /// worker holds from the ranks holding them (`pdkv_core::heads`). Every hand-off this worker
+    /// the rank of the same number when the stage runs this leg's TP size and DCP split, else
+    /// the heads and tokens this worker holds from the ranks holding them (`pdkv_core::heads`).
+    /// Every hand-off this worker
     /// is one of the readers of is claimed and released, read or not (a stage holding none of
     /// its layers, a replica nobody reads, a load that failed), so each ends with its last
     /// reader rather than its lease. Generations are checked after every copy.
@@ -1083,7 +1117,10 @@ impl Agent {
                         );
                         continue;
                     }
-                    let cut = reads.as_deref().zip(plan.heads);
+                    let cut = reads
+                        .as_deref()
+                        .zip(plan.heads)
+                        .map(|(reads, heads)| (*rank, reads, heads));
                     let read = self.load_source(request, source, *readers, pairs.clone(), cut, owned);
                     parts.push(read.map(Some).boxed_local());
                 }
@@ -1115,8 +1152,8 @@ impl Agent {
     /// What this worker reads of one prefill stage of `ranks` workers.
     fn stage_reads(&self, ranks: usize, split: DecodeSplit) -> Result<StageReads, AgentError> {
         let ranks = u32::try_from(ranks).map_err(|_| config(format!("{ranks} prefill ranks")))?;
-        if ranks == split.tp {
-            // One TP size: rank r's blocks whole.
+        if ranks == split.tp && split.dcp == split.prefill_dcp {
+            // One split: rank r's blocks whole.
             return Ok(StageReads {
                 reads: vec![(split.rank, split.stage_readers, None)],
                 unread: Vec::new(),
@@ -1125,35 +1162,61 @@ impl Agent {
         }
         let order = split.order.ok_or_else(|| {
             config(format!(
-                "the prefill leg runs {ranks} tensor-parallel ranks, this leg {}: KV is resharded by \
-                 heads only where a layer's page is [heads, tokens, ...] or [tokens, heads, ...] \
-                 (LBHNC, LBNHC, BLHNC, BLNHC)",
-                split.tp
+                "the prefill leg runs {ranks} tensor-parallel ranks and DCP {}, this leg {} and DCP {}: \
+                 KV is resharded only where a layer's page is [heads, tokens, ...] or [tokens, \
+                 heads, ...] (LBHNC, LBNHC, BLHNC, BLNHC)",
+                split.prefill_dcp.size, split.tp, split.dcp.size
             ))
         })?;
         let heads = HeadLoad {
-            prefill: HeadSharding::new(split.kv_heads, ranks).map_err(config)?,
-            decode: HeadSharding::new(split.kv_heads, split.tp).map_err(config)?,
+            prefill: split.prefill_dcp.shards(split.kv_heads, ranks)?,
+            decode: split.dcp.shards(split.kv_heads, split.tp)?,
             rank: split.rank,
             rotation: split.rotation,
             order,
         };
-        let map = HeadMap::new(heads.prefill, heads.decode, heads.rotation).map_err(config)?;
+        let (prefill, decode) = (heads.prefill, heads.decode);
+        // Heads are mapped between head groups (tp / dcp of them per leg); within a head group,
+        // a decode rank reads every prefill DCP rank holding a token it holds.
+        let map = HeadMap::new(prefill.heads(), decode.heads(), heads.rotation).map_err(config)?;
+        let ours = decode.tokens(split.rank);
+        // Decode ranks of one head group that read prefill rank `p` (the same for every group).
+        let sharers = |p: u32| {
+            (0..decode.dcp())
+                .filter(|&share| decode.tokens(share).meets(&prefill.tokens(p)))
+                .count() as u32
+        };
         let mut reads: Vec<(u32, u32, Option<Vec<HeadRead>>)> = Vec::new();
-        for read in map.reads(heads.rank).map_err(config)? {
-            match reads.last_mut() {
-                Some((rank, _, Some(list))) if *rank == read.prefill_rank => list.push(*read),
-                _ => {
-                    // `readers` cannot fail: the rank came from the map.
-                    let readers = map.readers(read.prefill_rank).unwrap_or(1);
-                    let readers = readers.saturating_mul(split.stage_readers);
-                    reads.push((read.prefill_rank, readers, Some(vec![*read])));
+        for read in map.reads(decode.group(split.rank)).map_err(config)? {
+            for share in 0..prefill.dcp() {
+                let p = prefill.rank(read.prefill_rank, share);
+                if !prefill.tokens(p).meets(&ours) {
+                    continue;
                 }
+                match reads.iter_mut().find(|(rank, _, _)| *rank == p) {
+                    Some((_, _, Some(list))) => list.push(*read),
+                    _ => {
+                        // `readers` cannot fail: the head group came from the map.
+                        let groups = map.readers(read.prefill_rank).unwrap_or(1);
+                        let readers = groups
+                            .saturating_mul(sharers(p))
+                            .saturating_mul(split.stage_readers);
+                        reads.push((p, readers, Some(vec![*read])));
+                    }
+                }
+            }
+        }
+        // Head groups nobody reads are given back by the first DCP rank of the group they fall
+        // to, every rank of them.
+        let mut unread = Vec::new();
+        if ours.rank == 0 {
+            for group in map.releases(decode.group(split.rank)).map_err(config)? {
+                unread.extend((0..prefill.dcp()).map(|share| prefill.rank(group, share)));
             }
         }
         Ok(StageReads {
             reads,
-            unread: map.releases(heads.rank).map_err(config)?,
+            unread,
             heads: Some(heads),
         })
     }
@@ -1213,7 +1276,7 @@ impl Agent {
         source: &Source,
         readers: u32,
         pairs: Vec<Vec<BlockPair>>,
-        heads: Option<(&[HeadRead], HeadLoad)>,
+        heads: Option<(u32, &[HeadRead], HeadLoad)>,
         owned: &[usize],
     ) -> Result<Loaded, AgentError> {
         let peer = self.source_peer(source).await?;
@@ -1226,7 +1289,7 @@ impl Agent {
                     reason: format!("prefill worker {}: {reason}", source.node),
                 })?;
             let slices = heads
-                .map(|(reads, heads)| self.head_slices(&peer, reads, heads, &planes))
+                .map(|(rank, reads, heads)| self.head_slices(&peer, rank, reads, heads, &planes))
                 .transpose()
                 .map_err(|reason| AgentError::Read {
                     request: request.to_string(),
@@ -1288,29 +1351,45 @@ impl Agent {
         .await
     }
 
-    /// Per matched plane, the byte ranges of a block holding `reads`' heads. Planes of a
-    /// recurrent state or of a DCP-sharded group cannot be cut by heads.
+    /// Per matched plane, the byte ranges of a block holding `reads`' heads for the tokens both
+    /// prefill rank `prefill_rank` and this worker hold. Planes of a recurrent state cannot be
+    /// cut, nor a group split over DCP ranks otherwise than its leg.
     fn head_slices(
         &self,
         peer: &Peer,
+        prefill_rank: u32,
         reads: &[HeadRead],
         heads: HeadLoad,
         planes: &[(usize, usize)],
     ) -> Result<Vec<Vec<BlockSlice>>, String> {
-        let (remote_heads, local_heads) = (heads.prefill.heads_per_rank(), heads.decode.heads_per_rank());
+        let (remote_heads, local_heads) = (
+            heads.prefill.heads().heads_per_rank(),
+            heads.decode.heads().heads_per_rank(),
+        );
+        let (remote_tokens, local_tokens): (TokenShard, TokenShard) = (
+            heads.prefill.tokens(prefill_rank),
+            heads.decode.tokens(heads.rank),
+        );
         let mut slices = Vec::with_capacity(planes.len());
         for &(plane, remote_plane) in planes {
             let group = self.layout.layer_groups()[plane];
             let spec = self.layout.groups()[group];
             let attention = matches!(spec.kind(), GroupKind::Full | GroupKind::SlidingWindow { .. });
-            if !attention || spec.dcp() != 1 {
+            if !attention || spec.dcp() != heads.decode.dcp() {
                 return Err(format!(
-                    "group {group} ({}, dcp {}) cannot be read across different tensor-parallel sizes: \
-                     only attention groups without DCP are sharded by KV heads",
+                    "group {group} ({}, dcp {}) cannot be read across different tensor-parallel or \
+                     DCP splits: only attention groups split over all of the leg's {} DCP ranks are",
                     spec.kind(),
-                    spec.dcp()
+                    spec.dcp(),
+                    heads.decode.dcp()
                 ));
             }
+            let tokens = u32::try_from(spec.effective_block_size()).map_err(|_| {
+                format!(
+                    "group {group}: a scheduler block of {} tokens",
+                    spec.effective_block_size()
+                )
+            })?;
             // A block packing several layers holds one page per layer, one after another: each
             // page is cut alike, at its own offset on either side.
             let (local, remote) = (&self.planes.names[plane], &peer.planes.names[remote_plane]);
@@ -1318,12 +1397,20 @@ impl Agent {
             for page in 0..local.pages() {
                 let (local_base, remote_base) = (page * local.page_bytes, page * remote.page_bytes);
                 for read in reads {
-                    let cut = head_slices(
+                    let cut = shard_slices(
                         read,
                         heads.order,
-                        spec.block_size(),
-                        (remote_heads, remote.page_bytes),
-                        (local_heads, local.page_bytes),
+                        tokens,
+                        RankBlock {
+                            heads: remote_heads,
+                            tokens: remote_tokens,
+                            block_bytes: remote.page_bytes,
+                        },
+                        RankBlock {
+                            heads: local_heads,
+                            tokens: local_tokens,
+                            block_bytes: local.page_bytes,
+                        },
                     )
                     .map_err(|error| format!("plane {plane}: {error}"))?;
                     plane_slices.extend(cut.into_iter().map(|slice| BlockSlice {

@@ -15,7 +15,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::agent::{
-    Agent, AgentError, AgentLimits, AgentSetup, DecodeSplit, EngineChoice, Memory, MoriSetup, Plane, Source,
+    Agent, AgentError, AgentLimits, AgentSetup, DcpSplit, DecodeSplit, EngineChoice, Memory, MoriSetup,
+    Plane, Source,
 };
 use crate::exchange::parse_groups;
 
@@ -318,10 +319,12 @@ impl KvAgent {
     /// `order`: `"heads_outer"`, `"tokens_outer"`, or None where blocks are copied whole only;
     /// `rotation` spreads replicated heads, the same on every decode rank). `stage_readers`: how
     /// many of this leg's stages read each prefill worker (1, or this leg's PP size when the legs'
-    /// PP sizes differ). Returns `(bytes, runs)`; raises a `LoadError` subclass naming why the KV
-    /// must be recomputed.
+    /// PP sizes differ). `dcp` and `prefill_dcp`: how this leg and the prefill leg split a
+    /// block's tokens over their DCP ranks, `(size, interleave)`; legs of different splits
+    /// read the tokens and heads each rank holds from the ranks holding them. Returns `(bytes,
+    /// runs)`; raises a `LoadError` subclass naming why the KV must be recomputed.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (request, stages, kv_heads, decode_tp, rank, rotation, order, stage_readers, pairs))]
+    #[pyo3(signature = (request, stages, kv_heads, decode_tp, rank, rotation, order, stage_readers, pairs, dcp=(1, 1), prefill_dcp=(1, 1)))]
     fn load_stages(
         &self,
         py: Python<'_>,
@@ -334,6 +337,8 @@ impl KvAgent {
         order: Option<&str>,
         stage_readers: u32,
         pairs: Vec<Vec<PairTuple>>,
+        dcp: (u32, u32),
+        prefill_dcp: (u32, u32),
     ) -> PyResult<(u64, usize)> {
         let order = match order {
             None => None,
@@ -352,6 +357,14 @@ impl KvAgent {
             rotation,
             order,
             stage_readers,
+            dcp: DcpSplit {
+                size: dcp.0,
+                interleave: dcp.1,
+            },
+            prefill_dcp: DcpSplit {
+                size: prefill_dcp.0,
+                interleave: prefill_dcp.1,
+            },
         };
         let stages = stages
             .into_iter()

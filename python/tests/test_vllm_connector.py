@@ -22,7 +22,17 @@ if os.environ.get("PDKV_REQUIRE_VLLM") != "1":
 import torch  # noqa: E402
 
 import pdkv_vllm  # noqa: E402
-from vllm_harness import BLOCK, LAYOUTS, SWEPT, Leg, global_head, leg_state, run_prefill, tag  # noqa: E402
+from vllm_harness import (  # noqa: E402
+    BLOCK,
+    LAYOUTS,
+    SWEPT,
+    Leg,
+    dcp_token,
+    global_head,
+    leg_state,
+    run_prefill,
+    tag,
+)
 
 # Prompt lengths: around block edges, (N-1) % B == 0, and lengths where a lookahead tail of k
 # blocks exists on one leg only ((N-1) % B >= B - k), the seed's failing class.
@@ -57,13 +67,16 @@ class Pd:
 
     def __init__(self, root, layout, p_lookahead=0, d_lookahead=0, p_extra=None, d_extra=None, nodes=("p0", "d0"),
                  prefill=None, prefix_caching=False, kv_layout="LBHNC", alloc="memfd", p_spec=None, d_spec=None,
-                 p_tp=None, d_tp=None, kv_heads=None, p_pp=1, d_pp=1):
+                 p_tp=None, d_tp=None, kv_heads=None, p_pp=1, d_pp=1, d_layout=None):
         p, d = nodes
+        d_layout = d_layout or layout
         memory = {"prefix_caching": prefix_caching, "kv_layout": kv_layout, "alloc": alloc, "kv_heads": kv_heads}
-        if (p_tp or 1) != (d_tp or 1):
-            # Legs of different TP sizes: every worker talks to every rank of the other leg.
-            p_extra = dict(p_extra or {}, peer_tp=d_tp or 1)
-            d_extra = dict(d_extra or {}, peer_tp=p_tp or 1)
+        p_split = (p_tp or LAYOUTS[layout]["dcp"], LAYOUTS[layout]["dcp"], LAYOUTS[layout].get("interleave", 1))
+        d_split = (d_tp or LAYOUTS[d_layout]["dcp"], LAYOUTS[d_layout]["dcp"], LAYOUTS[d_layout].get("interleave", 1))
+        if p_split != d_split:
+            # Legs of different TP or DCP splits: every worker talks to every rank of the other leg.
+            p_extra = dict(p_extra or {}, peer_tp=d_split[0], peer_dcp=d_split[1], peer_dcp_interleave=d_split[2])
+            d_extra = dict(d_extra or {}, peer_tp=p_split[0], peer_dcp=p_split[1], peer_dcp_interleave=p_split[2])
         if p_pp != d_pp:
             # Legs of different PP sizes: every worker talks to every stage of the other leg.
             p_extra = dict(p_extra or {}, peer_pp=d_pp)
@@ -73,14 +86,15 @@ class Pd:
                 tp=p_tp, pp=p_pp, **memory)
         )
         self.decode = Leg(
-            root, "decode", d, [p], layout, lookahead=d_lookahead, extra=d_extra, speculative_tokens=d_spec,
+            root, "decode", d, [p], d_layout, lookahead=d_lookahead, extra=d_extra, speculative_tokens=d_spec,
             tp=d_tp, pp=d_pp, **memory
         )
-        # Legs of equal TP copy each rank's blocks whole; otherwise each decode rank's heads come
-        # from other ranks' blocks, and only the definition says what they hold.
-        self.same_ranks = (p_tp or 0) == (d_tp or 0)
+        # Legs of equal TP and DCP copy each rank's blocks whole; otherwise each decode rank's
+        # heads and tokens come from other ranks' blocks, and only the definition says what they
+        # hold.
+        self.same_ranks = (p_tp or 0) == (d_tp or 0) and p_split == d_split
         self.decode.on_loaded = self.check_loaded
-        self.layout = layout
+        self.layout = d_layout
         self.expected = {}  # decode request id -> (n, seed, prefill pages per rank/plane/position)
         self.snapshots = {}
         self.checked = set()
@@ -118,7 +132,7 @@ class Pd:
             return  # a request the test drives by hand
         n, seed, pages = self.expected[did]
         ids = self.decode.scheduler.kv_cache_manager.get_block_ids(did)
-        dcp = LAYOUTS[self.layout]["dcp"]
+        dcp, interleave = LAYOUTS[self.layout]["dcp"], self.decode.interleave
         # Groups overlay one memory (a block id is one group's at a time): the blocks any group
         # loads are the only ones whose bytes may change, in every layer.
         touched = set()
@@ -144,7 +158,7 @@ class Pd:
                     first = max(0, n - window) if kind == "sliding_window" else 0
                     slots, heads = got.shape[0], got.shape[1]
                     for slot in range(slots):
-                        token = position * block_tokens + slot * dcp + rank % dcp
+                        token = position * block_tokens + dcp_token(slot, rank % dcp, dcp, interleave)
                         if first <= token <= n - 2:
                             for local in range(heads):
                                 head = global_head(self.decode.kv_heads, self.decode.tp, rank, local)
@@ -607,6 +621,18 @@ def test_malformed_transfer_params_are_refused_and_the_prompt_computed_locally(c
         pd.drive("d-mismatch", unclaimed="p-real")
         assert "d-mismatch" in pd.decode.failed_loads
         assert pd.decode.computed["d-mismatch"] == 33
+        # An offer naming no DCP split a leg can have is refused before anything is read.
+        from pdkv_vllm.connector import malformed
+
+        params, _ = pd.prefill.prefill("p-split", prompt, 3, 33)
+        assert params["pdkv"]["dcp"] == {"size": 1, "interleave": 1}
+        for bad in ({"size": 2, "interleave": 0}, {"size": True, "interleave": 1}, [2, 1]):
+            assert "dcp is not" in malformed(dict(params["pdkv"], dcp=bad)), bad
+        forged = json.loads(json.dumps(params))
+        forged["pdkv"]["dcp"] = {"size": 0, "interleave": 1}
+        pd.decode.add("d-split", prompt, 2, forged, 3)
+        pd.drive("d-split", unclaimed="p-split")
+        assert "d-split" not in pd.decode.loaded and pd.decode.computed["d-split"] == 33
         pd.assert_no_leaks()
     finally:
         pd.close()
@@ -631,6 +657,8 @@ def test_malformed_transfer_params_are_refused_and_the_prompt_computed_locally(c
         ({"node": "p0", "certs": "/c", "rank": -1}, "rank"),
         ({"node": "p0", "certs": "/c", "advertise": "10.0.0.5"}, "advertise"),
         ({"node": "p0", "certs": "/c", "data_advertise": 7101}, "data_advertise"),
+        ({"node": "p0", "certs": "/c", "peer_dcp": 0}, "peer_dcp"),
+        ({"node": "p0", "certs": "/c", "peer_dcp_interleave": "8"}, "peer_dcp_interleave"),
     ],
 )
 def test_bad_connector_settings_are_refused_by_name(extra, named):
@@ -897,6 +925,57 @@ def test_legs_of_different_tensor_parallel_sizes_load_each_rank_its_heads(certs,
         pd.close()
 
 
+# (kv_heads, prefill layout, prefill TP, decode layout, decode TP): scheduler blocks of BLOCK
+# tokens split over DCP ranks differently on each leg (single tokens, runs of BLOCK / 2, runs of
+# 2), or alike over different TP sizes (a prefill rank then meets only some decode DCP ranks),
+# with one replicated head (MLA's latent) or GQA heads (vLLM's DCP for GQA replicates each
+# head over tp / kv_heads ranks and takes DCP groups within them).
+HETEROGENEOUS_DCP = [
+    (1, "dcp2-split", 2, "full", 1),
+    (1, "full", 1, "dcp2-split", 2),
+    (1, "dcp2-split", 2, "full", 2),
+    (1, "dcp2-split-runs", 2, "dcp4-split-pairs", 4),
+    (1, "dcp4-split-pairs", 4, "dcp2-split", 2),
+    (1, "dcp2-split", 4, "dcp2-split", 2),
+    (1, "dcp2-split", 2, "dcp2-split", 4),
+    (2, "dcp2-split", 4, "full", 2),
+    (2, "full", 2, "dcp2-split-runs", 4),
+]
+
+
+@pytest.mark.parametrize("kv_heads,p_layout,p_tp,d_layout,d_tp", HETEROGENEOUS_DCP)
+@pytest.mark.parametrize("kv_layout", ["LBHNC", "BLNHC"])
+def test_legs_of_different_dcp_splits_load_each_rank_its_tokens(certs, kv_heads, p_layout, p_tp, d_layout, d_tp, kv_layout):
+    """Each decode rank ends with exactly the tokens and heads vLLM's slot mapping gives it
+    (checked token by token against the definition), read from the prefill ranks holding them;
+    every hand-off ends after its last reader and nothing leaks."""
+    pd = Pd(certs, p_layout, d_layout=d_layout, p_tp=p_tp, d_tp=d_tp, kv_heads=kv_heads, kv_layout=kv_layout,
+            p_lookahead=1, d_lookahead=2)
+    try:
+        assert not pd.same_ranks
+        for index, n in enumerate((2, 9, 17, 33, 70, 129)):
+            did = pd.run(f"dcp{kv_heads}-{p_layout}{p_tp}-{d_layout}{d_tp}-{kv_layout}-{n}", n, seed=700 + index)
+            assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
+            assert pd.decode.computed[did] == 1, "only the last prompt token is computed"
+        pd.assert_no_leaks()
+    finally:
+        pd.close()
+
+
+def test_legs_whose_scheduler_blocks_hold_other_tokens_are_refused_naming_them(certs):
+    """DCP 2 with blocks of BLOCK tokens per rank makes scheduler blocks of 2 * BLOCK tokens: no
+    decoder with blocks of BLOCK tokens can pair them, so its model check refuses the offer,
+    naming both groups, and the prompt is recomputed."""
+    pd = Pd(certs, "dcp2", d_layout="full", p_tp=2, d_tp=2, kv_heads=1)
+    try:
+        assert_offer_refused_naming(
+            pd, "dcp-blocks", 11, "groups",
+            [{"kind": "full", "block_size": 2 * BLOCK}], [{"kind": "full", "block_size": BLOCK}],
+        )
+    finally:
+        pd.close()
+
+
 def test_a_recurrent_state_across_tensor_parallel_sizes_is_refused_naming_them(certs):
     """A mamba state is not resharded by heads: its legs must run one TP size, so the offer of a
     prefill with another is refused by the model check, naming both sizes, and recomputed."""
@@ -1014,7 +1093,7 @@ def assert_offer_refused_naming(pd, name, seed, field, prefill_value, decode_val
     fields = params["pdkv"]["model_fields"]
     assert fields[field] == prefill_value
     named = identity_differences(fields, pd.decode.scheduler.connector.model_fields)
-    assert f"{field}: prefill {prefill_value}, this leg {decode_value}" in named, named
+    assert f"{field}: prefill {json.dumps(prefill_value)}, this leg {json.dumps(decode_value)}" in named, named
     pd.decode.add(f"d-{name}", prompt, 2, params, seed)
     pd.drive(f"d-{name}", unclaimed=f"p-{name}")
     assert f"d-{name}" not in pd.decode.loaded and pd.decode.computed[f"d-{name}"] == n

@@ -97,6 +97,12 @@ LAYOUTS = {
         "dcp": 1,
     },
     "dcp2": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1"]], "dcp": 2},
+    # Scheduler blocks of BLOCK tokens split over DCP ranks otherwise than "full" (one rank holds
+    # a block whole) and "dcp2" (blocks of 2 * BLOCK): per-rank blocks of BLOCK / dcp tokens,
+    # single tokens or runs of `interleave` to each DCP rank in turn.
+    "dcp2-split": {"groups": [("full", BLOCK // 2, None)], "layers": [["f0", "f1"]], "dcp": 2},
+    "dcp2-split-runs": {"groups": [("full", BLOCK // 2, None)], "layers": [["f0", "f1"]], "dcp": 2, "interleave": BLOCK // 2},
+    "dcp4-split-pairs": {"groups": [("full", BLOCK // 4, None)], "layers": [["f0", "f1"]], "dcp": 4, "interleave": 2},
     # A draft model's attention layer has KV of its own, beside the target's: one more layer.
     "full+draft": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1", "draft.f0"]], "dcp": 1},
     # Speculative decoding: the mamba group keeps 2 scratch blocks after its state.
@@ -123,7 +129,20 @@ LAYOUTS = {
 }
 
 #: The layouts every sweep runs ("deep" is for pipeline stages).
-SWEPT = [name for name in LAYOUTS if name != "deep"]
+SWEPT = [name for name in LAYOUTS if name != "deep" and "-split" not in name]
+
+
+def dcp_holder(offset: int, dcp: int, interleave: int) -> tuple[int, int]:
+    """``(DCP rank, slot)`` holding token ``offset`` of a scheduler block, as vLLM's
+    ``compute_slot_mapping`` places it: runs of ``interleave`` tokens to each DCP rank in turn."""
+    rank = (offset // interleave) % dcp
+    return rank, (offset // (dcp * interleave)) * interleave + offset % interleave
+
+
+def dcp_token(slot: int, share: int, dcp: int, interleave: int) -> int:
+    """The offset in its scheduler block of the token slot ``slot`` of DCP rank ``share`` holds
+    (the inverse of :func:`dcp_holder`)."""
+    return (slot // interleave) * interleave * dcp + share * interleave + slot % interleave
 
 
 def is_state(kind: str) -> bool:
@@ -300,6 +319,7 @@ class Leg:
         self.role = role
         self.spec = LAYOUTS[layout]
         dcp = self.spec["dcp"]
+        self.interleave = self.spec.get("interleave", 1)
         # TP ranks (the DCP layout's ranks are its TP ranks too); each holds its share of the
         # model's KV heads, or HEADS of its own when the test does not model heads.
         self.tp = tp or dcp
@@ -330,7 +350,10 @@ class Leg:
                 is_encoder_decoder=False,
             ),
             parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tp, pipeline_parallel_size=pp, decode_context_parallel_size=dcp
+                tensor_parallel_size=self.tp,
+                pipeline_parallel_size=pp,
+                decode_context_parallel_size=dcp,
+                cp_kv_cache_interleave_size=self.interleave,
             ),
             device_config=DeviceConfig("cpu"),
             speculative_config=None if speculative_tokens is None else speculative(root, speculative_tokens),
@@ -432,14 +455,15 @@ class Leg:
                     continue
                 slots, heads = plane.view.shape[1], plane.view.shape[2]
                 for token in range(first, end):
-                    if token % dcp != rank % dcp:
+                    share, slot = dcp_holder(token % (slots * dcp), dcp, self.interleave)
+                    if share != rank % dcp:
                         continue
                     block = ids[token // (slots * dcp)]
                     if block == 0:
                         continue  # outside a window: vLLM gave it no block
                     for local in range(heads):
                         head = global_head(self.kv_heads, self.tp, rank, local)
-                        plane.view[block, (token // dcp) % slots, local].fill_(tag(seed, plane.index, token, head))
+                        plane.view[block, slot, local].fill_(tag(seed, plane.index, token, head))
 
     def step(self) -> list:
         """One engine step; returns the outputs of requests that finished in it."""
