@@ -392,7 +392,9 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
         "kv_cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "layers": getattr(text, "num_hidden_layers", None),
         "hidden_size": getattr(text, "hidden_size", None),
-        "kv_heads": model.get_total_num_kv_heads(),
+        # The KV heads a rank's pages split by heads: MLA's latent is one head every rank holds
+        # whole, whatever the model's attention heads (vLLM's total for it names those).
+        "kv_heads": 1 if getattr(model, "use_mla", False) else model.get_total_num_kv_heads(),
         "head_size": model.get_head_size(),
         # A group as the exchange pairs it: a scheduler block of block_size * dcp tokens, however
         # a leg splits it over its DCP ranks.

@@ -962,6 +962,28 @@ def test_legs_of_different_dcp_splits_load_each_rank_its_tokens(certs, kv_heads,
         pd.close()
 
 
+def test_an_mla_model_shards_its_latent_as_one_head(tmp_path):
+    """vLLM names an MLA model's attention heads as its KV heads (DeepSeek's config), while each
+    rank's page holds one latent: resharding across TP or DCP splits must cut one head, or every
+    load between such legs fails on the page size."""
+    from vllm.config import ModelConfig, VllmConfig
+
+    from pdkv_vllm.connector import model_fields
+
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 64,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "num_hidden_layers": 2, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "vocab_size": 1000, "max_position_embeddings": 2048, "torch_dtype": "float32",
+        "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=2048, dtype="float32")
+    assert model.use_mla and model.get_total_num_kv_heads() == 8
+    fields = model_fields(VllmConfig(model_config=model), [{"kind": "full", "block_size": 16, "dcp": 1}])
+    assert fields["kv_heads"] == 1
+
+
 def test_legs_whose_scheduler_blocks_hold_other_tokens_are_refused_naming_them(certs):
     """DCP 2 with blocks of BLOCK tokens per rank makes scheduler blocks of 2 * BLOCK tokens: no
     decoder with blocks of BLOCK tokens can pair them, so its model check refuses the offer,
