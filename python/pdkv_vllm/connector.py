@@ -425,7 +425,8 @@ def reshardable(groups: list[dict]) -> bool:
 def page_order(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]) -> str | None:
     """How an attention block orders its heads and tokens in memory, read off the strides of a
     layer's ``[blocks, heads, tokens, content]`` view: ``"heads_outer"`` (vLLM's ``..HNC``
-    layouts) or ``"tokens_outer"`` (``..NHC``); None without such a view."""
+    layouts) or ``"tokens_outer"`` (``..NHC``); None without such a view. An MLA layer's
+    ``[blocks, tokens, latent]`` page is one head, in either order."""
     for group in kv_cache_config.kv_cache_groups:
         if isinstance(group.kv_cache_spec, MambaSpec):
             continue
@@ -433,6 +434,8 @@ def page_order(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]) -> s
             tensor = _tensor_of(kv_caches.get(layer))
             if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:
                 return "heads_outer" if tensor.stride(1) > tensor.stride(2) else "tokens_outer"
+            if isinstance(group.kv_cache_spec, MLAAttentionSpec) and isinstance(tensor, torch.Tensor) and tensor.dim() == 3:
+                return "tokens_outer"
     return None
 
 

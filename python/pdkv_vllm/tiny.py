@@ -5,8 +5,8 @@ reachable (CI, this project's CPU-only machines).
 ``model.safetensors`` (weights drawn from a seeded generator, large enough that different KV
 gives different tokens, unlike vLLM's ``load_format="dummy"``), and a byte-level tokenizer with a
 chat template, so text prompts, ``logprobs`` and ``/v1/chat/completions`` work as with a real
-model. Every kind has head_dim 32 (vLLM's CPU attention refuses 16) and fits vLLM's CPU block
-size of 32.
+model. Every kind but ``deepseek`` has head_dim 32 (vLLM's CPU attention refuses 16) and fits
+vLLM's CPU block size of 32.
 
 Kinds (one per KV layout pdkv must pair):
 
@@ -16,9 +16,17 @@ Kinds (one per KV layout pdkv must pair):
 - ``qwen3_5``: layers alternating gated delta-net linear attention (a recurrent state, vLLM's
   mamba group) and full attention, Qwen3.5's hybrid. vLLM's CPU backend runs its linear
   attention in bfloat16 only, with key/value heads of 128: serve it with ``--dtype bfloat16``;
-  with prefix caching on, vLLM keeps its state in ``mamba_cache_mode = "align"``.
+  with prefix caching on, vLLM keeps its state in ``mamba_cache_mode = "align"``;
+- ``deepseek``: DeepSeek-V2's multi-head latent attention (MLA: one latent of 512 + 64 rope
+  dimensions per token, the same on every TP rank) with a mixture of experts after its first
+  layer. vLLM's CPU MLA backend takes only that latent size, in blocks of 16 tokens.
 
-Run as ``python -m pdkv_vllm.tiny KIND DIR [--seed S]``.
+``write_eagle(directory, seed)`` writes an EAGLE drafter for ``llama`` (EAGLE-1's layout, as
+vLLM's ``EagleLlamaForCausalLM`` loads it: one decoder layer without an input norm behind ``fc``,
+which joins a token's embedding with the target's hidden state; embedding and LM head shared
+with the target). Its layer keeps KV of its own, in the target's KV group.
+
+Run as ``python -m pdkv_vllm.tiny KIND DIR [--seed S]`` (KIND ``eagle``: the llama drafter).
 """
 
 from __future__ import annotations
@@ -96,6 +104,29 @@ CONFIGS = {
         "linear_num_value_heads": 2,
         "partial_rotary_factor": 0.25,
     },
+    "deepseek": {
+        **{key: value for key, value in _COMMON.items() if key != "head_dim"},
+        "model_type": "deepseek_v2",
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "num_key_value_heads": 4,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+    },
 }
 
 
@@ -166,13 +197,49 @@ def write_model(kind: str, directory: str, seed: int = 0) -> str:
     return directory
 
 
+def write_eagle(directory: str, seed: int = 0) -> str:
+    """Writes an EAGLE drafter for the ``llama`` kind, weights drawn from ``seed``, into
+    ``directory``; returns it."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    config = {**CONFIGS["llama"], "num_hidden_layers": 1}
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    shapes = {
+        "fc.weight": (hidden, 2 * hidden),
+        "layers.0.self_attn.q_proj.weight": (heads * head_dim, hidden),
+        "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        "layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": (inner, hidden),
+        "layers.0.mlp.up_proj.weight": (inner, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, inner),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    weights = {
+        name: (0.5 * torch.randn(shape, generator=generator) / shape[-1] ** 0.5 * 4).contiguous()
+        for name, shape in shapes.items()
+    }
+    weights["layers.0.post_attention_layernorm.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=generator)
+    save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump(config, file, indent=1)
+    write_tokenizer(directory)
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=sorted(CONFIGS))
+    parser.add_argument("kind", choices=sorted(CONFIGS) + ["eagle"])
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(write_model(args.kind, args.directory, args.seed))
+    if args.kind == "eagle":
+        print(write_eagle(args.directory, args.seed))
+    else:
+        print(write_model(args.kind, args.directory, args.seed))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ use pdkv_transport::control::{
     ControlClient, ControlError, ControlLimits, ControlServer, ControlService, EngineAdvert, Hello,
     PeerConnection, ServerSetup, TransportRuntime, new_incarnation,
 };
-use pdkv_transport::engine::{EngineKey, EngineKind, ReadEngine};
+use pdkv_transport::engine::{EngineError, EngineKey, EngineKind, ReadEngine};
 use pdkv_transport::host;
 use pdkv_transport::kv_read::{KvRead, KvReadError, choose_engine};
 use pdkv_transport::mapped::MappedEngine;
@@ -129,6 +129,15 @@ pub enum AgentError {
         /// The block.
         block: BlockId,
     },
+    /// The data connection to the prefill worker's memory server broke (it closes connections
+    /// idle for a minute): dialled again once, the READ is retried.
+    #[error("request {request}: READ failed: its data connection broke: {reason}")]
+    DataConnection {
+        /// The prefill side's request id.
+        request: String,
+        /// What failed.
+        reason: String,
+    },
     /// The READ could not be planned or did not complete.
     #[error("request {request}: READ failed: {reason}")]
     Read {
@@ -172,6 +181,9 @@ pub struct AgentLimits {
     pub request: Duration,
     /// How long one request's READ may take.
     pub read: Duration,
+    /// How long a prefill worker's memory server keeps a data connection nobody reads over; a
+    /// decode worker dials a closed one again.
+    pub data_idle: Duration,
 }
 
 /// The part of a leg's KV memory one layer's K or V (or one mamba state tensor) occupies.
@@ -375,6 +387,9 @@ struct Peer {
     engine: EngineKey,
     /// The engine that READs from it.
     reader: Arc<dyn ReadEngine>,
+    /// Whether READs go over a data connection to its memory server (the network engine), which
+    /// can be dialled again.
+    dialled: bool,
 }
 
 /// A worker's planes, by position and by layer.
@@ -816,7 +831,10 @@ impl Agent {
                         served,
                         authorizer,
                         tickets.clone(),
-                        MemoryServerLimits::default(),
+                        MemoryServerLimits {
+                            idle_timeout: setup.limits.data_idle,
+                            ..MemoryServerLimits::default()
+                        },
                     )
                     .map_err(|error| config(format!("cannot serve network READs on {bind}: {error}")))?,
                 )
@@ -1295,8 +1313,21 @@ impl Agent {
                     request: request.to_string(),
                     reason,
                 })?;
-            self.read(&peer, request, claimed, pairs, slices.as_deref(), &planes)
+            match self
+                .read(&peer, request, &claimed, pairs.clone(), slices.as_deref(), &planes)
                 .await
+            {
+                // The memory server closed the data connection (idle too long, or it broke):
+                // dial it again with a fresh ticket and read once more (a READ only copies into
+                // this worker's own blocks, so repeating it is safe).
+                Err(AgentError::DataConnection { reason, .. }) if peer.dialled => {
+                    tracing::info!(request, node = %source.node, %reason, "data connection broke; dialling again");
+                    self.dial(&peer, &source.node).await?;
+                    self.read(&peer, request, &claimed, pairs, slices.as_deref(), &planes)
+                        .await
+                }
+                result => result,
+            }
         }
         .await;
         if let Err(error) = self.release_claimed(&peer, &source.node, request).await {
@@ -1653,11 +1684,31 @@ impl Agent {
             regions: theirs.regions.clone(),
             planes: Arc::new(planes),
             engine: advert.engine.key.clone(),
+            dialled: kind == EngineKind::Net,
             reader,
             connection,
         };
         lock(&self.peers).insert(key, peer.clone());
         Ok(peer)
+    }
+
+    /// Opens a new data connection to `peer`'s memory server with a fresh ticket from its control
+    /// connection (replacing one the server closed).
+    async fn dial(&self, peer: &Peer, node: &str) -> Result<(), AgentError> {
+        let unreachable = |reason: String| AgentError::Unreachable {
+            node: node.to_string(),
+            address: peer.engine.to_string(),
+            reason,
+        };
+        let ticket = peer
+            .connection
+            .ticket(self.limits.request)
+            .await
+            .map_err(|error| unreachable(format!("no data ticket: {error}")))?;
+        self.net
+            .connect(&peer.engine, &self.node, ticket, self.limits.connect)
+            .await
+            .map_err(|error| unreachable(format!("its memory server: {error}")))
     }
 
     /// Claims the hand-off as one of `readers` decode workers, asking again (bounded) while the
@@ -1729,7 +1780,7 @@ impl Agent {
         &self,
         peer: &Peer,
         request: &str,
-        claimed: Claimed,
+        claimed: &Claimed,
         pairs: Vec<Vec<BlockPair>>,
         slices: Option<&[Vec<BlockSlice>]>,
         planes: &[(usize, usize)],
@@ -1810,6 +1861,10 @@ impl Agent {
                 block,
                 expected,
                 found,
+            },
+            KvReadError::Engine(EngineError::Io(reason)) => AgentError::DataConnection {
+                request: request.to_string(),
+                reason,
             },
             other => read_error(other.to_string()),
         })?;
@@ -1903,6 +1958,7 @@ mod tests {
             connect: Duration::from_secs(5),
             request: Duration::from_secs(5),
             read: Duration::from_secs(5),
+            data_idle: Duration::from_secs(60),
         }
     }
 
@@ -2020,6 +2076,38 @@ mod tests {
     #[test]
     fn a_load_over_the_network_copies_exactly_the_paired_blocks_and_releases_the_handoff() {
         load_copies_exactly_the_paired_blocks(EngineChoice::Net);
+    }
+
+    /// The prefill's memory server closes a data connection idle past `data_idle`; the next
+    /// load's READ finds it closed, dials again with a fresh ticket and reads, instead of
+    /// failing (and failing every load after it).
+    #[test]
+    fn a_load_after_the_memory_server_closed_an_idle_data_connection_dials_again() {
+        let dir = certs();
+        let idle = Duration::from_millis(200);
+        let (prefill_memory, mut prefill_setup) =
+            memfd_setup(&dir, "p0", Role::Prefill, &["d0"], 2, EngineChoice::Net);
+        prefill_setup.limits.data_idle = idle;
+        let prefill = Leg {
+            agent: Agent::start(prefill_setup).unwrap(),
+            memory: prefill_memory,
+        };
+        let decode = leg_with(&dir, "d0", Role::Decode, &["p0"], EngineChoice::Net);
+        let incarnation = prefill.agent.incarnation();
+        for (round, request) in ["r1", "r2", "r3"].into_iter().enumerate() {
+            let value = 10 + round as u8;
+            fill(&prefill, 0, 3, value);
+            fill(&prefill, 1, 3, value);
+            prefill.agent.announce(request, vec![vec![3]]).unwrap();
+            let loaded = decode
+                .agent
+                .load(request, "p0", &address(&prefill), incarnation, pairs(&[(3, 5)]))
+                .unwrap_or_else(|error| panic!("round {round}: {error}"));
+            assert_eq!(loaded.bytes, 2 * PAGE);
+            assert_eq!(page(&decode, 0, 5), vec![value; PAGE as usize], "round {round}");
+            // Past the server's idle timeout: it closes the data connection.
+            std::thread::sleep(idle * 3);
+        }
     }
 
     fn load_copies_exactly_the_paired_blocks(engine: EngineChoice) {
@@ -2379,7 +2467,7 @@ mod tests {
             assert!(prefill.agent.revoke("r2"));
             decode
                 .agent
-                .read(&peer, "r2", claimed, pairs(&[(4, 1)]), None, &[(0, 0), (1, 1)])
+                .read(&peer, "r2", &claimed, pairs(&[(4, 1)]), None, &[(0, 0), (1, 1)])
                 .await
         });
         match engine {

@@ -70,7 +70,9 @@ fn to_python(error: AgentError) -> PyErr {
         }
         AgentError::Restarted { .. } | AgentError::Stale { .. } => StaleKv::new_err(message),
         AgentError::Layers { .. } => IncompatibleModel::new_err(message),
-        AgentError::NotHandedOff { .. } | AgentError::Read { .. } => LoadError::new_err(message),
+        AgentError::NotHandedOff { .. } | AgentError::Read { .. } | AgentError::DataConnection { .. } => {
+            LoadError::new_err(message)
+        }
     }
 }
 
@@ -232,6 +234,7 @@ impl KvAgent {
                 connect: Duration::from_millis(connect_timeout_ms),
                 request: Duration::from_millis(request_timeout_ms),
                 read: Duration::from_millis(read_timeout_ms),
+                data_idle: Duration::from_secs(60),
             },
         };
         let agent = py.detach(|| Agent::start(setup)).map_err(to_python)?;

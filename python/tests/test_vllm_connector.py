@@ -982,6 +982,14 @@ def test_an_mla_model_shards_its_latent_as_one_head(tmp_path):
     assert model.use_mla and model.get_total_num_kv_heads() == 8
     fields = model_fields(VllmConfig(model_config=model), [{"kind": "full", "block_size": 16, "dcp": 1}])
     assert fields["kv_heads"] == 1
+    # Its cache is [blocks, tokens, latent]: one head, which either order cuts alike.
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from pdkv_vllm.connector import page_order
+
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=48, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    assert page_order(config, {"l0": torch.zeros(4, 16, 48)}) == "tokens_outer"
 
 
 def test_legs_whose_scheduler_blocks_hold_other_tokens_are_refused_naming_them(certs):
