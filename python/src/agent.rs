@@ -181,9 +181,9 @@ pub struct AgentLimits {
     pub request: Duration,
     /// How long one request's READ may take.
     pub read: Duration,
-    /// How long a prefill worker's memory server keeps a data connection nobody reads over; a
-    /// decode worker dials a closed one again.
-    pub data_idle: Duration,
+    /// How long a prefill worker's memory server keeps a data connection nobody reads over
+    /// (none: as long as it is open); a decode worker dials a closed one again.
+    pub data_idle: Option<Duration>,
 }
 
 /// The part of a leg's KV memory one layer's K or V (or one mamba state tensor) occupies.
@@ -1958,7 +1958,7 @@ mod tests {
             connect: Duration::from_secs(5),
             request: Duration::from_secs(5),
             read: Duration::from_secs(5),
-            data_idle: Duration::from_secs(60),
+            data_idle: None,
         }
     }
 
@@ -2087,7 +2087,7 @@ mod tests {
         let idle = Duration::from_millis(200);
         let (prefill_memory, mut prefill_setup) =
             memfd_setup(&dir, "p0", Role::Prefill, &["d0"], 2, EngineChoice::Net);
-        prefill_setup.limits.data_idle = idle;
+        prefill_setup.limits.data_idle = Some(idle);
         let prefill = Leg {
             agent: Agent::start(prefill_setup).unwrap(),
             memory: prefill_memory,

@@ -234,7 +234,7 @@ impl KvAgent {
                 connect: Duration::from_millis(connect_timeout_ms),
                 request: Duration::from_millis(request_timeout_ms),
                 read: Duration::from_millis(read_timeout_ms),
-                data_idle: Duration::from_secs(60),
+                data_idle: None,
             },
         };
         let agent = py.detach(|| Agent::start(setup)).map_err(to_python)?;

@@ -317,8 +317,26 @@ pub struct MemoryServerLimits {
     pub max_unauthenticated: usize,
     /// Time a new connection has to present its ticket (default 2 s).
     pub hello_timeout: Duration,
-    /// A connection idle this long is closed.
-    pub idle_timeout: Duration,
+    /// An authenticated connection idle this long is closed; none by default. A ticket holder
+    /// is a cluster member whose READs come in bursts, its connection its only way in (a new one
+    /// needs a new ticket from the control plane): closing it while idle failed the next READ
+    /// after every quiet minute. A peer whose host vanished is found by TCP keepalive
+    /// ([`KEEPALIVE`]) instead, on both ends.
+    pub idle_timeout: Option<Duration>,
+}
+
+/// TCP keepalive of data connections: probes after this long idle, then every third of it,
+/// three unanswered probes closing the connection (a peer whose host vanished frees its slot
+/// within twice this).
+pub const KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// Turns on [`KEEPALIVE`] for a data connection.
+fn keep_alive(stream: &TcpStream) -> std::io::Result<()> {
+    let probes = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE)
+        .with_interval(KEEPALIVE / 3)
+        .with_retries(3);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&probes)
 }
 
 impl Default for MemoryServerLimits {
@@ -327,7 +345,7 @@ impl Default for MemoryServerLimits {
             max_connections: 64,
             max_unauthenticated: 16,
             hello_timeout: Duration::from_secs(2),
-            idle_timeout: Duration::from_secs(60),
+            idle_timeout: None,
         }
     }
 }
@@ -497,17 +515,20 @@ async fn serve_data(
     let peer = hello.node;
     // Bytes written to the stream so far (the data's alignment is counted from here).
     let mut sent = reply(&mut stream, &DataReply::Welcome, 0).await? as u64;
+    keep_alive(&stream).map_err(|error| NetError::Io(error.to_string()))?;
     loop {
-        let request: DataRequest = match tokio::time::timeout(
-            state.limits.idle_timeout,
-            codec::read_message(&mut stream, MAX_REQUEST_BYTES),
-        )
-        .await
-        {
-            Err(_) => return Ok(()),
-            Ok(Err(codec::CodecError::Truncated)) => return Ok(()),
-            Ok(Err(error)) => return Err(error.into()),
-            Ok(Ok(request)) => request,
+        let next = codec::read_message(&mut stream, MAX_REQUEST_BYTES);
+        let next = match state.limits.idle_timeout {
+            Some(idle) => match tokio::time::timeout(idle, next).await {
+                Err(_) => return Ok(()),
+                Ok(next) => next,
+            },
+            None => next.await,
+        };
+        let request: DataRequest = match next {
+            Err(codec::CodecError::Truncated) => return Ok(()),
+            Err(error) => return Err(error.into()),
+            Ok(request) => request,
         };
         match answer(&state, &peer, request) {
             Answer::Refused(reason) => {
@@ -708,6 +729,7 @@ impl NetEngine {
             tokio::time::timeout(timeout, async move {
                 let mut stream = TcpStream::connect(&address).await.map_err(io_error)?;
                 stream.set_nodelay(true).map_err(io_error)?;
+                keep_alive(&stream).map_err(io_error)?;
                 codec::write_message(&mut stream, &hello)
                     .await
                     .map_err(codec_error)?;
