@@ -243,14 +243,18 @@ fn mismatched_layouts_between_legs_are_refused() {
         exchange::pair(&layout, &split, &need).unwrap(),
         exchange::pair(&layout, &whole, &need).unwrap()
     );
-    split.groups[0].spec = GroupSpec::full(B, 2).unwrap();
-    assert_eq!(
-        exchange::pair(&layout, &split, &need).unwrap_err().to_string(),
+    // A leg whose scheduler blocks hold twice the layout's tokens, named from either side.
+    let wider = |leg: &str| {
         format!(
-            "group 0: prefill leg's spec differs from the layout: scheduler block of {B} tokens \
+            "group 0: {leg} leg's spec differs from the layout: scheduler block of {B} tokens \
              (block_size {B} x dcp 1) vs {} (block_size {B} x dcp 2)",
             2 * B
         )
+    };
+    split.groups[0].spec = GroupSpec::full(B, 2).unwrap();
+    assert_eq!(
+        exchange::pair(&layout, &split, &need).unwrap_err().to_string(),
+        wider("prefill")
     );
     let hybrid =
         KvLayout::one_layer_per_group(vec![GroupSpec::full(B, 1).unwrap(), GroupSpec::mamba()]).unwrap();
@@ -262,11 +266,7 @@ fn mismatched_layouts_between_legs_are_refused() {
     sharded.groups[0].spec = GroupSpec::full(B, 2).unwrap();
     assert_eq!(
         exchange::pair(&layout, &offer, &sharded).unwrap_err().to_string(),
-        format!(
-            "group 0: decode leg's spec differs from the layout: scheduler block of {B} tokens \
-             (block_size {B} x dcp 1) vs {} (block_size {B} x dcp 2)",
-            2 * B
-        )
+        wider("decode")
     );
     let mut short = offer.clone();
     short.groups.pop();

@@ -903,6 +903,16 @@ def test_speculative_decoding_with_a_different_k_on_each_leg_loads_byte_exact_kv
 
 # (KV heads, prefill TP, decode TP): GQA heads split, merged and regrouped, and a single latent
 # every rank replicates (MLA-like), read from one prefill rank per decode rank.
+def assert_each_length_loads(pd, name, lengths, seed):
+    """Each of ``lengths`` through ``pd``: checked against the definition at its load, loaded
+    (not recomputed: only the last prompt token is computed), and nothing held after."""
+    for index, n in enumerate(lengths):
+        did = pd.run(f"{name}-{n}", n, seed=seed + index)
+        assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
+        assert pd.decode.computed[did] == 1, "only the last prompt token is computed"
+    pd.assert_no_leaks()
+
+
 HETEROGENEOUS_TP = [(4, 1, 2), (4, 2, 1), (4, 4, 2), (2, 1, 4), (1, 1, 2), (1, 2, 1), (1, 4, 2)]
 
 
@@ -916,11 +926,7 @@ def test_legs_of_different_tensor_parallel_sizes_load_each_rank_its_heads(certs,
     pd = Pd(certs, layout, p_tp=p_tp, d_tp=d_tp, kv_heads=kv_heads, kv_layout=kv_layout, p_lookahead=1, d_lookahead=2)
     try:
         assert len(pd.decode.workers) == d_tp and len(pd.prefill.leg.workers) == p_tp
-        for index, n in enumerate((2, 17, 33, 70, 129)):
-            did = pd.run(f"tp{kv_heads}-{p_tp}-{d_tp}-{kv_layout}-{n}", n, seed=300 + index)
-            assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
-            assert pd.decode.computed[did] == 1, "only the last prompt token is computed"
-        pd.assert_no_leaks()
+        assert_each_length_loads(pd, f"tp{kv_heads}-{p_tp}-{d_tp}-{kv_layout}", (2, 17, 33, 70, 129), 300)
     finally:
         pd.close()
 
@@ -953,11 +959,8 @@ def test_legs_of_different_dcp_splits_load_each_rank_its_tokens(certs, kv_heads,
             p_lookahead=1, d_lookahead=2)
     try:
         assert not pd.same_ranks
-        for index, n in enumerate((2, 9, 17, 33, 70, 129)):
-            did = pd.run(f"dcp{kv_heads}-{p_layout}{p_tp}-{d_layout}{d_tp}-{kv_layout}-{n}", n, seed=700 + index)
-            assert did in pd.checked and did not in pd.decode.failed_loads, f"n={n}"
-            assert pd.decode.computed[did] == 1, "only the last prompt token is computed"
-        pd.assert_no_leaks()
+        name = f"dcp{kv_heads}-{p_layout}{p_tp}-{d_layout}{d_tp}-{kv_layout}"
+        assert_each_length_loads(pd, name, (2, 9, 17, 33, 70, 129), 700)
     finally:
         pd.close()
 
