@@ -901,8 +901,6 @@ def test_speculative_decoding_with_a_different_k_on_each_leg_loads_byte_exact_kv
         sweep(certs, layout, LENGTHS, seed, "shm", p_spec=p_spec, d_spec=d_spec)
 
 
-# (KV heads, prefill TP, decode TP): GQA heads split, merged and regrouped, and a single latent
-# every rank replicates (MLA-like), read from one prefill rank per decode rank.
 def assert_each_length_loads(pd, name, lengths, seed):
     """Each of ``lengths`` through ``pd``: checked against the definition at its load, loaded
     (not recomputed: only the last prompt token is computed), and nothing held after."""
@@ -913,6 +911,8 @@ def assert_each_length_loads(pd, name, lengths, seed):
     pd.assert_no_leaks()
 
 
+# (KV heads, prefill TP, decode TP): GQA heads split, merged and regrouped, and a single latent
+# every rank replicates (MLA-like), read from one prefill rank per decode rank.
 HETEROGENEOUS_TP = [(4, 1, 2), (4, 2, 1), (4, 4, 2), (2, 1, 4), (1, 1, 2), (1, 2, 1), (1, 4, 2)]
 
 
