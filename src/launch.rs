@@ -785,11 +785,30 @@ pub fn http_agent(timeout: Duration) -> ureq::Agent {
 /// Prompt tokens of a hand-off probe: a few blocks of any block size, ids every vocabulary has.
 const PROBE_TOKENS: usize = 65;
 
+/// How the vLLM connector's log line for a refused offer ends (`pdkv_vllm.connector`).
+const REFUSAL_MARK: &str = "; computing the prompt here";
+
+/// Why a hand-off probe did not read.
+enum ProbeFailure {
+    /// The decode leg refused the offer before reading: its legs serve another model or KV
+    /// layout, which no retry changes.
+    Refused,
+    /// Anything else (a leg still warming up, a failed READ): worth another probe.
+    Other(String),
+}
+
+impl<T: Into<String>> From<T> for ProbeFailure {
+    fn from(why: T) -> Self {
+        ProbeFailure::Other(why.into())
+    }
+}
+
 /// Gates a vLLM cluster on its connectors: every prefill leg hands a probe prompt's KV to a
 /// decode leg and every decode leg reads one (`max(prefill, decode)` probes), each checked by
-/// the decode leg's `vllm:external_prefix_cache_hits_total` moving (a load that failed is
-/// recomputed and moves nothing). Retried with new prompts until `timeout`; fails naming the
-/// pair and quoting the decode leg's log.
+/// the decode leg's `vllm:pdkv_load_seconds_count` moving (a load that failed is recomputed and
+/// moves `vllm:pdkv_failed_loads_total` instead). Retried with new prompts until `timeout`; an
+/// offer the decode leg refuses (another model or KV layout) fails at once. Fails naming the
+/// pair and quoting the decode leg's log, which names each field the legs differ in.
 fn check_handoffs(
     cluster: &pdkv_actors::engines::VllmCluster,
     members: &[Member],
@@ -817,43 +836,62 @@ fn check_handoffs(
                 .map(|i| 1 + ((pair * 31 + attempt * 17 + i * 7) % 97) as u64)
                 .collect();
             let probed = probe_handoff(&agent, model, &prefill.http_url(), &decode.http_url(), &prompt);
-            match probed {
+            let why = match probed {
                 Ok(()) => break,
-                Err(why) if Instant::now() < deadline => {
-                    tracing::info!(prefill = %prefill.name, decode = %decode.name, %why, "hand-off probe failed; again");
-                    attempt += 1;
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-                Err(why) => {
-                    let log = members
-                        .iter()
-                        .find(|member| member.name == decode.name.0)
-                        .map(|member| (member.log.display().to_string(), log_tail(&member.log)))
-                        .unwrap_or_default();
+                Err(ProbeFailure::Refused) => {
+                    let (path, tail) = decode_log(members, &decode.name.0);
+                    // The connector's refusal names each differing field with both values;
+                    // quoted first, as the error is cut to a screen.
+                    let refusal = tail
+                        .lines()
+                        .rfind(|line| line.contains(REFUSAL_MARK))
+                        .unwrap_or("(not in the log's tail)");
                     bail!(
-                        "{} did not read KV from {}: {why}; log {}:\n{}",
+                        "{} refused the KV {} offered: {refusal}; log {path}",
                         decode.name,
                         prefill.name,
-                        log.0,
-                        log.1
                     );
                 }
+                Err(ProbeFailure::Other(why)) => why,
+            };
+            if Instant::now() >= deadline {
+                let log = decode_log(members, &decode.name.0);
+                bail!(
+                    "{} did not read KV from {}: {why}; log {}:\n{}",
+                    decode.name,
+                    prefill.name,
+                    log.0,
+                    log.1
+                );
             }
+            tracing::info!(prefill = %prefill.name, decode = %decode.name, %why, "hand-off probe failed; again");
+            attempt += 1;
+            std::thread::sleep(Duration::from_millis(200));
         }
     }
     Ok(())
 }
 
+/// A member's log: its path and its last lines.
+fn decode_log(members: &[Member], name: &str) -> (String, String) {
+    members
+        .iter()
+        .find(|member| member.name == name)
+        .map(|member| (member.log.display().to_string(), log_tail(&member.log)))
+        .unwrap_or_default()
+}
+
 /// One probe: the prompt through `prefill` and `decode` as the router sends it; `Ok` when the
 /// decode leg completed a READ of it (pdkv's `vllm:pdkv_load_seconds_count` moved; a failed
-/// load, which vLLM recomputes, moves `vllm:pdkv_failed_loads_total` instead).
+/// load, which vLLM recomputes, moves `vllm:pdkv_failed_loads_total` instead, a refused offer
+/// `vllm:pdkv_refused_offers_total`).
 fn probe_handoff(
     agent: &ureq::Agent,
     model: &str,
     prefill: &str,
     decode: &str,
     prompt: &[u64],
-) -> Result<(), String> {
+) -> Result<(), ProbeFailure> {
     use crate::vllm_sweep::LoadCounts;
     let counts = || -> Result<LoadCounts, String> {
         let text = agent
@@ -901,6 +939,9 @@ fn probe_handoff(
         let after = counts()?;
         if after.loads > before.loads {
             return Ok(());
+        }
+        if after.refused > before.refused {
+            return Err(ProbeFailure::Refused);
         }
         if after.failed > before.failed {
             return Err(

@@ -323,6 +323,8 @@ pub struct LoadCounts {
     pub loads: f64,
     /// Loads that failed (recomputed).
     pub failed: f64,
+    /// Offers refused before reading (another model, KV layout or prompt; recomputed).
+    pub refused: f64,
 }
 
 impl LoadCounts {
@@ -332,6 +334,7 @@ impl LoadCounts {
             planned_tokens: sample_sum(text, "vllm:external_prefix_cache_hits_total").unwrap_or(0.0),
             loads: sample_sum(text, "vllm:pdkv_load_seconds_count").unwrap_or(0.0),
             failed: sample_sum(text, "vllm:pdkv_failed_loads_total").unwrap_or(0.0),
+            refused: sample_sum(text, "vllm:pdkv_refused_offers_total").unwrap_or(0.0),
         }
     }
 }

@@ -15,6 +15,7 @@
 //! then the wheel). Without it the tests say so and pass, unless `PDKV_REQUIRE_VLLM_ENGINES=1`
 //! (set by `.ci/run`), which makes them fail.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -24,7 +25,7 @@ use serde_json::{Value, json};
 
 mod support;
 
-use support::{Launched, agent, get, pdkv, temp_dir};
+use support::{Launched, agent, get, launch_command, pdkv, temp_dir};
 
 /// One model at a time: each runs three vLLM processes (about 2.5 GB each) on a 2-core machine.
 static ONE_MODEL_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -665,50 +666,163 @@ const HYBRID_LENGTHS: &str =
 /// chunked pass and the one loaded plus a recurrent step round differently, by up to 0.04
 /// here). A state read from the wrong position, or not at all, is a different distribution.
 fn hybrid(prefix_caching: bool) {
+    hybrid_legs(prefix_caching, None, HYBRID_LENGTHS);
+}
+
+/// The hybrid's cluster.toml; with `mtp`, both legs speculate with its multi-token-prediction
+/// layer (`k` per leg: prefill, decode). Returns it with the plain instance's engine args (the
+/// decode leg's speculative config).
+fn hybrid_cluster(
+    python: &Path,
+    model: &Path,
+    prefix_caching: bool,
+    mtp: Option<(u32, u32)>,
+) -> (String, Vec<String>) {
+    let speculative = |k: u32| json!({"method": "mtp", "num_speculative_tokens": k}).to_string();
+    let mut cluster = vllm_cluster_with(python, model, HYBRID_ARGS, Some(prefix_caching));
+    let mut oracle_args: Vec<String> = HYBRID_ARGS.iter().map(|arg| arg.to_string()).collect();
+    if let Some((prefill_k, decode_k)) = mtp {
+        for (cpus, k) in [("cpus = \"0\"\n", prefill_k), ("cpus = \"1\"\n", decode_k)] {
+            let args = json!(["--speculative-config", speculative(k)]).to_string();
+            cluster = cluster.replacen(cpus, &format!("{cpus}engine_args = {args}\n"), 1);
+        }
+        assert_eq!(cluster.matches("--speculative-config").count(), 2, "{cluster}");
+        oracle_args.extend(["--speculative-config".to_string(), speculative(decode_k)]);
+    }
+    (cluster, oracle_args)
+}
+
+/// The hybrid through P/D; with `mtp`, both legs speculate with its multi-token-prediction layer
+/// (`k` on each leg) and so does the plain instance, and 3 tokens are compared instead of 1.
+fn hybrid_legs(prefix_caching: bool, mtp: Option<u32>, lengths: &str) {
     let Some(python) = vllm_python() else {
         return;
     };
     let _one = ONE_MODEL_AT_A_TIME
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let dir = temp_dir(&format!("vllm-hybrid-{prefix_caching}"));
-    let model = tiny_model(&python, &dir, "qwen3_5");
+    let dir = temp_dir(&format!("vllm-hybrid-{prefix_caching}-{mtp:?}"));
+    let model = tiny_model(
+        &python,
+        &dir,
+        if mtp.is_some() { "qwen3_5_mtp" } else { "qwen3_5" },
+    );
+    let (cluster, oracle_args) = hybrid_cluster(&python, &model, prefix_caching, mtp.map(|k| (k, k)));
     let config = dir.join("cluster.toml");
-    std::fs::write(
-        &config,
-        vllm_cluster_with(&python, &model, HYBRID_ARGS, Some(prefix_caching)),
-    )
-    .unwrap();
-    let mut oracle = Oracle::start_with(&python, &model, &dir, HYBRID_ARGS);
+    std::fs::write(&config, cluster).unwrap();
+    let oracle_args: Vec<&str> = oracle_args.iter().map(String::as_str).collect();
+    let mut oracle = Oracle::start_with(&python, &model, &dir, &oracle_args);
     let run = dir.join("run");
     let launched = Launched::start_within(&config, &run, &[], START_BOUND);
     oracle.wait_healthy(&dir);
+    let decode = launched.admin("decode-0").to_string();
+    let tokens = if mtp.is_some() { "3" } else { "1" };
     let extra = [
         "--max-tokens",
-        "1",
+        tokens,
         "--logprobs",
         "0",
         "--logprob-tolerance",
         "0.1",
     ];
-    let (rows, summary) = sweep_lengths(&run, &launched, &oracle.url, HYBRID_LENGTHS, &extra);
-    assert_eq!(rows.len(), HYBRID_LENGTHS.split(',').count());
+    let (rows, summary) = sweep_lengths(&run, &launched, &oracle.url, lengths, &extra);
+    assert_eq!(rows.len(), lengths.split(',').count());
     assert_eq!(summary["matched"], rows.len(), "{summary}");
     for row in &rows {
         let n = row["prompt_tokens"].as_u64().unwrap();
         assert_eq!(
             row["read_tokens"],
             n - 1,
-            "prefix caching {prefix_caching}: {row}"
+            "{mtp:?}, prefix caching {prefix_caching}: {row}"
         );
         assert_eq!(
             row["loaded"],
             json!(true),
-            "prefix caching {prefix_caching}: {row}"
+            "{mtp:?}, prefix caching {prefix_caching}: {row}"
         );
     }
     assert_eq!(summary["legs_idle"], true, "{summary}");
+    if mtp.is_some() {
+        let drafts = counter(&decode, "vllm:spec_decode_num_draft_tokens_total");
+        assert!(drafts > 0.0, "the decode leg speculated: {drafts} drafts");
+    }
+    assert_eq!(counter(&decode, "vllm:pdkv_refused_offers_total"), 0.0);
+    assert_eq!(counter(&decode, "vllm:pdkv_failed_loads_total"), 0.0);
     assert_eq!(launched.interrupt(), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Multi-token prediction on the hybrid (Qwen3.5's own MTP layer, `method = "mtp"`, k = 2 on
+/// both legs): vLLM keeps k speculative scratch blocks after each recurrent state
+/// (`num_speculative_blocks`) and the MTP layer's KV in the full-attention group. Every length
+/// reads N−1 tokens, the READ completes, the first 3 tokens equal a plain instance's of the same
+/// speculative config (logprobs within 0.1, bfloat16), and the decode leg drafted (its random
+/// weights make no draft the target accepts, so every token is the target's own).
+#[test]
+fn multi_token_prediction_on_a_hybrid_recurrent_state_model_serves_pd() {
+    hybrid_legs(false, Some(2), "3,4,5,16,17,33,100,511,512,513,1000");
+}
+
+/// MTP with k = 1 on the prefill leg and 2 on the decode leg: vLLM sizes a convolution state
+/// `conv_kernel − 1 + k` columns, so the prefill's state page is another layout. Read across,
+/// it answered wrongly (the first token's logprob off by up to 1 nat at 1000 tokens). The
+/// decoder refuses the offer by its model fields (`mamba_states`, both layouts named) and so
+/// `pdkv launch`'s hand-off probe fails at once, naming the refusal, instead of serving.
+#[test]
+fn legs_speculating_a_different_k_on_a_hybrid_are_refused_at_launch_naming_the_state_layouts() {
+    let Some(python) = vllm_python() else {
+        return;
+    };
+    let _one = ONE_MODEL_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dir = temp_dir("vllm-hybrid-mtp-k");
+    let model = tiny_model(&python, &dir, "qwen3_5_mtp");
+    let (cluster, _) = hybrid_cluster(&python, &model, false, Some((1, 2)));
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, cluster).unwrap();
+    let mut child = launch_command(&config, &dir.join("run"), &[])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Bounded: a launch that got ready (offers read across k) is stopped and fails the test.
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let ready = std::thread::spawn(move || {
+        stdout
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.starts_with("READY router="))
+    });
+    let deadline = Instant::now() + START_BOUND;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if ready.is_finished() || Instant::now() >= deadline {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let Some(status) = status else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("pdkv launch served legs speculating k = 1 and 2 on a recurrent state");
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("decode-0 refused the KV prefill-0 offered"),
+        "{stderr}"
+    );
+    // The decode leg's log, quoted, names the field and both layouts ([4, 512]: kernel 4 − 1 + 1
+    // columns of 512 channels; [5, 512]: + 2).
+    assert!(stderr.contains("mamba_states: prefill"), "{stderr}");
+    assert!(
+        stderr.contains("[4, 512]") && stderr.contains("[5, 512]"),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

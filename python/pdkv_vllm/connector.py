@@ -371,7 +371,23 @@ def valid_dcp_split(split: Any) -> tuple[int, int] | None:
     return values
 
 
-def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
+def state_layouts(kv_cache_config: "KVCacheConfig") -> list[dict]:
+    """How each recurrent-state (mamba) group lays its state out in a block: the shapes and
+    dtypes of its tensors, as vLLM sizes them. A page is read whole, so both legs must agree:
+    vLLM grows a convolution state by one column per speculative token
+    (``conv_kernel - 1 + num_speculative_tokens``), so legs speculating ``k`` tokens apart lay
+    the same state out differently, and a page read across them would be another state."""
+    layouts = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            layouts.append(
+                {"shapes": [list(shape) for shape in spec.shapes], "dtypes": [str(dtype) for dtype in spec.dtypes]}
+            )
+    return layouts
+
+
+def model_fields(vllm_config: "VllmConfig", groups: list[dict], states: list[dict] | None = None) -> dict:
     """What a decoder's KV must share with the prefill's to be read at all: the served model's
     name and architecture, its shapes, the KV dtype, pdkv's view of the KV groups (kinds, block
     sizes, windows), a drafter's KV-relevant config and the parallel
@@ -406,6 +422,9 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict]) -> dict:
         ],
         "speculative": speculative_fields(vllm_config),
     }
+    if states:
+        # A recurrent state's page is read as it lies: its layout must match (see state_layouts).
+        fields["mamba_states"] = states
     # Attention KV is resharded between legs of different TP or DCP sizes (each decode rank
     # reads the heads and tokens it holds from the prefill ranks holding them); a recurrent state
     # is not: there both sizes must match.
@@ -485,7 +504,7 @@ class PdkvConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout = Layout(self.groups)
         # Not the layers holding KV: a pipeline-parallel leg's scheduler sees its first stage's
         # only (vLLM builds it from worker 0's config); workers match layers by name instead.
-        self.model_fields = model_fields(vllm_config, self.groups)
+        self.model_fields = model_fields(vllm_config, self.groups, state_layouts(kv_cache_config))
         self.dcp = dcp_split(vllm_config)
         self.model_identity = model_identity(self.model_fields)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None

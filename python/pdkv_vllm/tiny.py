@@ -26,7 +26,13 @@ vLLM's ``EagleLlamaForCausalLM`` loads it: one decoder layer without an input no
 which joins a token's embedding with the target's hidden state; embedding and LM head shared
 with the target). Its layer keeps KV of its own, in the target's KV group.
 
-Run as ``python -m pdkv_vllm.tiny KIND DIR [--seed S]`` (KIND ``eagle``: the llama drafter).
+``write_mtp(directory, seed)`` writes ``qwen3_5`` with one multi-token-prediction layer, as
+Qwen3.5 checkpoints carry it (``mtp.*``: ``fc`` joining the normed embedding and hidden state, a
+full-attention decoder layer, a norm; vLLM's ``Qwen3_5MTP``, speculative ``method = "mtp"``).
+The MTP layer keeps KV of its own, in the target's full-attention group.
+
+Run as ``python -m pdkv_vllm.tiny KIND DIR [--seed S]`` (KIND ``eagle``: the llama drafter;
+``qwen3_5_mtp``: ``qwen3_5`` with its MTP layer).
 """
 
 from __future__ import annotations
@@ -230,14 +236,53 @@ def write_eagle(directory: str, seed: int = 0) -> str:
     return directory
 
 
+def write_mtp(directory: str, seed: int = 0) -> str:
+    """Writes ``qwen3_5`` with one MTP layer, weights drawn from ``seed``, into ``directory``;
+    returns it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    write_model("qwen3_5", directory, seed)
+    path = os.path.join(directory, "model.safetensors")
+    weights = load_file(path)
+    config = CONFIGS["qwen3_5"]
+    hidden = config["hidden_size"]
+    # The MTP layer is a full-attention decoder layer: shaped as the model's own, weights fresh.
+    full = config["layer_types"].index("full_attention")
+    prefix = f"model.layers.{full}."
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def drawn(shape, norm):
+        if norm:
+            return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        return 0.5 * torch.randn(shape, generator=generator) / shape[-1] ** 0.5 * 4
+
+    mtp = {
+        "mtp.layers.0." + name[len(prefix):]: drawn(tensor.shape, "norm" in name)
+        for name, tensor in weights.items()
+        if name.startswith(prefix)
+    }
+    mtp["mtp.fc.weight"] = drawn((hidden, 2 * hidden), False)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = drawn((hidden,), True)
+    dtype = next(iter(weights.values())).dtype
+    weights.update({name: tensor.to(dtype).contiguous() for name, tensor in mtp.items()})
+    save_file(weights, path, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump({**config, "mtp_num_hidden_layers": 1}, file, indent=1)
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=sorted(CONFIGS) + ["eagle"])
+    parser.add_argument("kind", choices=sorted(CONFIGS) + ["eagle", "qwen3_5_mtp"])
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.kind == "eagle":
         print(write_eagle(args.directory, args.seed))
+    elif args.kind == "qwen3_5_mtp":
+        print(write_mtp(args.directory, args.seed))
     else:
         print(write_model(args.kind, args.directory, args.seed))
 

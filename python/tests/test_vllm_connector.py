@@ -823,8 +823,8 @@ def test_a_prefill_worker_of_another_model_is_refused_at_the_handshake_and_the_p
 
     real = connector.model_fields
 
-    def other_model(vllm_config, groups):
-        return {**real(vllm_config, groups), "served_model_name": "another-model", "kv_cache_dtype": "fp8"}
+    def other_model(vllm_config, groups, states=None):
+        return {**real(vllm_config, groups, states), "served_model_name": "another-model", "kv_cache_dtype": "fp8"}
 
     monkeypatch.setattr(connector, "model_fields", other_model)
     prefill = LocalPrefill(Leg(certs, "prefill", "p0", ["d0"], "full+window"))
@@ -917,14 +917,37 @@ def test_a_mamba_cache_mode_other_than_none_or_align_is_refused_by_name():
         CacheConfig(mamba_cache_mode="all")
 
 
-@pytest.mark.parametrize("layout", ["full+draft", "full+window+mamba", "full+mamba+spec"])
+@pytest.mark.parametrize("layout", ["full+draft", "full+window"])
 def test_speculative_decoding_with_a_different_k_on_each_leg_loads_byte_exact_kv(certs, layout):
     """A speculative config on both legs (a draft model proposing k tokens; vLLM reserves k
-    lookahead slots and, for mamba, k scratch blocks after the state), k different on each leg:
-    the tails never move a needed block, the drafter's layer travels like any layer, and the
-    mamba state is read, never a scratch block."""
+    lookahead slots), k different on each leg: the tails never move a needed block and the
+    drafter's layer travels like any layer."""
     for seed, (p_spec, d_spec) in ((1300, (1, 4)), (1350, (5, 2))):
         sweep(certs, layout, LENGTHS, seed, "shm", p_spec=p_spec, d_spec=d_spec)
+
+
+@pytest.mark.parametrize("layout", ["full+window+mamba", "full+mamba+spec"])
+def test_speculative_decoding_with_one_k_loads_the_mamba_state_byte_exact(certs, layout):
+    """Speculating k tokens, vLLM keeps k scratch blocks after each mamba state: with the same
+    k on both legs the state is read, never a scratch block."""
+    for seed, k in ((1400, 1), (1450, 4)):
+        sweep(certs, layout, LENGTHS, seed, "shm", p_spec=k, d_spec=k)
+
+
+@pytest.mark.parametrize("layout", ["full+window+mamba", "full+mamba+spec"])
+def test_a_mamba_state_from_a_leg_speculating_another_k_is_refused_naming_both_layouts(certs, layout):
+    """vLLM's convolution state grows a column per speculative token, so a state page from a leg
+    speculating another k is another layout (read across, it was a wrong state: the first token
+    of a Qwen3.5 hybrid with MTP k = 1 → 2 was off by up to 1 nat with real engines). The model
+    check refuses the offer naming both layouts, and the prompt is recomputed."""
+    from vllm_harness import mamba_shapes
+
+    pd = Pd(certs, layout, p_spec=1, d_spec=2)
+    try:
+        layout_of = lambda k: [{"shapes": [list(shape) for shape in mamba_shapes(k)], "dtypes": ["torch.int32"] * 2}]
+        assert_offer_refused_naming(pd, f"spec-{layout}", 13, "mamba_states", layout_of(1), layout_of(2))
+    finally:
+        pd.close()
 
 
 def assert_each_length_loads(pd, name, lengths, seed):

@@ -154,7 +154,12 @@ def aligned(layout: str) -> bool:
     return any(kind == "mamba_align" for kind, _, _ in LAYOUTS[layout]["groups"])
 
 HEADS, HEAD = 2, 8  # per token: K and V of 2 heads x 8 floats = 32 words
-MAMBA_SHAPES = ((4, 6), (3, 5))
+
+
+def mamba_shapes(speculative_blocks: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A mamba layer's state (a convolution state and a temporal state), as vLLM sizes it: the
+    convolution state keeps one more column per speculative token (``conv_kernel - 1 + k``)."""
+    return (4, 6 + speculative_blocks), (3, 5)
 
 
 def model_dir(root: Path, kv_heads: int | None = None) -> str:
@@ -227,15 +232,14 @@ def kv_cache_config(
                 block_size=block_size, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32, sliding_window=window
             )
         else:
+            scratch = spec.get("speculative_blocks", 0) if speculative_blocks is None else speculative_blocks
             kv = MambaSpec(
                 block_size=MAX_MODEL_LEN if kind == "mamba" else block_size,
-                shapes=MAMBA_SHAPES,
+                shapes=mamba_shapes(scratch),
                 dtypes=(torch.int32, torch.int32),
                 page_size_padded=attention_page,
                 mamba_cache_mode="align" if kind == "mamba_align" else "none",
-                num_speculative_blocks=(
-                    spec.get("speculative_blocks", 0) if speculative_blocks is None else speculative_blocks
-                ),
+                num_speculative_blocks=scratch,
             )
         if not is_state(kind):
             attention_page = kv.page_size_bytes
