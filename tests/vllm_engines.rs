@@ -999,14 +999,12 @@ fn legs_of_different_pipeline_parallel_sizes_serve_pd_equal_to_a_plain_instance(
 /// bytes are checked under vLLM's scheduler (`python/tests`, a DeepSeek-V2 config).
 #[test]
 fn an_mla_model_serves_pd_across_tensor_parallel_sizes_reading_every_latent_it_needs() {
+    // bfloat16: on a CPU with AMX vLLM picks its AMX MLA backend, which takes no float32
+    // weights and blocks of a multiple of 32 tokens only (the engine dies at start-up).
     let args: Vec<&str> = ENGINE_ARGS
         .iter()
-        .map(|arg| if *arg == "32" { "16" } else { arg })
+        .map(|arg| if *arg == "float32" { "bfloat16" } else { arg })
         .collect();
-    assert!(
-        args.windows(2).any(|pair| pair == ["--block-size", "16"]),
-        "{args:?}"
-    );
     let two_ranks = "cpus = \"0|1\"\nengine_args = [\"-tp\", \"2\"]\n";
     legs_of_different_splits_serve_pd(
         "vllm-mla",
