@@ -466,6 +466,11 @@ fn neutral(key: &str, value: &Value) -> Option<bool> {
         "min_tokens" => value.as_u64()? == 0,
         "logit_bias" => value.as_object()?.is_empty(),
         "suffix" => value.as_str()?.is_empty(),
+        "response_format" => value.as_object()?.get("type")?.as_str()? == "text",
+        "tools" | "functions" => value.as_array()?.is_empty(),
+        "tool_choice" | "function_call" => value.as_str()? == "none",
+        // Without tools there are no calls to run in parallel or not.
+        "parallel_tool_calls" => value.as_bool().map(|_| true)?,
         _ => return None,
     })
 }
@@ -477,6 +482,8 @@ fn unsupported(key: &str) -> &'static str {
         "n" | "best_of" => "pdkv answers one completion per request",
         "suffix" => "suffixes are not supported",
         "min_tokens" => "min_tokens is not supported",
+        "response_format" => "structured output is not supported (only {\"type\": \"text\"})",
+        "tools" | "functions" | "tool_choice" | "function_call" => "tool calls are not supported",
         _ => "penalties and logit biases are not supported",
     }
 }
@@ -532,7 +539,15 @@ fn check_field(endpoint: Endpoint, key: &str, value: &Value) -> Result<(), ApiEr
         None if neutral_key(key) => Err(ApiError::invalid(key, format!("{value} is not a valid value"))),
         None => Err(ApiError::invalid(
             key,
-            format!("unknown field; this endpoint takes {}", known.join(", ")),
+            format!(
+                "unknown field; this endpoint takes {}",
+                COMMON_FIELDS
+                    .iter()
+                    .chain(known)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         )),
     }
 }
@@ -550,6 +565,12 @@ fn neutral_key(key: &str) -> bool {
             | "min_tokens"
             | "logit_bias"
             | "suffix"
+            | "response_format"
+            | "tools"
+            | "functions"
+            | "tool_choice"
+            | "function_call"
+            | "parallel_tool_calls"
             | "echo"
             | "top_logprobs"
     )
@@ -804,6 +825,31 @@ mod tests {
     }
 
     #[test]
+    fn an_unknown_field_is_answered_with_every_field_the_endpoint_takes() {
+        for (endpoint, body, own) in [
+            (
+                Endpoint::Completions,
+                r#"{"prompt": "x", "frobnicate": 1}"#,
+                "prompt",
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}"#,
+                "messages",
+            ),
+        ] {
+            let (_, param, message) = refused(endpoint, body);
+            assert_eq!(param, "frobnicate", "{message}");
+            for field in [own, "model", "max_tokens", "stream", "temperature", "stop"] {
+                assert!(
+                    message.contains(field),
+                    "{endpoint:?}: {field} missing from {message}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn options_the_engine_would_not_honour_are_refused_by_name() {
         for (body, field, says) in [
             (
@@ -887,6 +933,50 @@ mod tests {
             assert_eq!(refused(Endpoint::Chat, body).1, field, "{body}");
         }
         assert_eq!(param(r#"{"prompt": "x", "top_logprobs": 2}"#), "top_logprobs");
+    }
+
+    #[test]
+    fn chat_clients_default_tool_and_format_fields_are_accepted_and_real_ones_refused() {
+        let chat = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {extra}}}"#);
+        for extra in [
+            r#""response_format": {"type": "text"}"#,
+            r#""tools": []"#,
+            r#""tool_choice": "none""#,
+            r#""parallel_tool_calls": false"#,
+            r#""functions": [], "function_call": "none""#,
+        ] {
+            assert!(
+                parse(Endpoint::Chat, chat(extra).as_bytes(), 256, &capacity()).is_ok(),
+                "{extra}"
+            );
+        }
+        for (extra, field, says) in [
+            (
+                r#""response_format": {"type": "json_object"}"#,
+                "response_format",
+                "structured output",
+            ),
+            (
+                r#""response_format": "text""#,
+                "response_format",
+                "not a valid value",
+            ),
+            (
+                r#""tools": [{"type": "function", "function": {"name": "f"}}]"#,
+                "tools",
+                "tool calls",
+            ),
+            (r#""tool_choice": "auto""#, "tool_choice", "tool calls"),
+            (
+                r#""parallel_tool_calls": 1"#,
+                "parallel_tool_calls",
+                "not a valid value",
+            ),
+        ] {
+            let (status, param, message) = refused(Endpoint::Chat, &chat(extra));
+            assert_eq!((status, param.as_str()), (400, field), "{extra}: {message}");
+            assert!(message.contains(says), "{extra}: {message}");
+        }
     }
 
     #[test]
