@@ -666,7 +666,7 @@ const HYBRID_LENGTHS: &str =
 /// check that catches a wrong state: with the decoder's state never read, the first token
 /// differed from the plain instance's at each of 6 lengths from 5 to 1500.
 fn hybrid(prefix_caching: bool) {
-    hybrid_legs(
+    sweep_model(
         "qwen3_5",
         HYBRID_ARGS,
         prefix_caching,
@@ -706,9 +706,12 @@ fn hybrid_cluster(
     (cluster, oracle_args)
 }
 
-/// The hybrid through P/D; with `mtp`, both legs speculate with its multi-token-prediction layer
-/// (`k` on each leg) and so does the plain instance, and 3 tokens are compared instead of 1.
-fn hybrid_legs(
+/// Model `kind` through P/D (a 1P1D launch, engine `args` on both legs and the plain instance),
+/// one length at a time: every length reads the N - 1 tokens it does not recompute (none for
+/// N = 1) and the first token equals a plain instance's within `logprob_tolerance`; with `mtp`,
+/// both legs speculate with the model's multi-token-prediction layer (`k` on each leg) and so
+/// does the plain instance, and 3 tokens are compared instead of 1.
+fn sweep_model(
     kind: &str,
     args: &[&str],
     prefix_caching: bool,
@@ -777,7 +780,7 @@ fn hybrid_legs(
 /// weights make no draft the target accepts, so every token is the target's own).
 #[test]
 fn multi_token_prediction_on_a_hybrid_recurrent_state_model_serves_pd() {
-    hybrid_legs(
+    sweep_model(
         "qwen3_5_mtp",
         HYBRID_ARGS,
         false,
@@ -864,7 +867,24 @@ fn a_mamba2_hybrid_model_serves_pd_equal_to_a_plain_instance() {
         .iter()
         .map(|arg| if *arg == "bfloat16" { "float32" } else { arg })
         .collect();
-    hybrid_legs("granite", &args, false, None, MAMBA2_LENGTHS, "1e-4");
+    sweep_model("granite", &args, false, None, MAMBA2_LENGTHS, "1e-4");
+}
+
+/// Attention layouts beside the tiny suite's: Qwen3 (one KV head of 64 dimensions, q/k norms,
+/// three layers, float32) and Gemma2 (layers alternating a 40-token window, no multiple of the
+/// block, and full attention; 64-token blocks, logit soft-capping, tied embeddings, five
+/// layers): 16 lengths each, around the window and both block sizes, equal to a plain instance
+/// within 1e-4, N - 1 tokens read each.
+#[test]
+fn models_of_other_attention_shapes_serve_pd_equal_to_a_plain_instance() {
+    let float32: Vec<&str> = HYBRID_ARGS
+        .iter()
+        .map(|arg| if *arg == "bfloat16" { "float32" } else { arg })
+        .collect();
+    let lengths = "1,2,3,17,31,32,33,39,40,41,63,64,65,100,513,2000";
+    sweep_model("qwen3", &float32, false, None, lengths, "1e-4");
+    let blocks_of_64 = [&float32[..], &["--block-size", "64"]].concat();
+    sweep_model("gemma2", &blocks_of_64, false, None, lengths, "1e-4");
 }
 
 /// The Mamba2 hybrid's lengths: one and two tokens (the prefill leg computes none or one), both

