@@ -53,6 +53,18 @@ const ENGINE_ARGS: &[&str] = &[
     "/health,/metrics",
 ];
 
+/// `args` with `flag`'s value replaced by `value`.
+fn with_flag<'a>(args: &[&'a str], flag: &str, value: &'a str) -> Vec<&'a str> {
+    let at = args
+        .iter()
+        .position(|arg| *arg == flag)
+        .expect("the flag is in the args")
+        + 1;
+    let mut args = args.to_vec();
+    args[at] = value;
+    args
+}
+
 /// The Python with vLLM, or `None` (after saying why) when these tests cannot run here.
 fn vllm_python() -> Option<PathBuf> {
     match std::env::var_os("PDKV_VLLM_PYTHON") {
@@ -863,10 +875,7 @@ fn legs_speculating_a_different_k_on_a_hybrid_are_refused_at_launch_naming_the_s
 /// oracle to compare with.
 #[test]
 fn a_mamba2_hybrid_model_serves_pd_equal_to_a_plain_instance() {
-    let args: Vec<&str> = HYBRID_ARGS
-        .iter()
-        .map(|arg| if *arg == "bfloat16" { "float32" } else { arg })
-        .collect();
+    let args = with_flag(HYBRID_ARGS, "--dtype", "float32");
     sweep_model("granite", &args, false, None, MAMBA2_LENGTHS, "1e-4");
 }
 
@@ -877,13 +886,9 @@ fn a_mamba2_hybrid_model_serves_pd_equal_to_a_plain_instance() {
 /// within 1e-4, N - 1 tokens read each.
 #[test]
 fn models_of_other_attention_shapes_serve_pd_equal_to_a_plain_instance() {
-    let float32: Vec<&str> = HYBRID_ARGS
-        .iter()
-        .map(|arg| if *arg == "bfloat16" { "float32" } else { arg })
-        .collect();
     let lengths = "1,2,3,17,31,32,33,39,40,41,63,64,65,100,513,2000";
-    sweep_model("qwen3", &float32, false, None, lengths, "1e-4");
-    let blocks_of_64 = [&float32[..], &["--block-size", "64"]].concat();
+    sweep_model("qwen3", ENGINE_ARGS, false, None, lengths, "1e-4");
+    let blocks_of_64 = with_flag(ENGINE_ARGS, "--block-size", "64");
     sweep_model("gemma2", &blocks_of_64, false, None, lengths, "1e-4");
 }
 
@@ -1067,10 +1072,7 @@ fn legs_of_different_pipeline_parallel_sizes_serve_pd_equal_to_a_plain_instance(
 fn an_mla_model_serves_pd_across_tensor_parallel_sizes_reading_every_latent_it_needs() {
     // bfloat16: on a CPU with AMX vLLM picks its AMX MLA backend, which takes no float32
     // weights and blocks of a multiple of 32 tokens only (the engine dies at start-up).
-    let args: Vec<&str> = ENGINE_ARGS
-        .iter()
-        .map(|arg| if *arg == "float32" { "bfloat16" } else { arg })
-        .collect();
+    let args = with_flag(ENGINE_ARGS, "--dtype", "bfloat16");
     let two_ranks = "cpus = \"0|1\"\nengine_args = [\"-tp\", \"2\"]\n";
     legs_of_different_splits_serve_pd(
         "vllm-mla",
