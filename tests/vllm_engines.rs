@@ -694,10 +694,10 @@ fn hybrid(prefix_caching: bool) {
 /// kernels; twice the larger.
 const BFLOAT16_LOGPROBS: &str = "0.3";
 
-/// The hybrid's cluster.toml; with `mtp`, both legs speculate with its multi-token-prediction
-/// layer (`k` per leg: prefill, decode). Returns it with the plain instance's engine args (the
-/// decode leg's speculative config).
-fn hybrid_cluster(
+/// The cluster.toml of a 1P1D pair serving `model` with engine `args`; with `mtp`, both legs
+/// speculate with its multi-token-prediction layer (`k` per leg: prefill, decode). Returns it
+/// with the plain instance's engine args (the decode leg's speculative config).
+fn model_cluster(
     python: &Path,
     model: &Path,
     args: &[&str],
@@ -739,7 +739,7 @@ fn sweep_model(
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir(&format!("vllm-{kind}-{prefix_caching}-{mtp:?}"));
     let model = tiny_model(&python, &dir, kind);
-    let (cluster, oracle_args) = hybrid_cluster(&python, &model, args, prefix_caching, mtp.map(|k| (k, k)));
+    let (cluster, oracle_args) = model_cluster(&python, &model, args, prefix_caching, mtp.map(|k| (k, k)));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, cluster).unwrap();
     let oracle_args: Vec<&str> = oracle_args.iter().map(String::as_str).collect();
@@ -817,7 +817,7 @@ fn legs_speculating_a_different_k_on_a_hybrid_are_refused_at_launch_naming_the_s
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let dir = temp_dir("vllm-hybrid-mtp-k");
     let model = tiny_model(&python, &dir, "qwen3_5_mtp");
-    let (cluster, _) = hybrid_cluster(&python, &model, HYBRID_ARGS, false, Some((1, 2)));
+    let (cluster, _) = model_cluster(&python, &model, HYBRID_ARGS, false, Some((1, 2)));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, cluster).unwrap();
     let mut child = launch_command(&config, &dir.join("run"), &[])
@@ -865,6 +865,11 @@ fn legs_speculating_a_different_k_on_a_hybrid_are_refused_at_launch_naming_the_s
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The Mamba2 hybrid's lengths: one and two tokens (the prefill leg computes none or one), both
+/// sides of its 256-token scan chunk and of the attention block vLLM sizes to the state page.
+const MAMBA2_LENGTHS: &str =
+    "1,2,3,4,5,16,17,31,32,33,100,255,256,257,511,512,513,700,1023,1024,1025,1500,2000";
+
 /// A Mamba2 hybrid (Granite 4.0's layout, no experts: two Mamba2 layers, two full-attention
 /// layers; vLLM's mamba group holds a convolution state and an SSM state per layer, shaped
 /// unlike the gated delta-net's) in float32, without prefix caching: every length, one token
@@ -891,11 +896,6 @@ fn models_of_other_attention_shapes_serve_pd_equal_to_a_plain_instance() {
     let blocks_of_64 = with_flag(ENGINE_ARGS, "--block-size", "64");
     sweep_model("gemma2", &blocks_of_64, false, None, lengths, "1e-4");
 }
-
-/// The Mamba2 hybrid's lengths: one and two tokens (the prefill leg computes none or one), both
-/// sides of its 256-token scan chunk and of the attention block vLLM sizes to the state page.
-const MAMBA2_LENGTHS: &str =
-    "1,2,3,4,5,16,17,31,32,33,100,255,256,257,511,512,513,700,1023,1024,1025,1500,2000";
 
 #[test]
 fn a_hybrid_recurrent_state_model_serves_pd_with_prefix_caching() {
