@@ -147,10 +147,11 @@ fn pairing_table(scenario: &Scenario, pairing: &Pairing) -> String {
         scenario.num_prompt_tokens, mode
     );
     for (group, (spec, pairs)) in scenario.layout.groups().iter().zip(&pairing.groups).enumerate() {
-        let detail = match spec.kind().window() {
-            Some(window) => format!("B={} W={}", spec.block_size(), window),
-            None if spec.kind().name() == "mamba" => "state".to_string(),
-            None => format!("B={} dcp={}", spec.block_size(), spec.dcp()),
+        let detail = match (spec.kind().window(), spec.kind().chunk()) {
+            (Some(window), _) => format!("B={} W={}", spec.block_size(), window),
+            (_, Some(chunk)) => format!("B={} C={}", spec.block_size(), chunk),
+            _ if spec.kind().name() == "mamba" => "state".to_string(),
+            _ => format!("B={} dcp={}", spec.block_size(), spec.dcp()),
         };
         let _ = writeln!(
             out,

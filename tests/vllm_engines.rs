@@ -897,6 +897,18 @@ fn models_of_other_attention_shapes_serve_pd_equal_to_a_plain_instance() {
     sweep_model("gemma2", &blocks_of_64, false, None, lengths, "1e-4");
 }
 
+/// Llama 4's text layers (`pdkv_vllm.tiny llama4`): three of four layers chunked local
+/// attention (chunks of 64 tokens, two 32-token blocks), the fourth full attention; vLLM gives
+/// them a `ChunkedLocalAttentionSpec` group, which the decode leg reads from the start of the last
+/// prompt token's chunk. Lengths on both sides of chunk and block boundaries, with and without
+/// prefix caching, equal a plain instance within 1e-4, N - 1 tokens read each.
+#[test]
+fn a_chunked_local_attention_model_serves_pd_equal_to_a_plain_instance() {
+    let lengths = "1,2,3,31,32,33,63,64,65,66,96,127,128,129,130,200,513,2000";
+    sweep_model("llama4", ENGINE_ARGS, false, None, lengths, "1e-4");
+    sweep_model("llama4", ENGINE_ARGS, true, None, lengths, "1e-4");
+}
+
 #[test]
 fn a_hybrid_recurrent_state_model_serves_pd_with_prefix_caching() {
     hybrid(true);

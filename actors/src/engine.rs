@@ -15,7 +15,6 @@
 //! recomputation of the last prompt token, fed with KV copied from the prefill leg, is bitwise
 //! equal to the one-leg computation; [`LogitsDigest`] condenses every generated step's logits.
 
-use pdkv_core::allocator::window_floor;
 use pdkv_core::block::{BlockId, NULL_BLOCK};
 use pdkv_core::heads::KvShards;
 use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
@@ -100,14 +99,16 @@ impl Model {
                     w_in: matrix(d, d, scale),
                     w_out: matrix(d, d, scale),
                 },
-                GroupKind::Full | GroupKind::SlidingWindow { .. } => LayerWeights::Attention {
-                    group,
-                    // Sharper queries make attention depend visibly on every key.
-                    wq: matrix(d, d, 4.0 * scale),
-                    wk: matrix(kv_dim, d, scale),
-                    wv: matrix(kv_dim, d, scale),
-                    wo: matrix(d, d, scale),
-                },
+                GroupKind::Full | GroupKind::SlidingWindow { .. } | GroupKind::ChunkedLocal { .. } => {
+                    LayerWeights::Attention {
+                        group,
+                        // Sharper queries make attention depend visibly on every key.
+                        wq: matrix(d, d, 4.0 * scale),
+                        wk: matrix(kv_dim, d, scale),
+                        wv: matrix(kv_dim, d, scale),
+                        wo: matrix(d, d, scale),
+                    }
+                }
             });
         }
         let head = matrix(params.vocab as usize, d, scale);
@@ -212,10 +213,7 @@ impl Model {
                             region.write_f32s(slot + u64::from(local) * head_bytes, &cell_values)?;
                         }
                     }
-                    let first = match spec.kind() {
-                        GroupKind::SlidingWindow { window } => window_floor(position, window),
-                        _ => 0,
-                    };
+                    let first = spec.kind().attended_floor(position).unwrap_or(0);
                     let scale = 1.0 / (hd as f32).sqrt();
                     let mut attended = vec![0.0f32; d];
                     for query_head in 0..heads {

@@ -27,7 +27,6 @@ use actix::{
 };
 use pdkv_core::allocator::{AllocError, Allocation, window_crosses_block};
 use pdkv_core::block::BlockId;
-use pdkv_core::layout::GroupKind;
 use pdkv_core::leg::{Generated, LegConfig};
 use pdkv_core::node::{LegNode, NodeOutput, Refusal};
 use pdkv_core::sampling::{self, Sampling, TokenLogprobs};
@@ -76,7 +75,7 @@ impl LegContext {
             .layout()
             .groups()
             .iter()
-            .any(|group| matches!(group.kind(), GroupKind::SlidingWindow { .. }))
+            .any(|group| group.kind().is_local_attention())
     }
 }
 

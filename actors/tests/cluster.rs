@@ -551,8 +551,9 @@ async fn a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant(links: LinkK
 
 /// Bytes a decode leg must read for an `n`-token prompt, from the definition (docs/ARCHITECTURE.md, "The
 /// exchange"): per layer, one block per position holding a token it does not recompute
-/// (`0 ..= n - 2`, or `max(0, n - W) ..= n - 2` in a window group), minus prefix hits; one state
-/// per mamba layer. Counted token by token, not through the exchange code.
+/// (`0 ..= n - 2`, `max(0, n - W) ..= n - 2` in a window group, or from the start of token
+/// `n - 1`'s chunk in a chunked local group), minus prefix hits; one state per mamba layer.
+/// Counted token by token, not through the exchange code.
 fn expected_read_bytes(config: &ClusterConfig, n: u64, cached: &[u64]) -> u64 {
     use pdkv_core::layout::GroupKind;
     let d = config.model.d_model as u64;
@@ -569,6 +570,10 @@ fn expected_read_bytes(config: &ClusterConfig, n: u64, cached: &[u64]) -> u64 {
             GroupKind::Full => (0, block_tokens * 2 * d * 4),
             GroupKind::SlidingWindow { window } => {
                 (n.saturating_sub(u64::from(window)), block_tokens * 2 * d * 4)
+            }
+            GroupKind::ChunkedLocal { chunk } => {
+                let last = n.saturating_sub(1);
+                (last - last % u64::from(chunk), block_tokens * 2 * d * 4)
             }
         };
         let positions: std::collections::BTreeSet<u64> = (first..n.saturating_sub(1))
@@ -658,6 +663,46 @@ async fn a_prefill_leg_stopping_at_n_minus_1_serves_a_dcp_layout(links: LinkKind
     "#;
     let cluster = start(ClusterConfig::from_toml(text).unwrap(), links).await;
     assert_all_match_reading_exactly(&cluster, 1..=300).await;
+    cluster.shutdown();
+}
+
+/// Llama 4's shape: chunked local attention layers (chunks of 20 tokens, not a whole number of
+/// 8-token blocks) beside a full-attention layer, lookahead tails on both legs. P/D equals direct
+/// at every length 1..=200, reading exactly the blocks of the last prompt token's chunk; then
+/// generations of 45 tokens, whose attending token crosses chunk boundaries (the decode leg frees
+/// the blocks of the chunks it left), still equal direct.
+async fn a_chunked_local_attention_layout_serves_pd_equal_to_direct(links: LinkKind) {
+    let text = r#"
+        [model]
+        seed = 11
+        d_model = 8
+        vocab = 64
+        layer_groups = [1, 1, 1, 0]
+        [[model.groups]]
+        kind = "full"
+        block_size = 8
+        [[model.groups]]
+        kind = "chunked_local"
+        block_size = 8
+        chunk = 20
+        [[nodes]]
+        name = "p"
+        role = "prefill"
+        lookahead_tokens = 5
+        blocks_per_group = 64
+        [[nodes]]
+        name = "d"
+        role = "decode"
+        lookahead_tokens = 9
+        blocks_per_group = 64
+    "#;
+    let cluster = start(ClusterConfig::from_toml(text).unwrap(), links).await;
+    assert_all_match_reading_exactly(&cluster, 1..=200).await;
+    for length in [1, 19, 20, 21, 40, 41, 77, 160] {
+        let result = sweep::compare(&cluster, length, 45).await;
+        assert!(result.matched, "prompt length {length}, 45 tokens: {result:?}");
+    }
+    assert_idle(&cluster).await;
     cluster.shutdown();
 }
 
@@ -876,6 +921,7 @@ on_both_links!(
     a_decode_leg_waiting_longer_than_the_lease_keeps_its_grant,
     a_prefill_leg_stopping_at_n_minus_1_serves_a_hybrid_layout,
     a_prefill_leg_stopping_at_n_minus_1_serves_a_dcp_layout,
+    a_chunked_local_attention_layout_serves_pd_equal_to_direct,
     both_prefill_token_settings_read_the_same_bytes,
     a_prefix_hit_covering_every_needed_block_reads_no_attention_bytes,
     a_prefill_leg_stopping_at_n_minus_1_holds_one_block_fewer,

@@ -3,9 +3,8 @@
 //! Benchmarks live here, apart from the tests: tests never time anything, and `.ci/run` only
 //! compiles the benches (`cargo bench --no-run`).
 
-use pdkv_core::allocator::window_floor;
 use pdkv_core::block::{BlockId, NULL_BLOCK};
-use pdkv_core::layout::{GroupKind, GroupSpec, KvLayout};
+use pdkv_core::layout::{GroupSpec, KvLayout};
 use pdkv_core::plan::RegionLayout;
 
 /// Layers in the DSv4-like layout.
@@ -36,12 +35,9 @@ pub fn contiguous_lists(
         .iter()
         .map(|spec| {
             let len = spec.blocks_for_tokens(num_prompt_tokens + lookahead) as BlockId;
-            let nulls = match spec.kind() {
-                GroupKind::SlidingWindow { window } => {
-                    (window_floor(num_prompt_tokens.saturating_sub(1), window) / spec.effective_block_size())
-                        as BlockId
-                }
-                _ => 0,
+            let nulls = match spec.kind().attended_floor(num_prompt_tokens.saturating_sub(1)) {
+                Some(floor) => (floor / spec.effective_block_size()) as BlockId,
+                None => 0,
             };
             (0..len)
                 .map(|p| if p < nulls { NULL_BLOCK } else { first_id + p })

@@ -240,11 +240,9 @@ impl Allocator {
         for (group, pool) in self.pools.iter().enumerate() {
             let spec = pool.spec;
             let len = spec.blocks_for_tokens(slots);
-            let nulls = match (spec.kind(), attending_token) {
-                (GroupKind::SlidingWindow { window }, Some(token)) => {
-                    (window_floor(token, window) / spec.effective_block_size()).min(len)
-                }
-                _ => 0,
+            let nulls = match attending_token.and_then(|token| spec.kind().attended_floor(token)) {
+                Some(floor) => (floor / spec.effective_block_size()).min(len),
+                None => 0,
             };
             let mut hits = if self.prefix_caching && spec.kind() == GroupKind::Full {
                 self.lookup_prefix(group, prompt)
@@ -339,7 +337,8 @@ impl Allocator {
     }
 
     /// Frees window-group blocks that token `attending_token`'s window no longer sees (below the
-    /// block of token `attending_token + 1 - W`), replacing them with the null block.
+    /// block of token `attending_token + 1 - W`), and chunked-group blocks of chunks before its
+    /// own, replacing them with the null block.
     ///
     /// A prefill leg calls it with the last prompt token (`N - 1`), which the decode leg
     /// recomputes: every block holding tokens `N - W .. N - 1` stays, one token more than the
@@ -352,11 +351,10 @@ impl Allocator {
             .get_mut(&request)
             .ok_or(AllocError::UnknownRequest(request))?;
         for (group, pool) in self.pools.iter_mut().enumerate() {
-            let GroupKind::SlidingWindow { window } = pool.spec.kind() else {
+            let Some(first_needed) = pool.spec.kind().attended_floor(attending_token) else {
                 continue;
             };
             let list = &mut state.blocks[group];
-            let first_needed = window_floor(attending_token, window);
             let below = ((first_needed / pool.spec.effective_block_size()) as usize).min(list.len());
             for id in &mut list[..below] {
                 pool.unref(*id, tick, &mut self.freed, group);
@@ -508,16 +506,17 @@ pub fn window_floor(token: u64, window: u32) -> u64 {
     (token + 1).saturating_sub(u64::from(window))
 }
 
-/// Whether moving the attending token from `from` to `to` lets some window group of `layout`
-/// free a block (its window's oldest token crossed a block boundary). Lets a decode loop skip
-/// asking the allocator on steps where nothing would be freed.
+/// Whether moving the attending token from `from` to `to` lets some window or chunked group of
+/// `layout` free a block (the oldest token it attends to crossed a block boundary). Lets a
+/// decode loop skip asking the allocator on steps where nothing would be freed.
 pub fn window_crosses_block(layout: &KvLayout, from: u64, to: u64) -> bool {
-    layout.groups().iter().any(|group| match group.kind() {
-        GroupKind::SlidingWindow { window } => {
-            let block_tokens = group.effective_block_size();
-            window_floor(to, window) / block_tokens > window_floor(from, window) / block_tokens
+    layout.groups().iter().any(|group| {
+        let kind = group.kind();
+        let block_tokens = group.effective_block_size();
+        match (kind.attended_floor(from), kind.attended_floor(to)) {
+            (Some(from), Some(to)) => to / block_tokens > from / block_tokens,
+            _ => false,
         }
-        _ => false,
     })
 }
 
@@ -920,6 +919,50 @@ mod tests {
         assert!(window_crosses_block(&layout, 2, 20));
         let full_only = KvLayout::one_layer_per_group(vec![GroupSpec::full(4, 1).unwrap()]).unwrap();
         assert!(!window_crosses_block(&full_only, 0, 1000));
+    }
+
+    /// Chunks of 6 tokens in blocks of 4 (a chunk is no whole number of blocks): token t
+    /// attends from 6 * floor(t / 6). Allocation for attending token 13 (chunk 12..=17) nulls
+    /// blocks 0-2 (tokens 0..=11); release for token 18 (chunk 18..=23) also frees block 3
+    /// (tokens 12..=15), keeps block 4 (16..=19, holding token 18). Crossings are at chunk starts
+    /// that enter a new block only.
+    #[test]
+    fn chunked_groups_null_and_release_the_blocks_of_earlier_chunks() {
+        let layout = KvLayout::one_layer_per_group(vec![
+            GroupSpec::full(4, 1).unwrap(),
+            GroupSpec::chunked_local(4, 6, 1).unwrap(),
+        ])
+        .unwrap();
+        let mut allocator = Allocator::new(&layout, &[16, 16], false).unwrap();
+        let allocation = allocator.allocate(RequestId(1), &[1; 14], 20, Some(13)).unwrap();
+        assert_eq!(allocation.blocks[0].len(), 5);
+        let chunked = &allocation.blocks[1];
+        assert_eq!(chunked.len(), 5);
+        assert_eq!(&chunked[..3], &[NULL_BLOCK; 3]);
+        assert!(chunked[3..].iter().all(|&id| id != NULL_BLOCK));
+        let (kept_block_3, kept_block_4) = (chunked[3], chunked[4]);
+        allocator.poll_freed();
+        allocator.release_window(RequestId(1), 17).unwrap();
+        assert!(
+            allocator.poll_freed().is_empty(),
+            "token 17 is still in chunk 12..=17"
+        );
+        allocator.release_window(RequestId(1), 18).unwrap();
+        let lists = allocator.blocks(RequestId(1)).unwrap();
+        assert_eq!(lists[1], vec![0, 0, 0, 0, kept_block_4]);
+        let freed: Vec<(usize, BlockId)> = allocator
+            .poll_freed()
+            .iter()
+            .map(|freed| (freed.group, freed.block))
+            .collect();
+        assert_eq!(freed, vec![(1, kept_block_3)]);
+        assert!(!window_crosses_block(&layout, 12, 17));
+        assert!(window_crosses_block(&layout, 17, 18), "chunk 18.. leaves block 3");
+        assert!(!window_crosses_block(&layout, 18, 23));
+        assert!(
+            window_crosses_block(&layout, 23, 24),
+            "chunk 24.. starts in block 6, chunk 18.. in block 4"
+        );
     }
 
     #[test]

@@ -40,8 +40,10 @@ use crate::wire::Role;
 /// prompt: the blocks holding the tokens it does not recompute itself.
 ///
 /// Full groups: the blocks holding tokens `0 ..= N - 2`. Window groups: the blocks holding tokens
-/// `max(0, N - W) ..= N - 2` (the last prompt token's window, minus that token). Both are empty
-/// (`0..0`) when there is no such token (`N = 1`, or `W = 1`). Mamba groups: their state,
+/// `max(0, N - W) ..= N - 2` (the last prompt token's window, minus that token). Chunked local
+/// groups: the blocks holding tokens `C * floor((N - 1) / C) ..= N - 2` (the last prompt token's
+/// chunk, minus that token). All are empty (`0..0`) when there is no such token (`N = 1`,
+/// `W = 1`, or the last prompt token opens its chunk). Mamba groups: their state,
 /// position 0, always. Aligned mamba groups: the position holding the state after `N - 1`
 /// tokens, `(N - 2) / B` (none when `N = 1`: the decoder starts from the empty state).
 pub fn needed_positions(group: &GroupSpec, num_prompt_tokens: u64) -> Range<u64> {
@@ -52,7 +54,10 @@ pub fn needed_positions(group: &GroupSpec, num_prompt_tokens: u64) -> Range<u64>
         // The state after tokens 0 ..= N - 2 is stored with the last of them.
         GroupKind::MambaAlign => end.saturating_sub(1),
         GroupKind::Full => 0,
-        GroupKind::SlidingWindow { window } => num_prompt_tokens.saturating_sub(u64::from(window)),
+        // The oldest token the last prompt token (N - 1) attends to.
+        kind @ (GroupKind::SlidingWindow { .. } | GroupKind::ChunkedLocal { .. }) => {
+            kind.attended_floor(end).unwrap_or(0)
+        }
     };
     if first >= end {
         return 0..0;
@@ -360,7 +365,8 @@ pub fn legacy_pair(
             GroupKind::Mamba | GroupKind::MambaAlign => {
                 (0, 0, &remote[..remote.len().min(1)], &local[..local.len().min(1)])
             }
-            GroupKind::Full => (0, 0, &remote[..], &local[..]),
+            // MoRIIO clips window groups only; a chunked group's lists are paired whole.
+            GroupKind::Full | GroupKind::ChunkedLocal { .. } => (0, 0, &remote[..], &local[..]),
             GroupKind::SlidingWindow { window } => {
                 let keep = u64::from(window).div_ceil(u64::from(spec.block_size())) + 1;
                 let keep = usize::try_from(keep).unwrap_or(usize::MAX);
@@ -492,6 +498,12 @@ fn describe_spec_difference(ours: &GroupSpec, theirs: &GroupSpec) -> String {
             "window {} vs {}",
             ours.kind().window().unwrap_or(0),
             theirs.kind().window().unwrap_or(0)
+        )
+    } else if ours.kind().chunk() != theirs.kind().chunk() {
+        format!(
+            "chunk {} vs {}",
+            ours.kind().chunk().unwrap_or(0),
+            theirs.kind().chunk().unwrap_or(0)
         )
     } else {
         format!(

@@ -1,7 +1,8 @@
 //! KV-cache layout: the groups a model's layers fall into, and what each group's block means.
 //!
 //! A *group* is a set of layers sharing one block table and one kind: full attention, sliding
-//! window attention (window `W` tokens) or a mamba-style recurrent state. Each attention group has
+//! window attention (window `W` tokens), chunked local attention (chunks of `C` tokens, Llama 4's)
+//! or a mamba-style recurrent state. Each attention group has
 //! its own block size `B` (tokens per block) and a decode-context-parallel factor `d`; a scheduler
 //! block of a DCP-sharded group holds `B * d` tokens, the *effective* block size every block count
 //! in the exchange must use.
@@ -27,6 +28,13 @@ pub enum GroupKind {
     },
     /// A fixed-size recurrent state (one state block per request, plus scratch slots).
     Mamba,
+    /// Chunked local attention (Llama 4's, vLLM's `ChunkedLocalAttentionSpec`): positions are cut
+    /// into chunks of `chunk` tokens and a token attends to itself and the tokens before it in
+    /// its own chunk, so the blocks of earlier chunks fall out as a window's do.
+    ChunkedLocal {
+        /// Chunk length in tokens.
+        chunk: u32,
+    },
     /// A recurrent state checkpointed every `block_size` tokens (vLLM's
     /// `mamba_cache_mode = "align"`, its mamba prefix caching): the block list is indexed by
     /// token position like an attention group's, and the running state after `t` tokens sits at
@@ -49,6 +57,32 @@ impl GroupKind {
             GroupKind::SlidingWindow { .. } => "sliding_window",
             GroupKind::Mamba => "mamba",
             GroupKind::MambaAlign => "mamba_align",
+            GroupKind::ChunkedLocal { .. } => "chunked_local",
+        }
+    }
+
+    /// The oldest token that token `token` attends to, for the kinds that attend to a suffix of
+    /// the positions only (a sliding window, a chunk); `None` for full attention and recurrent
+    /// state. Blocks wholly below it hold nothing the token reads.
+    pub fn attended_floor(&self, token: u64) -> Option<u64> {
+        match self {
+            GroupKind::SlidingWindow { window } => Some((token + 1).saturating_sub(u64::from(*window))),
+            GroupKind::ChunkedLocal { chunk } => Some(token / u64::from(*chunk) * u64::from(*chunk)),
+            GroupKind::Full | GroupKind::Mamba | GroupKind::MambaAlign => None,
+        }
+    }
+
+    /// Whether tokens attend to a suffix only (a sliding window or a chunk): blocks fall out of
+    /// use as decoding moves on.
+    pub fn is_local_attention(&self) -> bool {
+        self.attended_floor(0).is_some()
+    }
+
+    /// The chunk in tokens, for chunked local groups.
+    pub fn chunk(&self) -> Option<u32> {
+        match self {
+            GroupKind::ChunkedLocal { chunk } => Some(*chunk),
+            _ => None,
         }
     }
 
@@ -80,6 +114,11 @@ impl GroupSpec {
     /// A sliding-window group with a window of `window` tokens.
     pub fn sliding_window(block_size: u32, window: u32, dcp: u32) -> Result<Self, LayoutError> {
         Self::new(GroupKind::SlidingWindow { window }, Some(block_size), dcp)
+    }
+
+    /// A chunked local attention group with chunks of `chunk` tokens.
+    pub fn chunked_local(block_size: u32, chunk: u32, dcp: u32) -> Result<Self, LayoutError> {
+        Self::new(GroupKind::ChunkedLocal { chunk }, Some(block_size), dcp)
     }
 
     /// A mamba (recurrent state) group.
@@ -121,10 +160,23 @@ impl GroupSpec {
                     dcp,
                 })
             }
-            GroupKind::Full | GroupKind::SlidingWindow { .. } => {
+            GroupKind::Full | GroupKind::SlidingWindow { .. } | GroupKind::ChunkedLocal { .. } => {
                 let block_size = block_size.ok_or(LayoutError::MissingBlockSize { kind: kind.name() })?;
                 if block_size == 0 {
                     return Err(LayoutError::ZeroBlockSize);
+                }
+                if let GroupKind::ChunkedLocal { chunk } = kind {
+                    if chunk == 0 {
+                        return Err(LayoutError::ZeroChunk);
+                    }
+                    // vLLM refuses DCP with chunked local attention; chunks are cut on unsharded
+                    // token positions.
+                    if dcp != 1 {
+                        return Err(LayoutError::DcpNotSupported {
+                            kind: "chunked_local",
+                            dcp,
+                        });
+                    }
                 }
                 if let GroupKind::SlidingWindow { window } = kind {
                     if window == 0 {
@@ -256,6 +308,7 @@ impl KvLayout {
             .map(|group| {
                 let kind = match group.kind {
                     GroupKind::SlidingWindow { window } => format!("sliding_window({window})"),
+                    GroupKind::ChunkedLocal { chunk } => format!("chunked_local({chunk})"),
                     kind => kind.name().to_string(),
                 };
                 format!("{kind} block {} dcp {}", group.block_size, group.dcp)
@@ -296,6 +349,7 @@ impl KvLayout {
                 GroupKind::SlidingWindow { window } => (1, window),
                 GroupKind::Mamba => (2, 0),
                 GroupKind::MambaAlign => (3, 0),
+                GroupKind::ChunkedLocal { chunk } => (4, chunk),
             };
             hasher.update([tag]);
             hasher.update(window.to_le_bytes());
@@ -337,6 +391,9 @@ pub enum LayoutError {
     /// A window must cover at least the attending token.
     #[error("sliding_window window must be at least 1 token, got 0")]
     ZeroWindow,
+    /// A chunk must hold at least the attending token.
+    #[error("chunked_local chunk must be at least 1 token, got 0")]
+    ZeroChunk,
     /// DCP factor 0 is meaningless.
     #[error("dcp must be at least 1, got 0")]
     ZeroDcp,
@@ -378,7 +435,7 @@ pub enum LayoutError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GroupEntry {
-    /// `full`, `sliding_window` or `mamba`.
+    /// `full`, `sliding_window`, `chunked_local`, `mamba` or `mamba_align`.
     pub kind: String,
     /// Tokens per block; required for attention groups, refused for mamba.
     #[serde(default)]
@@ -386,6 +443,10 @@ pub struct GroupEntry {
     /// Window in tokens; required for `sliding_window`, refused elsewhere.
     #[serde(default)]
     pub window: Option<u32>,
+    /// Chunk in tokens (a model's `attention_chunk_size`); required for `chunked_local`,
+    /// refused elsewhere.
+    #[serde(default)]
+    pub chunk: Option<u32>,
     /// DCP factor, default 1.
     #[serde(default)]
     pub dcp: Option<u32>,
@@ -402,6 +463,9 @@ impl GroupEntry {
             "sliding_window" => GroupKind::SlidingWindow {
                 window: self.window.ok_or(GroupEntryError::MissingWindow { index })?,
             },
+            "chunked_local" => GroupKind::ChunkedLocal {
+                chunk: self.chunk.ok_or(GroupEntryError::MissingChunk { index })?,
+            },
             other => {
                 return Err(GroupEntryError::UnknownKind {
                     index,
@@ -411,6 +475,12 @@ impl GroupEntry {
         };
         if self.window.is_some() && kind.window().is_none() {
             return Err(GroupEntryError::WindowOnNonWindowGroup {
+                index,
+                kind: kind.name(),
+            });
+        }
+        if self.chunk.is_some() && kind.chunk().is_none() {
+            return Err(GroupEntryError::ChunkOnNonChunkedGroup {
                 index,
                 kind: kind.name(),
             });
@@ -427,7 +497,7 @@ impl GroupEntry {
 pub enum GroupEntryError {
     /// `kind` is not one pdkv knows.
     #[error(
-        "groups[{index}]: unknown kind {kind:?}, expected \"full\", \"sliding_window\", \"mamba\" or \"mamba_align\""
+        "groups[{index}]: unknown kind {kind:?}, expected \"full\", \"sliding_window\", \"chunked_local\", \"mamba\" or \"mamba_align\""
     )]
     UnknownKind {
         /// Group index.
@@ -440,6 +510,20 @@ pub enum GroupEntryError {
     MissingWindow {
         /// Group index.
         index: usize,
+    },
+    /// A chunked local group without a chunk.
+    #[error("groups[{index}]: chunked_local group needs a chunk")]
+    MissingChunk {
+        /// Group index.
+        index: usize,
+    },
+    /// A chunk on a group that has none.
+    #[error("groups[{index}]: chunk only applies to chunked_local groups, not {kind}")]
+    ChunkOnNonChunkedGroup {
+        /// Group index.
+        index: usize,
+        /// The group's kind.
+        kind: &'static str,
     },
     /// A window on a group that has none.
     #[error("groups[{index}]: window only applies to sliding_window groups, not {kind}")]
@@ -471,6 +555,8 @@ impl GroupEntryError {
         match self {
             GroupEntryError::UnknownKind { index, .. }
             | GroupEntryError::MissingWindow { index }
+            | GroupEntryError::MissingChunk { index }
+            | GroupEntryError::ChunkOnNonChunkedGroup { index, .. }
             | GroupEntryError::WindowOnNonWindowGroup { index, .. }
             | GroupEntryError::BlockSizeOnMamba { index }
             | GroupEntryError::Invalid { index, .. } => *index,

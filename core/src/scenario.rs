@@ -178,6 +178,7 @@ mod tests {
             kind: kind.into(),
             block_size,
             window,
+            chunk: None,
             dcp: None,
         }
     }
@@ -227,6 +228,76 @@ mod tests {
             entry("sliding_window", Some(4), Some(8)).to_spec(0),
             Ok(GroupSpec::sliding_window(4, 8, 1).unwrap())
         );
+    }
+
+    /// A chunked local group takes a chunk and a block size; no other kind takes a chunk; a
+    /// zero chunk and DCP are refused by name.
+    #[test]
+    fn chunked_local_entries_take_a_chunk_and_only_they_do() {
+        let chunked = |block_size, chunk, dcp| GroupEntry {
+            kind: "chunked_local".into(),
+            block_size,
+            window: None,
+            chunk,
+            dcp,
+        };
+        let with_chunk = |kind: &str| GroupEntry {
+            chunk: Some(64),
+            ..entry(kind, Some(16), None)
+        };
+        assert_eq!(
+            chunked(Some(32), Some(64), None).to_spec(2),
+            Ok(GroupSpec::chunked_local(32, 64, 1).unwrap())
+        );
+        assert_eq!(
+            GroupSpec::chunked_local(32, 64, 1).unwrap().kind(),
+            crate::layout::GroupKind::ChunkedLocal { chunk: 64 }
+        );
+        let cases = [
+            (
+                chunked(Some(32), None, None),
+                "groups[2]: chunked_local group needs a chunk",
+            ),
+            (
+                chunked(None, Some(64), None),
+                "groups[2]: chunked_local group needs a block_size",
+            ),
+            (
+                chunked(Some(32), Some(0), None),
+                "groups[2]: chunked_local chunk must be at least 1 token, got 0",
+            ),
+            (
+                chunked(Some(32), Some(64), Some(2)),
+                "groups[2]: chunked_local groups do not support dcp > 1, got dcp 2",
+            ),
+            (
+                with_chunk("full"),
+                "groups[2]: chunk only applies to chunked_local groups, not full",
+            ),
+            (
+                with_chunk("sliding_window"),
+                "groups[2]: sliding_window group needs a window",
+            ),
+            (
+                GroupEntry {
+                    window: Some(8),
+                    ..with_chunk("sliding_window")
+                },
+                "groups[2]: chunk only applies to chunked_local groups, not sliding_window",
+            ),
+            (
+                GroupEntry {
+                    window: Some(8),
+                    ..chunked(Some(32), Some(64), None)
+                },
+                "groups[2]: window only applies to sliding_window groups, not chunked_local",
+            ),
+        ];
+        for (entry, expected) in cases {
+            let error = entry.to_spec(2).unwrap_err();
+            assert_eq!(error.index(), 2);
+            assert_eq!(error.to_string(), expected, "{entry:?}");
+        }
     }
 
     fn file(json: &str) -> ScenarioFile {

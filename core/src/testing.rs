@@ -356,10 +356,7 @@ fn mamba_state(prompt: &[u32], group: usize) -> u64 {
 
 /// The positions an attention group's step at `position` attends to.
 fn attended(spec: &GroupSpec, position: usize) -> std::ops::RangeInclusive<usize> {
-    let first = match spec.kind() {
-        GroupKind::SlidingWindow { window } => (position + 1).saturating_sub(window as usize),
-        _ => 0,
-    };
+    let first = spec.kind().attended_floor(position as u64).unwrap_or(0) as usize;
     first..=position
 }
 
@@ -420,10 +417,12 @@ fn slots_per_block(spec: &GroupSpec) -> usize {
     }
 }
 
-/// The layouts scenarios draw from: hybrid, DCP, window-only plus full, with both prefill-token
-/// settings and lookahead tails on either leg.
+/// The layouts scenarios draw from: hybrid, DCP, window-only plus full, chunked local attention
+/// (a chunk that is not a whole number of blocks) beside full, with both prefill-token settings
+/// and lookahead tails on either leg.
 fn layout_for(choice: u64) -> KvLayout {
-    let groups = match choice % 4 {
+    let groups = match choice % 5 {
+        4 => vec![GroupSpec::chunked_local(4, 6, 1), GroupSpec::full(4, 1)],
         0 => vec![
             GroupSpec::full(4, 1),
             GroupSpec::sliding_window(4, 6, 1),
@@ -1320,6 +1319,13 @@ impl Sim {
             RequestOutcome::Failed { reason, .. } => {
                 if reason.to_string().is_empty() {
                     self.violation(format!("{client} failed without a reason"));
+                }
+                // No fault reaches the exchange: the lists the legs' allocators built must
+                // cover what the decode leg needs (a block freed too early fails closed here).
+                if matches!(reason, Failure::Exchange(_)) {
+                    self.violation(format!(
+                        "{client} failed in the exchange, the legs' lists not covering the need: {reason}"
+                    ));
                 }
                 self.report.failed += 1;
                 *self.report.failures.entry(reason.kind()).or_default() += 1;

@@ -9,7 +9,7 @@ use std::collections::{BTreeSet, HashMap};
 
 use pdkv_core::block::{BlockId, NULL_BLOCK};
 use pdkv_core::exchange::{self, BlockPair, ExchangeError, Pairing, needed_positions};
-use pdkv_core::layout::GroupKind::{Full, Mamba, MambaAlign, SlidingWindow};
+use pdkv_core::layout::GroupKind::{ChunkedLocal, Full, Mamba, MambaAlign, SlidingWindow};
 use pdkv_core::layout::{GroupSpec, KvLayout};
 use proptest::prelude::*;
 
@@ -27,9 +27,10 @@ fn seed_layout() -> KvLayout {
 }
 
 /// docs/ARCHITECTURE.md, "The exchange", step 2: the decode leg recomputes token `N - 1`, so it reads the KV
-/// of tokens `0 ..= N - 2` (full groups) or `max(0, N - W) ..= N - 2` (window groups), each in
-/// block `token / (B * dcp)`; a mamba group reads its state (position 0). Token by token, no
-/// shortcut.
+/// of tokens `0 ..= N - 2` (full groups), `max(0, N - W) ..= N - 2` (window groups) or, for
+/// chunked local groups, the tokens of `N - 1`'s own chunk before it (Llama 4: a token attends
+/// within its chunk of `C` tokens), each in block `token / (B * dcp)`; a mamba group reads its
+/// state (position 0). Token by token, no shortcut.
 fn positions_by_definition(spec: &GroupSpec, num_prompt_tokens: u64) -> Vec<u64> {
     let block_tokens = u64::from(spec.block_size()) * u64::from(spec.dcp());
     let first_token = match spec.kind() {
@@ -41,6 +42,11 @@ fn positions_by_definition(spec: &GroupSpec, num_prompt_tokens: u64) -> Vec<u64>
         MambaAlign => return vec![(num_prompt_tokens - 2) / block_tokens],
         Full => 0i128,
         SlidingWindow { window } => (num_prompt_tokens as i128 - i128::from(window)).max(0),
+        // The chunk of the last prompt token starts where its index leaves no remainder.
+        ChunkedLocal { chunk } => {
+            let last = num_prompt_tokens.saturating_sub(1);
+            (last - last % u64::from(chunk)) as i128
+        }
     };
     let last_token = num_prompt_tokens as i128 - 2;
     let mut positions = BTreeSet::new();
@@ -52,12 +58,17 @@ fn positions_by_definition(spec: &GroupSpec, num_prompt_tokens: u64) -> Vec<u64>
     positions.into_iter().collect()
 }
 
-/// The oldest position a window group keeps for the last prompt token (below it the allocator
-/// puts the null block): the block of token `max(0, N - W)`.
+/// The oldest position a window or chunked group keeps for the last prompt token (below it the
+/// allocator puts the null block): the block of token `max(0, N - W)`, or of the first token of
+/// token `N - 1`'s chunk.
 fn window_null_end(spec: &GroupSpec, num_prompt_tokens: u64) -> u64 {
     match spec.kind() {
         SlidingWindow { window } => {
             num_prompt_tokens.saturating_sub(u64::from(window)) / spec.effective_block_size()
+        }
+        ChunkedLocal { chunk } => {
+            let last = num_prompt_tokens.saturating_sub(1);
+            (last - last % u64::from(chunk)) / spec.effective_block_size()
         }
         _ => 0,
     }
@@ -369,6 +380,7 @@ fn check_needed(spec: GroupSpec, num_prompt_tokens: u64, expected: &[u64]) {
 fn needed_positions_at_the_edges() {
     let full = |b, dcp| GroupSpec::full(b, dcp).unwrap();
     let window = |b, w| GroupSpec::sliding_window(b, w, 1).unwrap();
+    let chunked = |b, c| GroupSpec::chunked_local(b, c, 1).unwrap();
     let cases: Vec<(GroupSpec, u64, Vec<u64>)> = vec![
         // N = 1: the decode leg recomputes the only token and reads nothing.
         (full(64, 1), 1, vec![]),
@@ -403,6 +415,23 @@ fn needed_positions_at_the_edges() {
         (full(1, 1), 3, vec![0, 1]),
         (GroupSpec::mamba(), 1, vec![0]),
         (GroupSpec::mamba(), 1000, vec![0]),
+        // Chunks of 64 tokens in blocks of 32: token N - 1 attends within its own chunk.
+        (chunked(32, 64), 1, vec![]),
+        (chunked(32, 64), 64, vec![0, 1]),
+        // N - 1 = 64 opens the second chunk: nothing before it in its chunk.
+        (chunked(32, 64), 65, vec![]),
+        (chunked(32, 64), 66, vec![2]),
+        (chunked(32, 64), 97, vec![2]),
+        (chunked(32, 64), 98, vec![2, 3]),
+        (chunked(32, 64), 200, vec![6]),
+        // A chunk that is not a whole number of blocks: chunk 2 (tokens 40 ..= 59) starts inside
+        // block 3 (tokens 36 ..= 47), whose first tokens are never read.
+        (chunked(12, 20), 60, vec![3, 4]),
+        (chunked(12, 20), 50, vec![3, 4]),
+        (chunked(12, 20), 48, vec![3]),
+        (chunked(12, 20), 41, vec![]),
+        (chunked(5, 7), 16, vec![2]),
+        (chunked(5, 7), 17, vec![2, 3]),
     ];
     for (spec, num_prompt_tokens, expected) in cases {
         check_needed(spec, num_prompt_tokens, &expected);
@@ -523,27 +552,37 @@ fn layout_strategy() -> impl Strategy<Value = KvLayout> {
         prop_oneof![Just(1u32), 1u32..=8, 1u32..=400],
         prop::sample::select(vec![1u32, 2, 4]),
         prop_oneof![Just(1u32), 1u32..=8, 1u32..=96],
+        (
+            prop_oneof![Just(1u32), 1u32..=8, 1u32..=64],
+            prop_oneof![Just(1u32), 1u32..=8, 1u32..=300],
+        ),
     )
-        .prop_map(|(block_size, window, dcp, window_block_size)| {
-            KvLayout::one_layer_per_group(vec![
-                GroupSpec::full(block_size, dcp).unwrap(),
-                GroupSpec::sliding_window(window_block_size, window, 1).unwrap(),
-                GroupSpec::mamba(),
-            ])
-            .unwrap()
-        })
+        .prop_map(
+            |(block_size, window, dcp, window_block_size, (chunk_block_size, chunk))| {
+                KvLayout::one_layer_per_group(vec![
+                    GroupSpec::full(block_size, dcp).unwrap(),
+                    GroupSpec::sliding_window(window_block_size, window, 1).unwrap(),
+                    GroupSpec::mamba(),
+                    GroupSpec::chunked_local(chunk_block_size, chunk, 1).unwrap(),
+                ])
+                .unwrap()
+            },
+        )
 }
 
 /// Prompt lengths weighted toward the edges of `layout`: N = 1, N within one block, block
 /// boundaries of the full group (`N = q * B_eff + r` for r in 0..=2, so `(N - 1) % B_eff == 0`
 /// occurs), N <= W, the window's start on a block boundary or a block's last token
-/// (`N - W = 0, 1, B - 1 mod B`), and anything up to 9000.
+/// (`N - W = 0, 1, B - 1 mod B`), the last prompt token opening a chunk or one past it
+/// (`N - 1 = 0, 1 mod C`), and anything up to 9000.
 fn prompt_strategy(layout: &KvLayout) -> BoxedStrategy<u64> {
     let full_block = layout.groups()[0].effective_block_size();
     let window_spec = layout.groups()[1];
     let window_block = window_spec.effective_block_size();
     let window = u64::from(window_spec.kind().window().unwrap_or(1));
+    let chunk = u64::from(layout.groups()[3].kind().chunk().unwrap_or(1));
     prop_oneof![
+        (0u64..=40, 0u64..=2).prop_map(move |(q, r)| q * chunk + r + 1),
         Just(1u64),
         1..=full_block,
         (0u64..=60, 0u64..=2).prop_map(move |(q, r)| (q * full_block + r).max(1)),
@@ -610,7 +649,7 @@ proptest! {
         let hits = |group: usize, fraction: f64| {
             (decode.blocks[group].len() as f64 * fraction) as u64
         };
-        let cached = vec![hits(0, full_hits), hits(1, window_hits), 0];
+        let cached = vec![hits(0, full_hits), hits(1, window_hits), 0, hits(3, window_hits)];
         let offer = exchange::offer(&layout, num_prompt_tokens, &prefill.blocks).unwrap();
         let need = exchange::need(&layout, num_prompt_tokens, &decode.blocks, &cached).unwrap();
         let pairing = exchange::pair(&layout, &offer, &need).unwrap();
@@ -638,7 +677,7 @@ proptest! {
     #[test]
     fn a_needed_null_is_refused(
         (layout, num_prompt_tokens) in layout_and_prompt(),
-        group in 0usize..=1,
+        group in prop::sample::select(vec![0usize, 1, 3]),
         pick in any::<prop::sample::Index>(),
         seed in any::<u64>(),
     ) {

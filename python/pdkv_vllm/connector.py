@@ -59,7 +59,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import RequestStatus
 
 from . import ExchangeError, Layout, need, offer, pair
@@ -253,6 +259,17 @@ def kv_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> li
                     "dcp": dcp if spec.dcp_sharded else 1,
                 }
             )
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            # Llama 4's local layers: a token attends within its chunk of attention_chunk_size
+            # tokens; vLLM nulls the blocks of earlier chunks as a window's.
+            groups.append(
+                {
+                    "kind": "chunked_local",
+                    "block_size": spec.block_size,
+                    "chunk": spec.attention_chunk_size,
+                    "dcp": dcp if getattr(spec, "dcp_sharded", False) else 1,
+                }
+            )
         elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
             # A window layer the hybrid allocator did not separate is allocated (and read) in full.
             groups.append(
@@ -261,7 +278,8 @@ def kv_groups(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> li
         else:
             raise ConnectorConfigError(
                 f"KV group {index}: {type(spec).__name__} is not a KV layout pdkv pairs "
-                "(full attention, sliding window, mamba with mamba_cache_mode \"none\" or \"align\")"
+                "(full attention, sliding window, chunked local attention, mamba with "
+                "mamba_cache_mode \"none\" or \"align\")"
             )
     return groups
 
@@ -438,7 +456,7 @@ def model_fields(vllm_config: "VllmConfig", groups: list[dict], states: list[dic
 def reshardable(groups: list[dict]) -> bool:
     """Whether legs of different tensor-parallel or DCP sizes can exchange this layout's KV:
     attention groups only (heads and tokens; a recurrent state is neither)."""
-    return all(group["kind"] in ("full", "sliding_window") for group in groups)
+    return all(group["kind"] in ("full", "sliding_window", "chunked_local") for group in groups)
 
 
 def page_order(kv_cache_config: "KVCacheConfig", kv_caches: dict[str, Any]) -> str | None:

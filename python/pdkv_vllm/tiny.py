@@ -170,6 +170,29 @@ CONFIGS = {
         "num_hidden_layers": 5,
         "tie_word_embeddings": True,
     },
+    # Llama 4's text layers: chunked local attention (chunks of 64 tokens, vLLM's
+    # ChunkedLocalAttentionSpec) in three layers of four, the fourth full attention without RoPE;
+    # dense feed-forward layers (no experts).
+    "llama4": {
+        **_COMMON,
+        "model_type": "llama4_text",
+        "architectures": ["Llama4ForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "attention_chunk_size": 64,
+        "no_rope_layers": [1, 1, 1, 0],
+        "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 0,
+        "moe_layers": [],
+        "intermediate_size_mlp": 256,
+        "use_qk_norm": True,
+        "attn_temperature_tuning": False,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+    },
     "deepseek": {
         **{key: value for key, value in _COMMON.items() if key != "head_dim"},
         "model_type": "deepseek_v2",

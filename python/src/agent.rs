@@ -1405,7 +1405,10 @@ impl Agent {
         for &(plane, remote_plane) in planes {
             let group = self.layout.layer_groups()[plane];
             let spec = self.layout.groups()[group];
-            let attention = matches!(spec.kind(), GroupKind::Full | GroupKind::SlidingWindow { .. });
+            let attention = matches!(
+                spec.kind(),
+                GroupKind::Full | GroupKind::SlidingWindow { .. } | GroupKind::ChunkedLocal { .. }
+            );
             if !attention || spec.dcp() != heads.decode.dcp() {
                 return Err(format!(
                     "group {group} ({}, dcp {}) cannot be read across different tensor-parallel or \

@@ -34,8 +34,8 @@ pub struct Layout {
 
 #[pymethods]
 impl Layout {
-    /// `groups_json`: a JSON list of `{"kind": "full"|"sliding_window"|"mamba"|"mamba_align", "block_size": B,
-    /// "window": W, "dcp": D}`; `layer_groups`: the group of each layer (default: one layer per
+    /// `groups_json`: a JSON list of `{"kind": "full"|"sliding_window"|"chunked_local"|"mamba"|"mamba_align", "block_size": B,
+    /// "window": W, "chunk": C, "dcp": D}`; `layer_groups`: the group of each layer (default: one layer per
     /// group).
     #[new]
     #[pyo3(signature = (groups_json, layer_groups=None))]

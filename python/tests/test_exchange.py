@@ -2,7 +2,8 @@
 exchange"), not from the code under test.
 
 The decode leg recomputes the last prompt token (N-1) itself, so it reads the KV of tokens
-0 ..= N-2 (full groups) or max(0, N-W) ..= N-2 (window groups), each block of B*dcp tokens
+0 ..= N-2 (full groups), max(0, N-W) ..= N-2 (window groups) or the tokens of N-1's own chunk
+before it (chunked local groups: chunks of C tokens), each block of B*dcp tokens
 holding positions p*B*dcp .. (p+1)*B*dcp - 1; a mamba group reads its state (position 0); an
 aligned mamba group (vLLM's prefix caching) keeps the state after t tokens at position
 (t-1) // B, so it reads the state after N-1 tokens at (N-2) // B (nothing when N = 1).
@@ -30,6 +31,11 @@ LAYOUTS = {
     # pdkv (like vLLM) supports decode context parallelism on full-attention groups only.
     "dcp2": [{"kind": "full", "block_size": 16, "dcp": 2}, {"kind": "mamba"}],
     "full+mamba_align": [{"kind": "full", "block_size": 16}, {"kind": "mamba_align", "block_size": 32}],
+    # Llama 4: chunked local attention beside full; a chunk of 40 is no whole number of blocks.
+    "full+chunked": [
+        {"kind": "full", "block_size": 16},
+        {"kind": "chunked_local", "block_size": 16, "chunk": 40},
+    ],
 }
 
 
@@ -40,7 +46,12 @@ def oracle_positions(group: dict, n: int) -> list[int]:
     if group["kind"] == "mamba_align":
         return [(n - 2) // group["block_size"]] if n >= 2 else []
     block_tokens = group["block_size"] * group.get("dcp", 1)
-    first = max(0, n - group["window"]) if group["kind"] == "sliding_window" else 0
+    first = 0
+    if group["kind"] == "sliding_window":
+        first = max(0, n - group["window"])
+    elif group["kind"] == "chunked_local":
+        # Token N-1's chunk begins at the multiple of C at or below it.
+        first = (n - 1) - (n - 1) % group["chunk"]
     return sorted({token // block_tokens for token in range(first, n - 1)})
 
 
@@ -57,7 +68,7 @@ def leg_blocks(groups: list[dict], n: int, lookahead: int, rng: random.Random) -
         count = -(-(n + lookahead) // block_tokens)
         ids = rng.sample(range(1, 1 << 20), count)
         needed = oracle_positions(group, n)
-        if group["kind"] == "sliding_window" and needed:
+        if group["kind"] in ("sliding_window", "chunked_local") and needed:
             for position in range(needed[0]):
                 ids[position] = 0
         if group["kind"] == "mamba_align":
