@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs bench/src/bin/in_flight.rs against an old build and this one, alternating, and prints
+# Runs bench/src/bin/in_flight.rs (and the bench/tiny-cluster.toml it includes) against an old build and this one, alternating, and prints
 # each build's median requests per second and the ratio new/old, per thread placement and way of
 # counting (batches of 16, a closed loop of 16). The same source file is built in both trees, so
 # only the runtime differs.
@@ -17,6 +17,7 @@ if [ ! -d "$old_tree" ]; then
   git -C "$repo" worktree add --detach "$old_tree" "$old_commit" >/dev/null
 fi
 cp "$repo/bench/src/bin/in_flight.rs" "$old_tree/bench/src/bin/in_flight.rs"
+cp "$repo/bench/tiny-cluster.toml" "$old_tree/bench/tiny-cluster.toml"
 grep -q '^futures-util' "$old_tree/bench/Cargo.toml" ||
   sed -i 's/^\[dependencies\]$/[dependencies]\nfutures-util.workspace = true/' "$old_tree/bench/Cargo.toml"
 echo "building $old_commit (old) and the working tree (new)" >&2

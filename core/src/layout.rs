@@ -165,31 +165,18 @@ impl GroupSpec {
                 if block_size == 0 {
                     return Err(LayoutError::ZeroBlockSize);
                 }
-                if let GroupKind::ChunkedLocal { chunk } = kind {
-                    if chunk == 0 {
-                        return Err(LayoutError::ZeroChunk);
-                    }
-                    // vLLM refuses DCP with chunked local attention; chunks are cut on unsharded
-                    // token positions.
-                    if dcp != 1 {
-                        return Err(LayoutError::DcpNotSupported {
-                            kind: "chunked_local",
-                            dcp,
-                        });
-                    }
+                match kind {
+                    GroupKind::SlidingWindow { window: 0 } => return Err(LayoutError::ZeroWindow),
+                    GroupKind::ChunkedLocal { chunk: 0 } => return Err(LayoutError::ZeroChunk),
+                    _ => {}
                 }
-                if let GroupKind::SlidingWindow { window } = kind {
-                    if window == 0 {
-                        return Err(LayoutError::ZeroWindow);
-                    }
-                    // vLLM's sliding-window manager asserts dcp == 1; so do we, because the
-                    // window clip is defined on unsharded token positions.
-                    if dcp != 1 {
-                        return Err(LayoutError::DcpNotSupported {
-                            kind: "sliding_window",
-                            dcp,
-                        });
-                    }
+                // vLLM asserts dcp == 1 for sliding-window and chunked local attention; so do we,
+                // because the window and the chunks are cut on unsharded token positions.
+                if kind.is_local_attention() && dcp != 1 {
+                    return Err(LayoutError::DcpNotSupported {
+                        kind: kind.name(),
+                        dcp,
+                    });
                 }
                 block_size
                     .checked_mul(dcp)

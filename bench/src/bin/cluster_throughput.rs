@@ -33,29 +33,8 @@ use pdkv_transport::control::{
 };
 use pdkv_transport::tls::ClusterCa;
 
-const CONFIG: &str = r#"
-[model]
-seed = 1
-d_model = 8
-vocab = 64
-layer_groups = [0, 1]
-[[model.groups]]
-kind = "full"
-block_size = 16
-[[model.groups]]
-kind = "sliding_window"
-block_size = 16
-window = 32
-[[nodes]]
-name = "prefill-0"
-role = "prefill"
-blocks_per_group = 1024
-[[nodes]]
-name = "decode-0"
-role = "decode"
-lookahead_tokens = 2
-blocks_per_group = 1024
-"#;
+/// The cluster: a tiny model (one full and one window layer), one prefill and one decode leg.
+const CONFIG: &str = include_str!("../../tiny-cluster.toml");
 
 const PROMPT_TOKENS: usize = 32;
 

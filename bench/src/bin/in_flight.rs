@@ -20,29 +20,7 @@ use pdkv_actors::engine::prompt_tokens;
 use pdkv_actors::router::Generate;
 
 /// The model and legs of `cluster_throughput`: a tiny model, one full and one window layer.
-const CONFIG: &str = r#"
-[model]
-seed = 1
-d_model = 8
-vocab = 64
-layer_groups = [0, 1]
-[[model.groups]]
-kind = "full"
-block_size = 16
-[[model.groups]]
-kind = "sliding_window"
-block_size = 16
-window = 32
-[[nodes]]
-name = "prefill-0"
-role = "prefill"
-blocks_per_group = 1024
-[[nodes]]
-name = "decode-0"
-role = "decode"
-lookahead_tokens = 2
-blocks_per_group = 1024
-"#;
+const CONFIG: &str = include_str!("../../tiny-cluster.toml");
 
 const PROMPT_TOKENS: usize = 32;
 const MAX_TOKENS: u32 = 2;
