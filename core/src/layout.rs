@@ -28,19 +28,20 @@ pub enum GroupKind {
     },
     /// A fixed-size recurrent state (one state block per request, plus scratch slots).
     Mamba,
-    /// Chunked local attention (Llama 4's, vLLM's `ChunkedLocalAttentionSpec`): positions are cut
-    /// into chunks of `chunk` tokens and a token attends to itself and the tokens before it in
-    /// its own chunk, so the blocks of earlier chunks fall out as a window's do.
-    ChunkedLocal {
-        /// Chunk length in tokens.
-        chunk: u32,
-    },
     /// A recurrent state checkpointed every `block_size` tokens (vLLM's
     /// `mamba_cache_mode = "align"`, its mamba prefix caching): the block list is indexed by
     /// token position like an attention group's, and the running state after `t` tokens sits at
     /// position `(t - 1) / block_size`, the earlier positions holding cached checkpoints or the
     /// null block.
     MambaAlign,
+    /// Chunked local attention (Llama 4's, vLLM's `ChunkedLocalAttentionSpec`): positions are cut
+    /// into chunks of `chunk` tokens and a token attends to itself and the tokens before it in
+    /// its own chunk, so the blocks of earlier chunks fall out as a window's do. (Last, so the
+    /// wire encoding of the kinds before it is what it was.)
+    ChunkedLocal {
+        /// Chunk length in tokens.
+        chunk: u32,
+    },
 }
 
 impl std::fmt::Display for GroupKind {
