@@ -501,11 +501,6 @@ impl Allocator {
     }
 }
 
-/// The oldest token that token `token` attends to under a window of `window` tokens.
-pub fn window_floor(token: u64, window: u32) -> u64 {
-    (token + 1).saturating_sub(u64::from(window))
-}
-
 /// Whether moving the attending token from `from` to `to` lets some window or chunked group of
 /// `layout` free a block (the oldest token it attends to crossed a block boundary). Lets a
 /// decode loop skip asking the allocator on steps where nothing would be freed.
