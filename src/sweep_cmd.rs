@@ -80,6 +80,25 @@ pub struct SweepArgs {
     /// second finds it in the decode leg's prefix cache.
     #[arg(long)]
     pub repeat: bool,
+    /// vLLM legs: how the oracle computes the last prompt token. `prefill` (default): in the
+    /// prompt's prefill, as a plain instance does. `decode`: in a decode step, as the decode leg
+    /// does after its READ: the oracle is asked for the prompt without its last token and one
+    /// token more, the prompt sent through P/D ends in the oracle's first token, and P/D's
+    /// tokens are compared with the oracle's after it. For models whose vLLM kernels compute a
+    /// token otherwise in a prefill than in a decode step (LFM2's short convolution on CPU:
+    /// up to 0.044 logprob apart in a plain instance), where only `decode` compares like with
+    /// like.
+    #[arg(long, value_enum, default_value = "prefill")]
+    pub last_token: LastToken,
+}
+
+/// `--last-token` values: where the oracle computes a prompt's last token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LastToken {
+    /// In the prompt's prefill.
+    Prefill,
+    /// In a decode step after the rest of the prompt's prefill.
+    Decode,
 }
 
 /// `--links` values.
@@ -120,9 +139,13 @@ pub fn run(args: SweepArgs, default_lengths: Option<Vec<u64>>) -> anyhow::Result
         let lengths = lengths_of(default_lengths)?;
         return crate::vllm_sweep::run(&args, cluster, text, lengths);
     }
-    if args.repeat || args.concurrency != 1 || args.oracle != crate::vllm_sweep::Oracle::Plain {
+    if args.repeat
+        || args.concurrency != 1
+        || args.oracle != crate::vllm_sweep::Oracle::Plain
+        || args.last_token != LastToken::Prefill
+    {
         anyhow::bail!(
-            "--repeat, --concurrency and --oracle are for vLLM legs; the reference engine's direct run is computed here"
+            "--repeat, --concurrency, --oracle and --last-token are for vLLM legs; the reference engine's direct run is computed here"
         );
     }
     let mut config = match &args.config {

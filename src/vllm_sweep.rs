@@ -24,7 +24,7 @@ use pdkv_core::wire::Role;
 use serde_json::{Value, json};
 
 use crate::client::sample_sum;
-use crate::sweep_cmd::SweepArgs;
+use crate::sweep_cmd::{LastToken, SweepArgs};
 
 /// How often a leg's idleness is polled after the last length.
 const IDLE_POLL: Duration = Duration::from_millis(100);
@@ -231,6 +231,34 @@ async fn complete(
         ));
     }
     Ok(answer)
+}
+
+/// The first generated token id of an answer, if it has one.
+fn first_token(answer: &Value) -> Option<u64> {
+    answer["choices"][0]["token_ids"][0].as_u64()
+}
+
+/// `answer` as if its first generated token had been part of the prompt: every per-token list
+/// of its first choice (token ids, logprobs, top logprobs, tokens, offsets) without its first
+/// entry.
+fn without_first_token(answer: &Value) -> Value {
+    let mut answer = answer.clone();
+    let drop_first = |list: Option<&mut Value>| {
+        if let Some(items) = list.and_then(Value::as_array_mut)
+            && !items.is_empty()
+        {
+            items.remove(0);
+        }
+    };
+    if let Some(choice) = answer.pointer_mut("/choices/0") {
+        drop_first(choice.get_mut("token_ids"));
+        if let Some(logprobs) = choice.get_mut("logprobs") {
+            for key in ["token_logprobs", "top_logprobs", "tokens", "text_offset"] {
+                drop_first(logprobs.get_mut(key));
+            }
+        }
+    }
+    answer
 }
 
 /// Where two answers' choices first differ, if they do: token ids, then each token's
@@ -487,8 +515,32 @@ pub fn run(
             );
             let sequential = args.concurrency == 1;
             let (max_tokens, logprobs, tolerance) = (args.max_tokens, args.logprobs, args.logprob_tolerance);
+            let last_token = args.last_token;
             async move {
-                let prompt = prompt(length);
+                let mut prompt = prompt(length);
+                // `--last-token decode`: the oracle answers the prompt without its last token,
+                // one token more; that first token becomes the prompt's last (below).
+                let early = match last_token {
+                    LastToken::Decode if length >= 2 => {
+                        let shorter = &prompt[..prompt.len() - 1];
+                        let early = complete(
+                            &client,
+                            &oracle_url,
+                            &body(&model, shorter, max_tokens + 1, logprobs),
+                            timeout,
+                        )
+                        .await;
+                        match early.as_ref().map(first_token) {
+                            Ok(Some(token)) => {
+                                prompt = [shorter, &[token]].concat();
+                                Some(early)
+                            }
+                            Ok(None) => Some(Err("oracle: an answer without token ids".to_string())),
+                            Err(_) => Some(early),
+                        }
+                    }
+                    _ => None,
+                };
                 let body = body(&model, &prompt, max_tokens, logprobs);
                 let before = if sequential {
                     load_counts(&client, &decode_urls).await.ok()
@@ -504,7 +556,10 @@ pub fn run(
                     Some((planned, outcome)) => (Some(planned), outcome),
                     None => (None, None),
                 };
-                let theirs = complete(&client, &oracle_url, &body, timeout).await;
+                let theirs = match early {
+                    Some(early) => early.map(|answer| without_first_token(&answer)),
+                    None => complete(&client, &oracle_url, &body, timeout).await,
+                };
                 let (matched, error, difference, largest_difference) = match (ours, theirs) {
                     (Ok(ours), Ok(theirs)) => {
                         let largest = largest_logprob_difference(&ours, &theirs);
@@ -593,6 +648,7 @@ pub fn run(
             json!({"summary": {
                 "engine": "vllm",
                 "oracle": match &args.oracle { Oracle::Plain => "plain".to_string(), Oracle::Leg => "leg".to_string(), Oracle::Url(url) => url.clone() },
+                "last_token": match args.last_token { LastToken::Prefill => "prefill", LastToken::Decode => "decode" },
                 "requests": rows.len(),
                 "matched": matched,
                 "failed": failed,
@@ -700,6 +756,30 @@ mod tests {
             difference(&no_ids, &no_ids, 0.0).is_some(),
             "answers without token ids never match"
         );
+    }
+
+    #[test]
+    fn an_answer_without_its_first_token_is_the_answer_one_token_later() {
+        let two = json!({"choices": [{
+            "text": "ab",
+            "token_ids": [5, 7],
+            "logprobs": {
+                "token_logprobs": [-0.5, -1.25],
+                "top_logprobs": [{"token_id:5": -0.5}, {"token_id:7": -1.25}],
+                "tokens": ["token_id:5", "token_id:7"],
+                "text_offset": [0, 1],
+            },
+        }]});
+        assert_eq!(first_token(&two), Some(5));
+        let later = without_first_token(&two);
+        let one = answer(&[7], &[-1.25], json!([{"token_id:7": -1.25}]));
+        assert_eq!(difference(&later, &one, 0.0), None);
+        assert_eq!(later["choices"][0]["logprobs"]["tokens"], json!(["token_id:7"]));
+        assert_eq!(later["choices"][0]["logprobs"]["text_offset"], json!([1]));
+        assert_eq!(first_token(&json!({"choices": [{"text": "x"}]})), None);
+        // Nothing to drop leaves the answer as it was.
+        let empty = json!({"choices": [{"token_ids": []}]});
+        assert_eq!(without_first_token(&empty), empty);
     }
 
     #[test]

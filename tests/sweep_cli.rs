@@ -102,6 +102,13 @@ fn bad_inputs_are_refused_with_the_key_named() {
     let (code, _, stderr) = pdkv(&["sweep", "--lengths", "5", "--max-tokens", "0"]);
     assert_eq!(code, 2, "clap refuses the value");
     assert!(stderr.contains("--max-tokens"), "{stderr}");
+    // vLLM-only flags on the reference engine: refused by name, not ignored.
+    let (code, _, stderr) = pdkv(&["sweep", "--lengths", "5", "--last-token", "decode"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("--last-token are for vLLM legs"), "{stderr}");
+    let (code, _, stderr) = pdkv(&["sweep", "--lengths", "5", "--last-token", "middle"]);
+    assert_eq!(code, 2, "clap refuses the value");
+    assert!(stderr.contains("--last-token"), "{stderr}");
     let (code, _, stderr) = pdkv(&["demo", "--config", "does/not/exist.toml"]);
     assert_eq!(code, 1);
     assert!(

