@@ -731,10 +731,27 @@ fn sweep_model(
     lengths: &str,
     logprob_tolerance: &str,
 ) {
-    sweep_model_with(kind, args, prefix_caching, mtp, lengths, logprob_tolerance, &[]);
+    sweep_model_with(
+        kind,
+        args,
+        prefix_caching,
+        mtp,
+        lengths,
+        logprob_tolerance,
+        More::default(),
+    );
 }
 
-/// [`sweep_model`] with more `pdkv sweep` flags (`sweep_args`).
+/// What [`sweep_model_with`] adds to [`sweep_model`]'s runs.
+#[derive(Default, Clone, Copy)]
+struct More<'a> {
+    /// More `pdkv sweep` flags.
+    sweep: &'a [&'a str],
+    /// More flags for the plain instance only.
+    oracle: &'a [&'a str],
+}
+
+/// [`sweep_model`] with `more` flags for the sweep and the plain instance.
 fn sweep_model_with(
     kind: &str,
     args: &[&str],
@@ -742,7 +759,7 @@ fn sweep_model_with(
     mtp: Option<u32>,
     lengths: &str,
     logprob_tolerance: &str,
-    sweep_args: &[&str],
+    more: More,
 ) {
     let Some(python) = vllm_python() else {
         return;
@@ -755,7 +772,11 @@ fn sweep_model_with(
     let (cluster, oracle_args) = model_cluster(&python, &model, args, prefix_caching, mtp.map(|k| (k, k)));
     let config = dir.join("cluster.toml");
     std::fs::write(&config, cluster).unwrap();
-    let oracle_args: Vec<&str> = oracle_args.iter().map(String::as_str).collect();
+    let oracle_args: Vec<&str> = oracle_args
+        .iter()
+        .map(String::as_str)
+        .chain(more.oracle.iter().copied())
+        .collect();
     let mut oracle = Oracle::start_with(&python, &model, &dir, &oracle_args);
     let run = dir.join("run");
     let launched = Launched::start_within(&config, &run, &[], START_BOUND);
@@ -770,7 +791,7 @@ fn sweep_model_with(
         "--logprob-tolerance",
         logprob_tolerance,
     ];
-    extra.extend_from_slice(sweep_args);
+    extra.extend_from_slice(more.sweep);
     let (rows, summary) = sweep_lengths(&run, &launched, &oracle.url, lengths, &extra);
     assert_eq!(rows.len(), lengths.split(',').count());
     assert_eq!(summary["matched"], rows.len(), "{summary}");
@@ -916,19 +937,32 @@ fn models_of_other_attention_shapes_serve_pd_equal_to_a_plain_instance() {
 /// kernels compute a token in a decode step otherwise than in a prefill (up to 0.044 logprob
 /// apart in a plain instance), and the decode leg computes the last prompt token in a decode
 /// step; so the oracle does too (`--last-token decode`), and P/D equals it within 1e-4 at
-/// lengths on both sides of the block size, N - 1 tokens read each.
+/// lengths on both sides of the block size, N - 1 tokens read each. With prefix caching
+/// (`mamba_cache_mode = "align"`) vLLM also splits a prefill at block edges, which moves LFM2's
+/// logprobs as much in a plain instance; there the oracle caches prefixes too.
 #[test]
 fn a_short_convolution_model_serves_pd_equal_to_a_plain_instance_decoding_the_last_token() {
     let lengths = "1,2,3,4,31,32,33,63,64,65,100,300,1000";
-    sweep_model_with(
-        "lfm2",
-        ENGINE_ARGS,
-        false,
-        None,
-        lengths,
-        "1e-4",
-        &["--last-token", "decode"],
-    );
+    let decode = More {
+        sweep: &["--last-token", "decode"],
+        oracle: &[],
+    };
+    sweep_model_with("lfm2", ENGINE_ARGS, false, None, lengths, "1e-4", decode);
+    let caching = More {
+        oracle: &["--enable-prefix-caching"],
+        ..decode
+    };
+    sweep_model_with("lfm2", ENGINE_ARGS, true, None, lengths, "1e-4", caching);
+}
+
+/// Falcon-H1's parallel hybrid (`pdkv_vllm.tiny falcon_h1`): every layer runs attention and
+/// Mamba2 side by side, so a layer has KV in the full-attention group and a state (convolution
+/// and SSM) in the mamba group. Lengths around the block size and Mamba2's 256-token scan chunk,
+/// equal to a plain instance within 1e-4, N - 1 tokens read each.
+#[test]
+fn a_parallel_attention_and_mamba_model_serves_pd_equal_to_a_plain_instance() {
+    let lengths = "1,2,3,31,32,33,100,255,256,257,1000";
+    sweep_model("falcon_h1", ENGINE_ARGS, false, None, lengths, "1e-4");
 }
 
 /// Llama 4's text layers (`pdkv_vllm.tiny llama4`): three of four layers chunked local

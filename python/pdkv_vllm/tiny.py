@@ -25,6 +25,8 @@ Kinds (one per KV layout pdkv must pair):
   else, vLLM's mamba group) alternating with full attention, embeddings tied. vLLM's CPU kernels
   compute a token otherwise in a prefill than in a decode step for it (up to 0.044 logprob apart
   in a plain instance), so compare P/D with ``pdkv sweep --last-token decode``;
+- ``falcon_h1``: Falcon-H1's parallel hybrid: every layer runs attention and Mamba2 side by
+  side, so each layer has KV in the full-attention group and a state in the mamba group;
 - ``qwen3``: full attention with one KV head of 64 dimensions and q/k norms;
 - ``gemma2``: layers alternating a 40-token window and full attention, logits soft-capped,
   embeddings tied;
@@ -168,6 +170,28 @@ CONFIGS = {
         "block_ffn_dim_multiplier": 1.0,
         "tie_embedding": True,
         "tie_word_embeddings": True,
+    },
+    # Falcon-H1: attention and Mamba2 side by side in every layer (each layer in both the
+    # full-attention and the mamba group).
+    "falcon_h1": {
+        **_COMMON,
+        "model_type": "falcon_h1",
+        "architectures": ["FalconH1ForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "mamba_d_ssm": 256,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mamba_norm_before_gate": False,
+        "mamba_rms_norm": False,
+        "projectors_bias": False,
+        "rope_theta": 10000.0,
     },
     # One KV head of 64 dimensions and q/k norms: attention of another shape than llama's.
     "qwen3": {
