@@ -84,10 +84,10 @@ pub struct SweepArgs {
     /// prompt's prefill, as a plain instance does. `decode`: in a decode step, as the decode leg
     /// does after its READ: the oracle is asked for the prompt without its last token and one
     /// token more, the prompt sent through P/D ends in the oracle's first token, and P/D's
-    /// tokens are compared with the oracle's after it. For models whose vLLM kernels compute a
-    /// token otherwise in a prefill than in a decode step (LFM2's short convolution on CPU:
-    /// up to 0.044 logprob apart in a plain instance), where only `decode` compares like with
-    /// like.
+    /// tokens are compared with the oracle's after it (a one-token prompt is compared as it
+    /// is). For models whose vLLM kernels compute a token otherwise in a prefill than in a
+    /// decode step (LFM2's short convolution on CPU: up to 0.044 logprob apart in a plain
+    /// instance), where only `decode` compares like with like.
     #[arg(long, value_enum, default_value = "prefill")]
     pub last_token: LastToken,
 }
