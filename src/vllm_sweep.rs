@@ -535,7 +535,7 @@ pub fn run(
                                 prompt = [shorter, &[token]].concat();
                                 Some(early)
                             }
-                            Ok(None) => Some(Err("oracle: an answer without token ids".to_string())),
+                            Ok(None) => Some(Err(format!("{oracle_url}: an answer without token ids"))),
                             Err(_) => Some(early),
                         }
                     }
