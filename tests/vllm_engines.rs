@@ -977,6 +977,29 @@ fn a_chunked_local_attention_model_serves_pd_equal_to_a_plain_instance() {
     sweep_model("llama4", ENGINE_ARGS, true, None, lengths, "1e-4");
 }
 
+/// Gemma 3n's text model (`pdkv_vllm.tiny gemma3n`): its last three layers keep no KV of their
+/// own and attend over the KV of the last earlier layer of their kind, so vLLM leaves them out
+/// of every KV group and the legs exchange the window (32 tokens) and full groups of the first
+/// three layers only. With prefix caching on (vLLM's default), lengths on both sides of the
+/// window and block edges equal a plain instance within 1e-4, N - 1 tokens read each.
+#[test]
+fn a_model_whose_layers_share_kv_serves_pd_equal_to_a_plain_instance() {
+    let lengths = "1,2,3,31,32,33,34,63,64,65,66,100,513,2000";
+    sweep_model("gemma3n", ENGINE_ARGS, true, None, lengths, "1e-4");
+}
+
+/// Zamba2 (`pdkv_vllm.tiny zamba2`): six Mamba2 layers, two of which also run one attention
+/// block whose weights they share while each keeps KV of its own (a full-attention group of
+/// two layers beside the mamba group of six, in vLLM's block size for the hybrid). Without
+/// prefix caching, lengths around the block size and the 256-token scan chunk equal a plain
+/// instance within 1e-4, N - 1 tokens read each.
+#[test]
+fn a_mamba2_model_with_a_shared_attention_block_serves_pd_equal_to_a_plain_instance() {
+    let args = with_flag(HYBRID_ARGS, "--dtype", "float32");
+    let lengths = "1,2,3,5,17,31,32,33,100,255,256,257,513,1025,2000";
+    sweep_model("zamba2", &args, false, None, lengths, "1e-4");
+}
+
 #[test]
 fn a_hybrid_recurrent_state_model_serves_pd_with_prefix_caching() {
     hybrid(true);

@@ -30,6 +30,10 @@ Kinds (one per KV layout pdkv must pair):
 - ``qwen3``: full attention with one KV head of 64 dimensions and q/k norms;
 - ``gemma2``: layers alternating a 40-token window and full attention, logits soft-capped,
   embeddings tied;
+- ``gemma3n``: Gemma 3n's text model: window (32) and full attention, its last three layers
+  sharing the KV of earlier ones (no KV of their own, in no KV group of vLLM's);
+- ``zamba2``: Zamba2's Mamba2 layers, two of which also run one shared-weight attention block
+  with KV of its own each;
 - ``deepseek``: DeepSeek-V2's multi-head latent attention (MLA: one latent of 512 + 64 rope
   dimensions per token, the same on every TP rank) with a mixture of experts after its first
   layer. vLLM's CPU MLA backend takes only that latent size, in blocks of 16 tokens.
@@ -63,6 +67,9 @@ WINDOW = 48
 
 #: The longest sequence the tiny models take.
 MAX_POSITIONS = 2048
+
+#: Kinds whose norm weights are stored as offsets from one (Gemma 2 and 3; Gemma 3n's are not).
+NORMS_AS_OFFSETS = frozenset({"gemma2", "gemma3"})
 
 #: The special tokens, right after the 256 byte tokens.
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -241,6 +248,55 @@ CONFIGS = {
         "rope_scaling": None,
         "rope_theta": 10000.0,
     },
+    # Gemma 3n's text model: its last three layers keep no KV of their own and attend over the
+    # KV of the last earlier layer of their kind (vLLM's kv_sharing_target_layer_name: they are
+    # in no KV group), window (32) and full attention, AltUp, LAuReL and per-layer inputs, embeddings tied
+    # (vLLM loads no separate LM head for it).
+    "gemma3n": {
+        **_COMMON,
+        "model_type": "gemma3n_text",
+        "architectures": ["Gemma3nForCausalLM"],
+        "rms_norm_eps": 1e-6,
+        "num_hidden_layers": 6,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 3,
+        "sliding_window": 32,
+        "vocab_size_per_layer_input": VOCAB,
+        "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8,
+        "altup_num_inputs": 4,
+        "altup_active_idx": 0,
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "activation_sparsity_pattern": [0.0] * 6,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+    # Zamba2: Mamba2 layers, two of them also running one attention block whose weights all
+    # such layers share while each keeps KV of its own (vLLM: one full-attention group of two
+    # layers beside the mamba group of six), embeddings tied.
+    "zamba2": {
+        **{key: value for key, value in _COMMON.items() if key not in ("head_dim", "num_hidden_layers")},
+        "model_type": "zamba2",
+        "architectures": ["Zamba2ForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "num_hidden_layers": 6,
+        "layers_block_type": ["mamba", "hybrid", "mamba", "mamba", "hybrid", "mamba"],
+        "num_key_value_heads": 4,
+        "attention_head_dim": 64,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_ngroups": 1,
+        "mamba_headdim": 32,
+        "n_mamba_heads": 8,
+        "num_mem_blocks": 1,
+        "use_shared_attention_adapter": False,
+        "adapter_rank": 8,
+        "use_mem_rope": True,
+        "tie_word_embeddings": True,
+    },
     "deepseek": {
         **{key: value for key, value in _COMMON.items() if key != "head_dim"},
         "model_type": "deepseek_v2",
@@ -320,7 +376,7 @@ def write_model(kind: str, directory: str, seed: int = 0) -> str:
             if "norm" in name:
                 # Norm scales near one (Gemma's are stored as offsets from one).
                 parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
-                if not kind.startswith("gemma"):
+                if kind not in NORMS_AS_OFFSETS:
                     parameter.add_(1.0)
             else:
                 # Large enough that the logits spread and different KV gives different tokens.
