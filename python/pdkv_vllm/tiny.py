@@ -5,8 +5,8 @@ reachable (CI, this project's CPU-only machines).
 ``model.safetensors`` (weights drawn from a seeded generator, large enough that different KV
 gives different tokens, unlike vLLM's ``load_format="dummy"``), and a byte-level tokenizer with a
 chat template, so text prompts, ``logprobs`` and ``/v1/chat/completions`` work as with a real
-model. Every kind but ``deepseek`` and ``qwen3`` has head_dim 32 (vLLM's CPU attention refuses 16) and fits
-vLLM's CPU block size of 32.
+model. Every kind but ``deepseek``, ``qwen3`` and ``zamba2`` (64) has head_dim 32 (vLLM's CPU
+attention refuses 16) and fits vLLM's CPU block size of 32.
 
 Kinds (one per KV layout pdkv must pair):
 
