@@ -1257,3 +1257,24 @@ fn legs_of_different_splits_serve_pd(
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Mamba2 alone (`pdkv_vllm.tiny mamba2`): four Mamba2 layers and no attention at all, so the
+/// legs exchange a mamba group and no KV group, and the decoder's first token comes from the
+/// state it read and nothing else. Without prefix caching, in float32, lengths around the block
+/// size and the 256-token scan chunk equal a plain instance within 1e-4, N - 1 tokens read each.
+#[test]
+fn a_model_without_attention_serves_pd_equal_to_a_plain_instance() {
+    let args = with_flag(HYBRID_ARGS, "--dtype", "float32");
+    let lengths = "1,2,3,5,17,31,32,33,100,255,256,257,513,1025,2000";
+    sweep_model("mamba2", &args, false, None, lengths, "1e-4");
+}
+
+/// gpt-oss (`pdkv_vllm.tiny gpt_oss`): attention sinks (a learned logit per head that every
+/// softmax row includes), layers alternating a 48-token window and full attention, experts,
+/// YaRN positions. Lengths on both sides of the window and block edges equal a plain instance
+/// within 1e-4, N - 1 tokens read each.
+#[test]
+fn a_model_with_attention_sinks_serves_pd_equal_to_a_plain_instance() {
+    let lengths = "1,2,3,31,32,33,47,48,49,50,63,64,65,100,513,2000";
+    sweep_model("gpt_oss", ENGINE_ARGS, false, None, lengths, "1e-4");
+}

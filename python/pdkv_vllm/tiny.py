@@ -5,8 +5,8 @@ reachable (CI, this project's CPU-only machines).
 ``model.safetensors`` (weights drawn from a seeded generator, large enough that different KV
 gives different tokens, unlike vLLM's ``load_format="dummy"``), and a byte-level tokenizer with a
 chat template, so text prompts, ``logprobs`` and ``/v1/chat/completions`` work as with a real
-model. Every kind but ``deepseek``, ``qwen3`` and ``zamba2`` (64) has head_dim 32 (vLLM's CPU
-attention refuses 16) and fits vLLM's CPU block size of 32.
+model. Every kind with attention but ``deepseek``, ``qwen3`` and ``zamba2`` (64) has head_dim 32
+(vLLM's CPU attention refuses 16) and fits vLLM's CPU block size of 32.
 
 Kinds (one per KV layout pdkv must pair):
 
@@ -34,6 +34,13 @@ Kinds (one per KV layout pdkv must pair):
   sharing the KV of earlier ones (no KV of their own, in no KV group of vLLM's);
 - ``zamba2``: Zamba2's Mamba2 layers, two of which also run one shared-weight attention block
   with KV of its own each;
+- ``mamba2``: Mamba2 layers only, no attention (a mamba group and no KV group);
+- ``nemotron_h``: Nemotron-H's Mamba2, attention and MLP-only layers (the last keep no cache);
+- ``gpt_oss``: gpt-oss's attention sinks, window (48) and full attention alternating, experts,
+  YaRN positions;
+- ``cohere2``: three window layers (48) and one full-attention layer without positions, the
+  attention and MLP of a layer in parallel, embeddings tied;
+- ``exaone4``: EXAONE 4's window (48) and full attention alternating, q/k norms;
 - ``deepseek``: DeepSeek-V2's multi-head latent attention (MLA: one latent of 512 + 64 rope
   dimensions per token, the same on every TP rank) with a mixture of experts after its first
   layer. vLLM's CPU MLA backend takes only that latent size, in blocks of 16 tokens.
@@ -95,6 +102,9 @@ _COMMON = {
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
 }
+
+#: Keys of ``_COMMON`` that only models with attention and an MLP take.
+_ATTENTION_KEYS = ("head_dim", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 CONFIGS = {
     "llama": {**_COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5},
@@ -296,6 +306,93 @@ CONFIGS = {
         "adapter_rank": 8,
         "use_mem_rope": True,
         "tie_word_embeddings": True,
+    },
+    # Mamba2 only: no attention at all, so the legs exchange one mamba group and no KV group.
+    "mamba2": {
+        **{key: value for key, value in _COMMON.items() if key not in _ATTENTION_KEYS},
+        "model_type": "mamba2",
+        "architectures": ["Mamba2ForCausalLM"],
+        "layer_norm_epsilon": 1e-5,
+        "num_heads": 8,
+        "head_dim": 32,
+        "state_size": 16,
+        "expand": 2,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "chunk_size": 256,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hidden_act": "silu",
+        "residual_in_fp32": True,
+        "time_step_rank": 8,
+        "rms_norm": True,
+    },
+    # Nemotron-H: Mamba2, attention and MLP-only layers (the MLP layers keep no cache at all).
+    "nemotron_h": {
+        **_COMMON,
+        "model_type": "nemotron_h",
+        "architectures": ["NemotronHForCausalLM"],
+        "num_hidden_layers": 6,
+        "hybrid_override_pattern": "M*-M*-",
+        "layers_block_type": ["mamba", "attention", "mlp", "mamba", "attention", "mlp"],
+        "layer_norm_epsilon": 1e-5,
+        "mlp_hidden_act": "relu2",
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "ssm_state_size": 16,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "expand": 2,
+        "chunk_size": 256,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "mamba_hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    # gpt-oss: attention sinks, window (48) and full attention alternating, experts.
+    "gpt_oss": {
+        **_COMMON,
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "intermediate_size": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "attention_bias": True,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150000.0,
+        },
+    },
+    # Cohere2: three window layers (48) then a full one without positions; parallel attention
+    # and MLP; layer norms; embeddings tied, logits scaled.
+    "cohere2": {
+        **_COMMON,
+        "model_type": "cohere2",
+        "architectures": ["Cohere2ForCausalLM"],
+        "layer_norm_eps": 1e-5,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "logit_scale": 0.25,
+        "tie_word_embeddings": True,
+    },
+    # EXAONE 4: window (48) and full layers, q/k norms, norms after the blocks.
+    "exaone4": {
+        **_COMMON,
+        "model_type": "exaone4",
+        "architectures": ["Exaone4ForCausalLM"],
+        "rms_norm_eps": 1e-5,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
     "deepseek": {
         **{key: value for key, value in _COMMON.items() if key != "head_dim"},
