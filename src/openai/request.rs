@@ -396,14 +396,9 @@ fn admit(key: &str, prompt: u64, asked: Option<u64>, capacity: &Capacity) -> Res
 fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
     let value: Value = serde::Deserialize::deserialize(&mut deserializer).map_err(|error| {
-        ApiError::invalid(
-            "body",
-            format!(
-                "not valid JSON at line {}, column {}",
-                error.line(),
-                error.column()
-            ),
-        )
+        // serde_json says what is wrong (a missing value, nesting past its recursion limit, a
+        // number out of range) and where; parsing into a `Value` names no Rust type.
+        ApiError::invalid("body", format!("not valid JSON: {error}"))
     })?;
     deserializer.end().map_err(|error| {
         ApiError::invalid(
@@ -790,6 +785,15 @@ mod tests {
             404
         );
         assert_eq!(param(r#"not json"#), "body");
+        let (_, _, message) = refused(Endpoint::Completions, r#"{"prompt": "x", "max_tokens": }"#);
+        assert!(
+            message.contains("expected value at line 1 column 31"),
+            "{message}"
+        );
+        let deep = format!(r#"{{"prompt": {}1{}}}"#, "[".repeat(1000), "]".repeat(1000));
+        let (status, field, message) = refused(Endpoint::Completions, &deep);
+        assert_eq!((status, field.as_str()), (400, "body"));
+        assert!(message.contains("recursion limit exceeded"), "{message}");
         assert_eq!(param(r#"{not json"#), "body");
         assert_eq!(param(r#"[1, 2]"#), "body");
         // A multi-byte character is bytes >= 128: inside a 256-token vocabulary, outside 128.
