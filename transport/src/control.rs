@@ -976,8 +976,9 @@ mod tests {
             acks
         });
         // QUIC's default would acknowledge every second packet: FRAMES / 2 = 32 and more (the
-        // handshake's). Batches of 17 make 4, plus one per `max_ack_delay` the run lasts and the
-        // handshake's few; 24 leaves room for a slow machine.
+        // handshake's). An acknowledgement once more than 16 are pending makes 3 (after the
+        // 17th, 34th and 51st), plus one per `max_ack_delay` the run lasts and the handshake's
+        // few; 24 leaves room for a slow machine.
         assert!(
             acks_sent < 24,
             "{acks_sent} acknowledgements for {FRAMES} one-way frames"
