@@ -116,6 +116,78 @@ fn a_frozen_decode_leg_is_detected_and_its_requests_start_over_elsewhere() {
     a_frozen_leg_is_detected_and_its_requests_start_over_elsewhere(1, 2, "decode-0");
 }
 
+/// Polls the router's `/ready` as fast as it answers until decode-0's `linked` is `linked`;
+/// returns how long that took, or the last state seen after `bound`.
+fn until_decode_linked_is(router: &str, linked: bool, bound: Duration) -> Result<Duration, String> {
+    let started = Instant::now();
+    loop {
+        let state = ready(router);
+        if state["peers"]["decode-0"]["linked"] == linked {
+            return Ok(started.elapsed());
+        }
+        if started.elapsed() >= bound {
+            return Err(format!(
+                "decode-0 linked = {linked} not within {bound:?}: {state}"
+            ));
+        }
+    }
+}
+
+/// decode-0 frozen for a second, let go, and frozen again the moment it is linked. Its peers
+/// dialled it during the first freeze, so their new connections start with a round-trip
+/// estimate of up to that second, and QUIC's idle timer (three probe timeouts) runs for
+/// seconds: before `transport::heartbeat`, the second freeze went unseen for longer than it
+/// lasted (found by `pdkv chaos --seed 9137`). It must be found out within the heartbeat bound
+/// (300 ms; 1.5 s allowed for a slow machine, against seconds before) like the first, and the
+/// leg serves again after.
+#[test]
+fn a_leg_frozen_again_moments_after_it_came_back_is_detected_in_time() {
+    let dir = temp_dir("frozen-twice");
+    let config = dir.join("cluster.toml");
+    std::fs::write(&config, with_failure_policy(cluster_toml(1, 1))).unwrap();
+    let launched = Launched::start(&config, &dir.join("run"));
+    let router = launched.router.clone();
+    let legs: Vec<String> = ["prefill-0", "decode-0"]
+        .iter()
+        .map(|name| format!("{name}={}", launched.admin(name)))
+        .collect();
+    let decode = Pid::from_raw(
+        launched
+            .members
+            .iter()
+            .find(|member| member.0 == "decode-0")
+            .unwrap()
+            .1 as i32,
+    );
+    let bound = Duration::from_secs(5);
+    kill(decode, Signal::SIGSTOP).unwrap();
+    let frozen = Instant::now();
+    let first = until_decode_linked_is(&router, false, bound);
+    // The fault itself: a freeze of a second, while the peers keep dialling.
+    std::thread::sleep(Duration::from_secs(1).saturating_sub(frozen.elapsed()));
+    kill(decode, Signal::SIGCONT).unwrap();
+    until_decode_linked_is(&router, true, bound).unwrap();
+    kill(decode, Signal::SIGSTOP).unwrap();
+    let second = until_decode_linked_is(&router, false, bound);
+    // Let go before anything is asserted, so a failure leaves no stopped process behind.
+    kill(decode, Signal::SIGCONT).unwrap();
+    let (first, second) = (first.unwrap(), second.unwrap());
+    assert!(
+        first < Duration::from_secs(1),
+        "first freeze found after {first:?}"
+    );
+    assert!(
+        second < Duration::from_secs(1),
+        "second freeze found after {second:?}"
+    );
+    until_decode_linked_is(&router, true, Duration::from_secs(30)).unwrap();
+    let summary = sweep_running(&config, &router, &legs, "1..=6,200");
+    assert_eq!(summary["summary"]["matched"], 7, "{summary}");
+    assert_eq!(summary["summary"]["legs_idle"], true, "{summary}");
+    assert_eq!(launched.interrupt(), 0);
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// decode-0 killed (SIGKILL) under `--restart on-failure`: the launcher starts it again, the
 /// router drops the dead incarnation within a few heartbeats and links the new one, requests
 /// succeed again and nothing leaks.

@@ -24,6 +24,7 @@ use tokio::sync::Semaphore;
 
 use crate::codec::{self, CodecError, MAX_FRAME_BYTES};
 use crate::engine::{EngineDescriptor, MemoryDescriptor};
+use crate::heartbeat;
 use crate::net::{Ticket, TicketBook};
 use crate::tls::{NodeIdentity, TlsError, verify_peer_name};
 
@@ -361,6 +362,7 @@ async fn serve_connection<S: ControlService>(
     connection: quinn::Connection,
     shared: Arc<ServerShared<S>>,
 ) -> Result<(), ControlError> {
+    let _silence = heartbeat::watch(connection.clone(), shared.limits.idle_timeout);
     let (mut send, mut recv) = tokio::time::timeout(shared.limits.handshake_timeout, connection.accept_bi())
         .await
         .map_err(|_| ControlError::Timeout("hello"))?
@@ -504,6 +506,8 @@ async fn refuse_with(
 pub struct ControlClient {
     endpoint: quinn::Endpoint,
     runtime: tokio::runtime::Handle,
+    /// The peer is taken for down once silent this long ([`heartbeat`]).
+    idle_timeout: Duration,
 }
 
 impl ControlClient {
@@ -549,6 +553,7 @@ impl ControlClient {
         Ok(ControlClient {
             endpoint,
             runtime: runtime.clone(),
+            idle_timeout: limits.idle_timeout,
         })
     }
 
@@ -571,10 +576,10 @@ impl ControlClient {
         hello: &Hello,
         timeout: Duration,
     ) -> Result<PeerConnection, ControlError> {
-        let endpoint = self.endpoint.clone();
+        let (endpoint, idle_timeout) = (self.endpoint.clone(), self.idle_timeout);
         let (peer, hello) = (peer.to_string(), hello.clone());
         let task = self.runtime.spawn(async move {
-            tokio::time::timeout(timeout, dial(endpoint, addr, &peer, &hello))
+            tokio::time::timeout(timeout, dial(endpoint, addr, &peer, &hello, idle_timeout))
                 .await
                 .map_err(|_| ControlError::Timeout("connect"))?
         });
@@ -588,6 +593,7 @@ async fn dial(
     addr: SocketAddr,
     peer: &str,
     hello: &Hello,
+    idle_timeout: Duration,
 ) -> Result<PeerConnection, ControlError> {
     let connecting = endpoint
         .connect(addr, peer)
@@ -595,6 +601,7 @@ async fn dial(
     let connection = connecting
         .await
         .map_err(|error| ControlError::Connect(error.to_string()))?;
+    let silence = heartbeat::watch(connection.clone(), idle_timeout);
     let (mut send, mut recv) = connection
         .open_bi()
         .await
@@ -628,6 +635,7 @@ async fn dial(
     check_compat(hello, &theirs)?;
     Ok(PeerConnection {
         connection,
+        silence,
         peer: theirs,
     })
 }
@@ -645,6 +653,8 @@ fn close_reason(error: &quinn::ConnectionError) -> String {
 #[derive(Debug, Clone)]
 pub struct PeerConnection {
     connection: quinn::Connection,
+    /// Set once the heartbeat check closed the connection.
+    silence: heartbeat::Verdict,
     /// The peer's hello (its engines and regions).
     pub peer: Hello,
 }
@@ -689,7 +699,11 @@ impl PeerConnection {
 
     /// Waits until the connection is closed (by either side, or lost), and says why.
     pub async fn closed(&self) -> String {
-        close_reason(&self.connection.closed().await)
+        let error = self.connection.closed().await;
+        match self.silence.reason() {
+            Some(silent) => silent.to_string(),
+            None => close_reason(&error),
+        }
     }
 
     /// Whether the connection is still open.
@@ -1060,5 +1074,157 @@ mod tests {
         }
         done_tx.send(()).unwrap();
         node.join().unwrap();
+    }
+
+    /// What [`Relay`] does with datagrams.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Pass {
+        Forward,
+        /// Queue them, in order, until the next `Forward` (a stalled peer's socket buffer).
+        Hold,
+        Drop,
+    }
+
+    /// A UDP relay on loopback between one client and `server`, told what to do with datagrams.
+    struct Relay {
+        addr: SocketAddr,
+        pass: tokio::sync::watch::Sender<Pass>,
+    }
+
+    impl Relay {
+        async fn start(server: SocketAddr) -> Relay {
+            let front = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+            let back = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+            back.connect(server).await.unwrap();
+            let (pass, mut told) = tokio::sync::watch::channel(Pass::Forward);
+            let addr = front.local_addr().unwrap();
+            tokio::spawn(async move {
+                let (mut client, mut held) = (None::<SocketAddr>, Vec::<(bool, Vec<u8>)>::new());
+                let (mut up, mut down) = ([0u8; 65_536], [0u8; 65_536]);
+                loop {
+                    // (towards the server, datagram)
+                    let datagram = tokio::select! {
+                        changed = told.changed() => {
+                            if changed.is_err() {
+                                return;
+                            }
+                            if *told.borrow() == Pass::Forward {
+                                for (upward, datagram) in held.drain(..) {
+                                    if upward {
+                                        let _ = back.send(&datagram).await;
+                                    } else if let Some(client) = client {
+                                        let _ = front.send_to(&datagram, client).await;
+                                    }
+                                }
+                            }
+                            continue;
+                        }
+                        received = front.recv_from(&mut up) => match received {
+                            Ok((length, from)) => {
+                                client = Some(from);
+                                (true, up[..length].to_vec())
+                            }
+                            Err(error) => panic!("relay: {error}"),
+                        },
+                        received = back.recv(&mut down) => match received {
+                            Ok(length) => (false, down[..length].to_vec()),
+                            Err(error) => panic!("relay: {error}"),
+                        },
+                    };
+                    let pass = *told.borrow();
+                    match (pass, datagram) {
+                        (Pass::Forward, (true, datagram)) => {
+                            let _ = back.send(&datagram).await;
+                        }
+                        (Pass::Forward, (false, datagram)) => {
+                            if let Some(client) = client {
+                                let _ = front.send_to(&datagram, client).await;
+                            }
+                        }
+                        (Pass::Hold, datagram) => held.push(datagram),
+                        (Pass::Drop, _) => {}
+                    }
+                }
+            });
+            Relay { addr, pass }
+        }
+    }
+
+    /// A dialler whose handshake waited on a stalled peer starts with a round-trip estimate as
+    /// long as the stall, which stretches QUIC's own idle timer (three probe timeouts) to
+    /// seconds. If the peer stalls again right after, the heartbeat check must still take it
+    /// for down within the idle timeout, as `pdkv chaos` found it did not (two pauses 11 ms
+    /// apart: the second went unseen for its whole 1.1 s).
+    #[test]
+    fn a_peer_that_stalls_again_after_a_stalled_handshake_is_taken_for_down_in_time() {
+        let runtime = TransportRuntime::new(1).unwrap();
+        let ca = ClusterCa::generate("stall").unwrap();
+        let limits = ControlLimits::with_heartbeat(Duration::from_millis(50), 4);
+        let setup = ServerSetup {
+            cluster: vec![NodeId("prefill-0".into()), NodeId("decode-0".into())],
+            hello: Hello {
+                role: Role::Prefill,
+                ..hello("prefill-0")
+            },
+            service: Arc::new(WhichThread),
+            tickets: None,
+            limits,
+        };
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let server = ControlServer::start(
+            &runtime.handle(),
+            loopback,
+            &ca.identity("prefill-0").unwrap(),
+            setup,
+        )
+        .unwrap();
+        let client = ControlClient::with_limits(
+            &runtime.handle(),
+            loopback,
+            &ca.identity("decode-0").unwrap(),
+            &limits,
+        )
+        .unwrap();
+        let server_addr = server.local_addr().unwrap();
+        let (rtt, closed_after, relay) = runtime.block_on(async move {
+            let relay = Relay::start(server_addr).await;
+            // The peer stalls while the dialler's first Initial waits in its socket buffer.
+            relay.pass.send(Pass::Hold).unwrap();
+            let dialled = tokio::spawn({
+                let client = client.clone();
+                async move {
+                    client
+                        .connect(
+                            relay.addr,
+                            "prefill-0",
+                            &hello("decode-0"),
+                            Duration::from_secs(10),
+                        )
+                        .await
+                }
+            });
+            tokio::time::sleep(Duration::from_millis(800)).await;
+            relay.pass.send(Pass::Forward).unwrap();
+            let connection = dialled.await.unwrap().unwrap();
+            let rtt = connection.connection.rtt();
+            // It stalls again, for good.
+            relay.pass.send(Pass::Drop).unwrap();
+            let stalled = tokio::time::Instant::now();
+            let closed = tokio::time::timeout(Duration::from_secs(5), connection.closed()).await;
+            (rtt, closed.map(|reason| (stalled.elapsed(), reason)).ok(), relay)
+        });
+        drop(relay);
+        assert!(
+            rtt >= Duration::from_millis(400),
+            "the stall set the round-trip estimate: {rtt:?}"
+        );
+        let (after, reason) = closed_after.expect("the silent peer's connection closes");
+        // Idle timeout 200 ms, looked at every 50 ms; QUIC's own timer: at least 3 × (rtt + ...).
+        assert!(
+            after < Duration::from_millis(1_000),
+            "taken for down after {after:?}: {reason}"
+        );
+        assert!(reason.contains("silent"), "{reason}");
+        server.close();
     }
 }

@@ -4,6 +4,7 @@
 //! - [`codec`]: length-prefixed frames of `pdkv_core::codec` payloads.
 //! - [`tls`]: the cluster CA, node certificates, mutual-TLS configs.
 //! - [`control`]: the QUIC control plane (its own tokio runtime), handshake, requests.
+//! - [`heartbeat`]: the check that closes a control connection whose peer went silent.
 //! - [`region`]: registered memory regions (heap, shared memory, peer mappings, GPU memory).
 //! - [`gpu`]: AMD GPU memory through HIP (behind the `hip` feature).
 //! - [`engine`]: the READ engine trait (shaped like mori's IO engine) and its error kinds.
@@ -22,6 +23,7 @@ pub mod copy;
 pub mod engine;
 pub mod fuzzing;
 pub mod gpu;
+pub mod heartbeat;
 pub mod host;
 pub mod kv_read;
 pub mod mapped;

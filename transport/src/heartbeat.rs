@@ -1,0 +1,66 @@
+//! The heartbeat check of control connections: a peer that has sent nothing for the idle
+//! timeout (`heartbeat_ms` × `heartbeat_misses`) is taken for down, and its connection closed.
+//!
+//! QUIC's own idle timer cannot be trusted with this alone. RFC 9000 §10.1 (and quinn) stretch
+//! it to at least three probe timeouts, and the probe timeout grows with the round-trip
+//! estimate. A connection whose handshake waited on a stalled peer — a dialler's Initial queued
+//! while the peer was paused, answered when it resumed — starts with a round-trip estimate as
+//! long as the stall, so its idle timer runs for seconds: a peer that resumed for a moment and
+//! stalled again was shown linked for the whole second stall (`pdkv chaos`, two pauses 11 ms
+//! apart). Every live peer sends within a heartbeat (QUIC keep-alives, or acknowledgements of
+//! ours), so counting the datagrams it sends is the check; QUIC's timer stays as the backstop.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use tokio::time::{Instant, MissedTickBehavior};
+
+/// Application error code of a connection closed because the peer went silent.
+pub const CLOSE_SILENT: u32 = 3;
+
+/// Why the check closed a connection, once it has (a local close reads only "closed" in quinn).
+#[derive(Debug, Clone, Default)]
+pub struct Verdict(Arc<OnceLock<String>>);
+
+impl Verdict {
+    /// The reason, if the check closed the connection.
+    pub fn reason(&self) -> Option<&str> {
+        self.0.get().map(String::as_str)
+    }
+}
+
+/// Watches `connection` until it closes, closing it once the peer has sent no datagram for
+/// `idle_timeout`; looks every `idle_timeout / 4` (so a silent peer is taken for down within
+/// 1.25 × `idle_timeout`). Spawns on the current tokio runtime.
+pub fn watch(connection: quinn::Connection, idle_timeout: Duration) -> Verdict {
+    let verdict = Verdict::default();
+    let found = verdict.clone();
+    tokio::spawn(async move {
+        let silent_for = |since: Instant| since.elapsed();
+        let mut ticks = tokio::time::interval((idle_timeout / 4).max(Duration::from_millis(1)));
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut received = connection.stats().udp_rx.datagrams;
+        let mut last_heard = Instant::now();
+        loop {
+            tokio::select! {
+                _ = connection.closed() => return,
+                _ = ticks.tick() => {}
+            }
+            let now_received = connection.stats().udp_rx.datagrams;
+            if now_received != received {
+                received = now_received;
+                last_heard = Instant::now();
+            } else if silent_for(last_heard) >= idle_timeout {
+                let reason = format!(
+                    "peer silent for {} ms (heartbeats missed)",
+                    silent_for(last_heard).as_millis()
+                );
+                tracing::warn!(remote = %connection.remote_address(), %reason, "closing control connection");
+                let _ = found.0.set(reason.clone());
+                connection.close(CLOSE_SILENT.into(), reason.as_bytes());
+                return;
+            }
+        }
+    });
+    verdict
+}
