@@ -146,11 +146,11 @@ impl Scheduler {
                     tokens,
                 } => {
                     let leg = self.leg.clone();
-                    let work = async move {
-                        let pool = leg.compute.clone();
-                        pool.run(tokens, move || compute_prompt(&leg, &prompt, &lists, tokens))
-                            .await
-                    };
+                    // Created here, not when first polled: jobs of one burst see each other.
+                    let work = self
+                        .leg
+                        .compute
+                        .run(tokens, move || compute_prompt(&leg, &prompt, &lists, tokens));
                     ctx.spawn(work.into_actor(self).map(move |result, actor, ctx| {
                         let now = actor.now_ms();
                         actor.node.handle_computed(request, result, now);
