@@ -1011,6 +1011,20 @@ mod tests {
         }
     }
 
+    /// prefill-0 serving [`WhichThread`] to decode-0 under `limits`.
+    fn which_thread_setup(limits: ControlLimits) -> ServerSetup<WhichThread> {
+        ServerSetup {
+            cluster: vec![NodeId("prefill-0".into()), NodeId("decode-0".into())],
+            hello: Hello {
+                role: Role::Prefill,
+                ..hello("prefill-0")
+            },
+            service: Arc::new(WhichThread),
+            tickets: None,
+            limits,
+        }
+    }
+
     /// A server started on a node's own single-thread runtime serves its peers on that thread
     /// (no hop through the transport runtime), and one started on the transport runtime on
     /// the latter's threads.
@@ -1043,16 +1057,7 @@ mod tests {
             (&node_runtime, "the-node"),
             (&transport.handle(), "pdkv-transport"),
         ] {
-            let setup = ServerSetup {
-                cluster: vec![NodeId("prefill-0".into()), NodeId("decode-0".into())],
-                hello: Hello {
-                    role: Role::Prefill,
-                    ..hello("prefill-0")
-                },
-                service: Arc::new(WhichThread),
-                tickets: None,
-                limits: ControlLimits::default(),
-            };
+            let setup = which_thread_setup(ControlLimits::default());
             let server = ControlServer::start(
                 runtime,
                 "127.0.0.1:0".parse().unwrap(),
@@ -1160,16 +1165,7 @@ mod tests {
         let runtime = TransportRuntime::new(1).unwrap();
         let ca = ClusterCa::generate("stall").unwrap();
         let limits = ControlLimits::with_heartbeat(Duration::from_millis(50), 4);
-        let setup = ServerSetup {
-            cluster: vec![NodeId("prefill-0".into()), NodeId("decode-0".into())],
-            hello: Hello {
-                role: Role::Prefill,
-                ..hello("prefill-0")
-            },
-            service: Arc::new(WhichThread),
-            tickets: None,
-            limits,
-        };
+        let setup = which_thread_setup(limits);
         let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let server = ControlServer::start(
             &runtime.handle(),
