@@ -601,7 +601,7 @@ async fn dial(
     let connection = connecting
         .await
         .map_err(|error| ControlError::Connect(error.to_string()))?;
-    let silence = heartbeat::watch(connection.clone(), idle_timeout);
+    let silence = Arc::new(heartbeat::watch(connection.clone(), idle_timeout));
     let (mut send, mut recv) = connection
         .open_bi()
         .await
@@ -653,8 +653,8 @@ fn close_reason(error: &quinn::ConnectionError) -> String {
 #[derive(Debug, Clone)]
 pub struct PeerConnection {
     connection: quinn::Connection,
-    /// Set once the heartbeat check closed the connection.
-    silence: heartbeat::Verdict,
+    /// The heartbeat check, shared by the clones (the last one dropped stops it).
+    silence: Arc<heartbeat::Watch>,
     /// The peer's hello (its engines and regions).
     pub peer: Hello,
 }
@@ -1221,6 +1221,47 @@ mod tests {
             "taken for down after {after:?}: {reason}"
         );
         assert!(reason.contains("silent"), "{reason}");
+        server.close();
+    }
+
+    /// A client that connects and never says hello is dropped after the handshake timeout,
+    /// heartbeats or not: the heartbeat check must not keep open a connection its owner let go
+    /// (quinn closes a connection when its last handle drops, and the check holds one).
+    #[test]
+    fn a_connection_dropped_by_the_server_is_closed_though_its_heartbeat_check_held_it() {
+        let runtime = TransportRuntime::new(1).unwrap();
+        let ca = ClusterCa::generate("mute").unwrap();
+        let limits = ControlLimits {
+            handshake_timeout: Duration::from_millis(200),
+            ..ControlLimits::with_heartbeat(Duration::from_millis(50), 4)
+        };
+        let loopback: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let server = ControlServer::start(
+            &runtime.handle(),
+            loopback,
+            &ca.identity("prefill-0").unwrap(),
+            which_thread_setup(limits),
+        )
+        .unwrap();
+        let mut client_config = ca.identity("decode-0").unwrap().client_config().unwrap();
+        // Keep-alives every 50 ms: only the server's close can end this connection.
+        client_config.transport_config(Arc::new(transport_config(&limits).unwrap()));
+        let client = {
+            let _guard = runtime.handle().enter();
+            let mut client = quinn::Endpoint::client(loopback).unwrap();
+            client.set_default_client_config(client_config);
+            client
+        };
+        let addr = server.local_addr().unwrap();
+        let closed = runtime.block_on(async move {
+            let connection = client.connect(addr, "prefill-0").unwrap().await.unwrap();
+            tokio::time::timeout(Duration::from_secs(3), connection.closed()).await
+        });
+        let closed = closed.expect("the server closes a connection that sent no hello");
+        assert!(
+            matches!(closed, quinn::ConnectionError::ApplicationClosed(_)),
+            "{closed:?}"
+        );
         server.close();
     }
 }

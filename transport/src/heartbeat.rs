@@ -18,24 +18,36 @@ use tokio::time::{Instant, MissedTickBehavior};
 /// Application error code of a connection closed because the peer went silent.
 pub const CLOSE_SILENT: u32 = 3;
 
-/// Why the check closed a connection, once it has (a local close reads only "closed" in quinn).
-#[derive(Debug, Clone, Default)]
-pub struct Verdict(Arc<OnceLock<String>>);
+/// The check of one connection, running until the connection closes or this is dropped (the
+/// check holds a handle to the connection, and quinn keeps a connection open while any handle
+/// lives: an owner that drops it, say after a failed hello, must not leave it open).
+#[derive(Debug)]
+pub struct Watch {
+    /// Why the check closed the connection, once it has (a local close reads only "closed").
+    reason: Arc<OnceLock<String>>,
+    task: tokio::task::AbortHandle,
+}
 
-impl Verdict {
+impl Watch {
     /// The reason, if the check closed the connection.
     pub fn reason(&self) -> Option<&str> {
-        self.0.get().map(String::as_str)
+        self.reason.get().map(String::as_str)
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
 /// Watches `connection` until it closes, closing it once the peer has sent no datagram for
 /// `idle_timeout`; looks every `idle_timeout / 4` (so a silent peer is taken for down within
 /// 1.25 × `idle_timeout`). Spawns on the current tokio runtime.
-pub fn watch(connection: quinn::Connection, idle_timeout: Duration) -> Verdict {
-    let verdict = Verdict::default();
-    let found = verdict.clone();
-    tokio::spawn(async move {
+pub fn watch(connection: quinn::Connection, idle_timeout: Duration) -> Watch {
+    let reason = Arc::new(OnceLock::new());
+    let found = reason.clone();
+    let task = tokio::spawn(async move {
         let silent_for = |since: Instant| since.elapsed();
         let mut ticks = tokio::time::interval((idle_timeout / 4).max(Duration::from_millis(1)));
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -56,11 +68,14 @@ pub fn watch(connection: quinn::Connection, idle_timeout: Duration) -> Verdict {
                     silent_for(last_heard).as_millis()
                 );
                 tracing::warn!(remote = %connection.remote_address(), %reason, "closing control connection");
-                let _ = found.0.set(reason.clone());
+                let _ = found.set(reason.clone());
                 connection.close(CLOSE_SILENT.into(), reason.as_bytes());
                 return;
             }
         }
     });
-    verdict
+    Watch {
+        reason,
+        task: task.abort_handle(),
+    }
 }
