@@ -32,6 +32,8 @@ use crate::tls::{NodeIdentity, TlsError, verify_peer_name};
 const CLOSE_PROTOCOL: u32 = 1;
 /// Application error code sent when a peer is refused at handshake.
 const CLOSE_REFUSED: u32 = 2;
+/// Application error code sent when the peer went silent ([`heartbeat`]).
+pub(crate) const CLOSE_SILENT: u32 = 3;
 
 /// A multi-thread tokio runtime for the network READ engine (and quinn, where a node keeps it
 /// off its actors' thread).

@@ -15,8 +15,7 @@ use std::time::Duration;
 
 use tokio::time::{Instant, MissedTickBehavior};
 
-/// Application error code of a connection closed because the peer went silent.
-pub const CLOSE_SILENT: u32 = 3;
+use crate::control::CLOSE_SILENT;
 
 /// The check of one connection, running until the connection closes or this is dropped (the
 /// check holds a handle to the connection, and quinn keeps a connection open while any handle
@@ -48,7 +47,6 @@ pub fn watch(connection: quinn::Connection, idle_timeout: Duration) -> Watch {
     let reason = Arc::new(OnceLock::new());
     let found = reason.clone();
     let task = tokio::spawn(async move {
-        let silent_for = |since: Instant| since.elapsed();
         let mut ticks = tokio::time::interval((idle_timeout / 4).max(Duration::from_millis(1)));
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut received = connection.stats().udp_rx.datagrams;
@@ -62,11 +60,11 @@ pub fn watch(connection: quinn::Connection, idle_timeout: Duration) -> Watch {
             if now_received != received {
                 received = now_received;
                 last_heard = Instant::now();
-            } else if silent_for(last_heard) >= idle_timeout {
-                let reason = format!(
-                    "peer silent for {} ms (heartbeats missed)",
-                    silent_for(last_heard).as_millis()
-                );
+                continue;
+            }
+            let silent = last_heard.elapsed();
+            if silent >= idle_timeout {
+                let reason = format!("peer silent for {} ms (heartbeats missed)", silent.as_millis());
                 tracing::warn!(remote = %connection.remote_address(), %reason, "closing control connection");
                 let _ = found.set(reason.clone());
                 connection.close(CLOSE_SILENT.into(), reason.as_bytes());
